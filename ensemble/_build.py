@@ -1,0 +1,5 @@
+"""Work in progress (stub)."""
+
+
+def build(*args, **kwargs):  # stub
+    raise NotImplementedError("build")

@@ -1,0 +1,5 @@
+"""Work in progress (stub)."""
+
+
+class LinenEnsemble:  # stub
+    pass

@@ -1,0 +1,259 @@
+"""Meshes, logical rules and member-axis shardings: where each member lives.
+
+Every ensemble mesh has three axes, always in this order:
+
+- ``'ensemble'``: the member axis. Member-major arrays (leading axis of size n) are split on it.
+- ``'data'``: data parallelism inside one member (used when a member spans several devices).
+- ``'model'``: tensor parallelism inside one member, reached through logical rules.
+
+Axes of size 1 cost nothing, so the same names work for every layout. Axis types are ``Auto``
+so arrays placed on the mesh work in a user's plain ``jax.jit`` without entering any context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MEMBER_AXIS = "ensemble"
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+MESH_AXES = (MEMBER_AXIS, DATA_AXIS, MODEL_AXIS)
+
+LogicalRules = tuple[tuple[str, Any], ...]
+
+#: Logical name -> mesh axis: members on the member axis, a batch data-parallel inside a member.
+DEFAULT_RULES: LogicalRules = ((MEMBER_AXIS, MEMBER_AXIS), ("batch", DATA_AXIS))
+
+
+def layout(n: int, num_devices: int, model_parallel: int = 1) -> tuple[int, int, int]:
+    """Returns the mesh shape ``(ensemble, data, model)`` for n members on ``num_devices`` devices.
+
+    - ``n % D == 0``: ``n // D`` members per device, ensemble axis of size D.
+    - ``D % n == 0``: each member spans ``D // n`` devices, split into ``data x model``.
+
+    Example:
+      >>> layout(8, 4), layout(4, 8), layout(2, 8, model_parallel=2)
+      ((4, 1, 1), (4, 2, 1), (2, 2, 2))
+    """
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"n (the number of members) must be a positive integer, got {n!r}.")
+    if num_devices <= 0:
+        raise ValueError(f"need at least one device, got {num_devices}.")
+    if model_parallel <= 0 or num_devices % model_parallel:
+        raise ValueError(
+            f"model_parallel={model_parallel} must be a positive divisor of the number of "
+            f"devices D={num_devices}."
+        )
+    if n % num_devices == 0:
+        if model_parallel != 1:
+            raise ValueError(
+                f"model_parallel={model_parallel} needs each member to span several devices, but "
+                f"n={n} members on D={num_devices} devices puts {n // num_devices} member(s) on "
+                "each device. Use fewer members or more devices."
+            )
+        return (num_devices, 1, 1)
+    if num_devices % n == 0:
+        per_member = num_devices // n
+        if per_member % model_parallel:
+            raise ValueError(
+                f"each of the n={n} members spans D/n={per_member} devices, which "
+                f"model_parallel={model_parallel} does not divide."
+            )
+        return (n, per_member // model_parallel, model_parallel)
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+    raise ValueError(
+        f"cannot place n={n} members on D={num_devices} devices: n must be a multiple of D "
+        f"(several members per device: {num_devices}, {2 * num_devices}, ...) or a divisor of D "
+        f"(each member spans D/n devices: {divisors}). Pass devices=/mesh= to use a subset of "
+        "the devices."
+    )
+
+
+def make_mesh(
+    n: int,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    model_parallel: int = 1,
+) -> Mesh:
+    """Builds the ``('ensemble', 'data', 'model')`` mesh for an n-member ensemble.
+
+    Args:
+      n: number of members.
+      devices: devices to use (default: all of ``jax.devices()``).
+      model_parallel: devices per member used for tensor parallelism (``'model'`` axis).
+
+    Example:
+      >>> mesh = make_mesh(4)
+      >>> mesh.axis_names
+      ('ensemble', 'data', 'model')
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices= is empty; pass at least one device.")
+    shape = layout(n, len(devices), model_parallel)
+    return Mesh(
+        np.asarray(devices, dtype=object).reshape(shape),
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+    )
+
+
+def check_mesh(mesh: Mesh, n: int) -> Mesh:
+    """Validates a user-given mesh for n members; returns it unchanged."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh= must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if MEMBER_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {MEMBER_AXIS!r} axis to put members on; "
+            "build one with ensemble.make_mesh(n)."
+        )
+    size = mesh.shape[MEMBER_AXIS]
+    if n % size:
+        raise ValueError(
+            f"n={n} members cannot be split over the mesh's {MEMBER_AXIS!r} axis of size {size}: "
+            "n must be a multiple of it."
+        )
+    return mesh
+
+
+def merge_rules(rules: Sequence[tuple[str, Any]] | None) -> LogicalRules:
+    """User rules first (they win), then the defaults for names the user did not map."""
+    rules = tuple((str(k), v) for k, v in (rules or ()))
+    names = {k for k, _ in rules}
+    return rules + tuple(r for r in DEFAULT_RULES if r[0] not in names)
+
+
+def member_pspec(
+    ndim: int, logical: Sequence[str | None] | None = None, rules: LogicalRules = DEFAULT_RULES
+) -> PartitionSpec:
+    """PartitionSpec for a member-major array: axis 0 on the member axis, the rest by rules.
+
+    ``logical`` are the array's logical axis names (from ``nn.with_logical_partitioning`` /
+    ``nnx.with_partitioning``) with or without the leading ``'ensemble'``; unannotated leaves
+    (``logical=None``) still get their member axis sharded.
+    """
+    if ndim == 0:
+        raise ValueError("a member-major array needs a leading member axis; got a scalar.")
+    names = list(logical) if logical is not None else []
+    if len(names) == ndim - 1:
+        names = [MEMBER_AXIS, *names]
+    elif len(names) != ndim:
+        names = [MEMBER_AXIS] + [None] * (ndim - 1)
+    names[0] = MEMBER_AXIS
+    mesh_axes = nn.logical_to_mesh_axes(tuple(names), rules)
+    return PartitionSpec(MEMBER_AXIS, *tuple(mesh_axes)[1:])
+
+
+def member_sharding(
+    mesh: Mesh,
+    ndim: int,
+    logical: Sequence[str | None] | None = None,
+    rules: LogicalRules = DEFAULT_RULES,
+) -> NamedSharding:
+    """NamedSharding of a member-major array of rank ``ndim`` on ``mesh``."""
+    return NamedSharding(mesh, member_pspec(ndim, logical, rules))
+
+
+def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_RULES) -> Any:
+    """Places every leaf with leading axis n on the member axis; other leaves are replicated.
+
+    Use it for trees built outside ``ensemble`` (per-member batches, hyperparameters, metrics
+    that came back to the host). Leaves already placed correctly are not copied.
+    """
+
+    def place(x):
+        shape = np.shape(x)
+        if len(shape) >= 1 and shape[0] == n:
+            target = member_sharding(mesh, len(shape), None, rules)
+        else:
+            target = NamedSharding(mesh, PartitionSpec())
+        return jax.device_put(x, target)
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+@contextlib.contextmanager
+def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Iterator[Mesh]:
+    """Sets the JAX mesh and the Flax logical axis rules (linen and NNX) together.
+
+    Inside it, ``nn.with_logical_constraint`` / NNX sharding annotations resolve against ``rules``
+    (merged over :data:`DEFAULT_RULES`) on ``mesh``, so no constraint is a silent no-op. A logical
+    name a constraint uses that no rule maps warns once (it would be replicated).
+
+    Example:
+      >>> mesh = make_mesh(4)
+      >>> with partitioning(mesh, [("hidden", "model")]):
+      ...     pass
+    """
+    merged = merge_rules(rules)
+    unknown = [v for _, v in merged if v is not None and not _axes_in_mesh(v, mesh)]
+    if unknown:
+        raise ValueError(
+            f"rules map logical names onto mesh axes {unknown} that mesh {mesh.axis_names} lacks."
+        )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(nn.logical_axis_rules(merged))
+        stack.enter_context(_warn_on_unmapped_constraints(merged))
+        yield mesh
+
+
+def _axes_in_mesh(value: Any, mesh: Mesh) -> bool:
+    axes = value if isinstance(value, (tuple, list)) else (value,)
+    return all(a in mesh.axis_names for a in axes)
+
+
+_WARNED: set[str] = set()
+
+
+@contextlib.contextmanager
+def _warn_on_unmapped_constraints(rules: LogicalRules) -> Iterator[None]:
+    """Wraps flax's logical-constraint entry point so an unmapped logical name is never silent."""
+    from flax.linen import spmd
+
+    original = spmd.with_logical_constraint
+    mapped = {k for k, _ in rules}
+
+    def checked(x, logical_axis_resources, *args, **kwargs):
+        for name in _names_in(logical_axis_resources):
+            if name not in mapped and name not in _WARNED:
+                _WARNED.add(name)
+                warnings.warn(
+                    f"with_logical_constraint uses logical axis {name!r}, which no rule maps to a "
+                    f"mesh axis (rules: {rules}); that dimension will be replicated. Add "
+                    f"({name!r}, <mesh axis or None>) to the rules to make the choice explicit.",
+                    stacklevel=2,
+                )
+        return original(x, logical_axis_resources, *args, **kwargs)
+
+    spmd.with_logical_constraint = checked
+    nn.with_logical_constraint = checked
+    try:
+        yield
+    finally:
+        spmd.with_logical_constraint = original
+        nn.with_logical_constraint = original
+
+
+def _names_in(spec: Any) -> Iterator[str]:
+    is_spec = lambda s: isinstance(s, (tuple, PartitionSpec))
+    leaves = jax.tree_util.tree_leaves(spec, is_leaf=is_spec)
+    for leaf in leaves:
+        items = leaf if isinstance(leaf, (tuple, list, PartitionSpec)) else (leaf,)
+        for item in items:
+            if isinstance(item, str):
+                yield item
+
+
+def devices_per_member(mesh: Mesh, n: int) -> float:
+    """How many devices one member spans (a fraction when several members share a device)."""
+    return math.prod(mesh.devices.shape) / n

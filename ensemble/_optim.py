@@ -1,0 +1,79 @@
+"""Per-member optimizers: one optax state per member, updated one member at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ensemble._mesh import MEMBER_AXIS
+
+
+def per_member(
+    tx: optax.GradientTransformation,
+    n: int,
+    **hyperparams: Sequence[float] | jax.Array,
+) -> optax.GradientTransformation:
+    """Vmaps ``tx`` over the leading member axis, so each member gets its own optimizer state.
+
+    Global transforms (``optax.clip_by_global_norm``, ``optax.contrib.*`` with norms) see one
+    member at a time: a huge gradient on member 0 does not rescale member 1's update.
+
+    ``hyperparams`` give per-member values (length n) for hyperparameters of a ``tx`` made with
+    ``optax.inject_hyperparams``, e.g. ``learning_rate=[1e-3, 3e-4, ...]``.
+
+    Example:
+      >>> import optax, jax.numpy as jnp
+      >>> tx = per_member(optax.inject_hyperparams(optax.adam)(1e-3), 2, learning_rate=[1e-3, 1e-4])
+      >>> state = tx.init({"w": jnp.zeros((2, 3))})
+      >>> optax.tree_utils.tree_get(state, "learning_rate").shape
+      (2,)
+    """
+    values = {k: jnp.asarray(v, dtype=jnp.float32) for k, v in hyperparams.items()}
+    for name, v in values.items():
+        if v.shape != (n,):
+            raise ValueError(
+                f"per-member hyperparameter {name!r} must have one value per member "
+                f"(shape ({n},)), got shape {v.shape}."
+            )
+
+    def init_fn(params: Any) -> Any:
+        _check_member_axis(params, n)
+        state = jax.vmap(tx.init, spmd_axis_name=MEMBER_AXIS)(params)
+        if values:
+            found = {k for k, _ in optax.tree_utils.tree_get_all_with_path(state, "hyperparams")}
+            if not found:
+                raise ValueError(
+                    f"per-member hyperparameters {sorted(values)} need a transform made with "
+                    "optax.inject_hyperparams(...), whose state holds them; tx has none."
+                )
+            try:
+                state = optax.tree_utils.tree_set(state, **values)
+            except KeyError as e:
+                raise ValueError(
+                    f"tx's injected hyperparameters do not include {e}; "
+                    f"per-member values were given for {sorted(values)}."
+                ) from None
+        return state
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            return jax.vmap(lambda u, s: tx.update(u, s), spmd_axis_name=MEMBER_AXIS)(
+                updates, state
+            )
+        return jax.vmap(tx.update, spmd_axis_name=MEMBER_AXIS)(updates, state, params)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_member_axis(tree: Any, n: int) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"leaf {jax.tree_util.keystr(path)} has shape {shape}; every leaf a per-member "
+                f"optimizer sees needs a leading member axis of size n={n}."
+            )

@@ -1,0 +1,10 @@
+"""Sequential CPU work (environments, audio RNNs) on all CPU cores from inside jitted steps.
+
+Also home of the functional environments (``rollout.envs``) and the ensemble PPO learner
+(``rollout.ppo``).
+"""
+
+from rollout._devices import configure_cpu_devices
+from rollout._on_cpu import on_cpu
+
+__all__ = ["configure_cpu_devices", "on_cpu"]

@@ -1,0 +1,66 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ensemble
+
+
+@pytest.mark.parametrize(
+    ("n", "d", "mp", "shape"),
+    [(8, 8, 1, (8, 1, 1)), (16, 8, 1, (8, 1, 1)), (4, 8, 1, (4, 2, 1)), (2, 8, 2, (2, 2, 2))],
+)
+def test_layout(n, d, mp, shape):
+    assert ensemble.layout(n, d, mp) == shape
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, True])
+def test_layout_rejects_bad_n(n):
+    with pytest.raises(ValueError, match="positive integer"):
+        ensemble.layout(n, 8)
+
+
+def test_layout_impossible_names_choices():
+    with pytest.raises(ValueError, match=r"n=3 .* D=8 .*\[1, 2, 4, 8\]"):
+        ensemble.layout(3, 8)
+
+
+def test_make_mesh_uses_given_devices():
+    mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
+    assert mesh.shape == {"ensemble": 2, "data": 1, "model": 1}
+    assert set(mesh.devices.flat) == set(jax.devices()[:2])
+
+
+def test_shard_members_places_each_member_on_its_device():
+    mesh = ensemble.make_mesh(8)
+    x = ensemble.shard_members(np.arange(8 * 3.0).reshape(8, 3), mesh, 8)
+    for shard in x.addressable_shards:
+        i = shard.index[0].start
+        assert shard.data.shape == (1, 3)
+        assert shard.device == mesh.devices.flat[i]
+        np.testing.assert_array_equal(shard.data[0], np.arange(3.0) + 3 * i)
+
+
+def test_member_sharding_maps_logical_rules():
+    mesh = ensemble.make_mesh(2, model_parallel=2)
+    s = ensemble.member_sharding(mesh, 3, ("in", "hidden"), (("hidden", "model"),))
+    assert s.spec == P("ensemble", None, "model")
+
+
+def test_partitioning_rejects_rules_onto_missing_axes():
+    mesh = ensemble.make_mesh(8)
+    with pytest.raises(ValueError, match="lacks"):
+        with ensemble.partitioning(mesh, [("hidden", "tensor")]):
+            pass
+
+
+def test_partitioning_warns_on_unmapped_constraint():
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    mesh = ensemble.make_mesh(8)
+    with ensemble.partitioning(mesh):
+        with pytest.warns(UserWarning, match="'mystery_axis'"):
+            jax.jit(lambda x: nn.with_logical_constraint(x, ("batch", "mystery_axis")))(
+                jnp.ones((8, 4))
+            )
