@@ -1,5 +1,90 @@
-"""Work in progress (stub)."""
+"""``ensemble.build``: one entry point for linen modules and NNX module factories."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from ensemble._linen import InAxes, LinenEnsemble
 
 
-def build(*args, **kwargs):  # stub
-    raise NotImplementedError("build")
+def build(
+    model: nn.Module | Callable[..., nnx.Module],
+    n: int,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    model_parallel: int = 1,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    in_axes: InAxes = None,
+    **kwargs: Any,
+) -> Any:
+    """Makes an n-member ensemble of ``model``, each member on its own device(s).
+
+    Args:
+      model: a linen ``nn.Module`` instance (-> :class:`ensemble.LinenEnsemble`), or an NNX
+        factory ``rngs -> nnx.Module`` / an ``nnx.Module`` subclass (-> ``ensemble.NNXEnsemble``).
+      n: number of members: a multiple of the device count (several members per device) or a
+        divisor of it (each member spans ``D / n`` devices).
+      mesh: a mesh from :func:`ensemble.make_mesh`; default: one over ``devices``.
+      devices: devices to use for the default mesh (default: all of ``jax.devices()``).
+      model_parallel: devices per member for tensor parallelism (rules onto ``'model'``).
+      rules: logical axis rules, merged over :data:`ensemble.DEFAULT_RULES`.
+      in_axes: ``None`` for inputs shared by all members, ``0`` for per-member inputs.
+      **kwargs: linen: ``shared_rngs=``, ``data_parallel=`` (see :class:`LinenEnsemble`);
+        NNX: passed to the NNX builder (e.g. the module class's constructor arguments).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> ens = build(nn.Dense(3), n=16)  # two members per device on 8 devices
+      >>> ens.apply(ens.init(jax.random.key(0), jnp.ones((2, 4))), jnp.ones((2, 4))).shape
+      (16, 2, 3)
+    """
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(
+            f"build got the linen Module class {model.__name__}; instantiate it: "
+            f"ensemble.build({model.__name__}(...), n)."
+        )
+    if isinstance(model, nn.Module):
+        return LinenEnsemble(
+            model,
+            n,
+            mesh=mesh,
+            devices=devices,
+            model_parallel=model_parallel,
+            rules=rules,
+            in_axes=in_axes,
+            **kwargs,
+        )
+    if isinstance(model, nnx.Module):
+        raise TypeError(
+            f"build got an nnx.Module instance ({type(model).__name__}); members need fresh "
+            "variables, so pass a factory: ensemble.build(lambda rngs: MyModel(..., rngs=rngs), n)."
+        )
+    if isinstance(model, type) and not issubclass(model, nnx.Module):
+        raise TypeError(
+            f"build got the class {model.__name__}, which is neither a linen nn.Module nor an "
+            "nnx.Module; pass a linen module instance or an NNX factory rngs -> nnx.Module."
+        )
+    if callable(model):
+        from ensemble._nnx import build_nnx
+
+        return build_nnx(
+            model,
+            n,
+            mesh=mesh,
+            devices=devices,
+            model_parallel=model_parallel,
+            rules=rules,
+            in_axes=in_axes,
+            **kwargs,
+        )
+    raise TypeError(
+        f"build needs a linen nn.Module instance or an NNX factory rngs -> nnx.Module, got "
+        f"{type(model).__name__}."
+    )
