@@ -295,40 +295,12 @@ class LinenEnsemble:
 
         return jax.jit(apply_fn)
 
-    def _constrain_member_major(self, x: jax.Array) -> jax.Array:
-        # Keep the member axis on the mesh's member axis; leave the rest to the compiler.
-        if not hasattr(x, "ndim") or x.ndim == 0:
-            return x
-        spec = PartitionSpec(MEMBER_AXIS, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self._mesh, spec))
+    def _constrain_member_major(self, x: Any) -> Any:
+        return constrain_member_major(x, self._mesh)
 
     def _constrain_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        data = self._mesh.shape.get(DATA_AXIS, 1)
         axes = self._arg_axes(len(args))
-        out = []
-        for arg, ax in zip(args, axes):
-
-            def place(x, ax=ax):
-                if (
-                    not hasattr(x, "ndim")
-                    or x.ndim == 0
-                    or jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-                ):
-                    return x
-                lead = [MEMBER_AXIS] if ax == 0 else []
-                rest = x.ndim - len(lead)
-                batch_dim = x.shape[len(lead)] if rest else 0
-                if self._data_parallel and data > 1 and rest and batch_dim % data == 0:
-                    lead.append(DATA_AXIS)
-                if not lead:
-                    return x
-                spec = [*lead] + [PartitionSpec.UNCONSTRAINED] * (x.ndim - len(lead))
-                return jax.lax.with_sharding_constraint(
-                    x, NamedSharding(self._mesh, PartitionSpec(*spec))
-                )
-
-            out.append(jax.tree_util.tree_map(place, arg))
-        return tuple(out)
+        return constrain_inputs(args, axes, self._mesh, self._data_parallel)
 
     # ------------------------------------------------------------------ members
 
@@ -393,6 +365,43 @@ class LinenEnsemble:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def constrain_inputs(
+    args: tuple[Any, ...], axes: Sequence[int | None], mesh: Mesh, data_parallel: bool = True
+) -> tuple[Any, ...]:
+    """Sharding hints for inputs inside a jitted ensemble program.
+
+    Per-member inputs (axis 0) keep their member axis on the mesh's member axis. When a member spans
+    several devices on ``'data'``, the next (batch) axis is split over it if it divides evenly.
+    Every other axis is left to the compiler, so this never changes results.
+    """
+    data = mesh.shape.get(DATA_AXIS, 1)
+    out = []
+    for arg, ax in zip(args, axes):
+
+        def place(x, ax=ax):
+            if not hasattr(x, "ndim") or x.ndim == 0 or _is_key(x):
+                return x
+            lead = [MEMBER_AXIS] if ax == 0 else []
+            rest = x.ndim - len(lead)
+            if data_parallel and data > 1 and rest and x.shape[len(lead)] % data == 0:
+                lead.append(DATA_AXIS)
+            if not lead:
+                return x
+            spec = [*lead] + [PartitionSpec.UNCONSTRAINED] * (x.ndim - len(lead))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+        out.append(jax.tree_util.tree_map(place, arg))
+    return tuple(out)
+
+
+def constrain_member_major(x: Any, mesh: Mesh) -> Any:
+    """Keeps a member-major array's axis 0 on the member axis; the rest is left to the compiler."""
+    if not hasattr(x, "ndim") or x.ndim == 0:
+        return x
+    spec = PartitionSpec(MEMBER_AXIS, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _check_in_axes(in_axes: Any) -> None:

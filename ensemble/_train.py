@@ -1,5 +1,300 @@
-"""Work in progress (stub)."""
+"""A donated, jitted train step for an ensemble: per-member loss, per-member optax state.
+
+``loss_fn(member_params, *batch)`` is the plain loss of ONE member (it may call the plain model's
+``model.apply({'params': p}, x)``); the step vmaps it over the member axis with
+``spmd_axis_name='ensemble'``, applies ``tx`` to each member separately (so
+``optax.clip_by_global_norm`` sees one member's gradient at a time), and keeps parameters and
+optimizer state exactly where they were (outputs have the inputs' shardings, inputs are donated).
+
+BatchNorm (and any state a loss updates): pass the member-major ``batch_stats`` as a per-member
+batch argument and return the new ones as aux::
+
+    def loss_fn(params, batch_stats, x, y):
+        logits, upd = model.apply({'params': params, 'batch_stats': batch_stats}, x,
+                                  train=True, mutable=['batch_stats'])
+        return optax.softmax_cross_entropy(logits, y).mean(), upd['batch_stats']
+
+    step = train_step(loss_fn, optax.adam(1e-3), n=ens.n, mesh=ens.mesh, has_aux=True,
+                      per_member_batch=(True, False, False))
+    params, opt_state, losses, batch_stats = step(params, opt_state, batch_stats, x, y)
+
+Dropout: pass ``jax.random.split(key, n)`` as a per-member batch argument and use it as the
+member's ``rngs={'dropout': k}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from ensemble._linen import constrain_inputs, constrain_member_major
+from ensemble._mesh import (
+    MEMBER_AXIS,
+    LogicalRules,
+    check_mesh,
+    member_sharding,
+    merge_rules,
+    partitioning,
+)
+from ensemble._optim import per_member
 
 
-def train_step(*args, **kwargs):  # stub
-    raise NotImplementedError("train_step")
+class TrainStep:
+    """A jitted ensemble train step; see :func:`train_step`.
+
+    ``step(params, opt_state, *batch) -> (params, opt_state, losses[n])`` (``+ (aux,)`` with
+    ``has_aux``); ``step.init(params)`` makes the per-member optimizer state on the member axis;
+    ``step.tx`` is the per-member optax transformation; ``step.lower(...)`` gives the lowered
+    program (``.compile().memory_analysis()`` shows per-device bytes and donated aliases).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        tx: optax.GradientTransformation,
+        *,
+        n: int,
+        mesh: Mesh,
+        rules: Sequence[tuple[str, Any]] | None,
+        per_member_batch: bool | Sequence[bool],
+        has_aux: bool,
+        donate: bool,
+        hyperparams: Mapping[str, Sequence[float] | jax.Array] | None,
+        data_parallel: bool,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                "tx must be an optax.GradientTransformation for ONE member (e.g. "
+                f"optax.adam(1e-3)); got {type(tx).__name__}. train_step makes it per-member."
+            )
+        check_mesh(mesh, n)
+        self._loss_fn = loss_fn
+        self._n = int(n)
+        self._mesh = mesh
+        self._rules: LogicalRules = merge_rules(rules)
+        self._member_tx = tx
+        self._tx = per_member(tx, self._n, **dict(hyperparams or {}))
+        self._per_member_batch = per_member_batch
+        self._has_aux = bool(has_aux)
+        self._donate = bool(donate)
+        self._data_parallel = bool(data_parallel)
+        self._cache: dict[Hashable, Callable[..., Any]] = {}
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The per-member transformation (``ensemble.per_member(tx, n, **hyperparams)``)."""
+        return self._tx
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def init(self, params: Any) -> Any:
+        """Per-member optimizer state, initialised straight onto the member axis.
+
+        Parameter-shaped parts of the state (Adam moments, ...) get the parameters' shardings;
+        everything else (step counts, injected hyperparameters) is ``[n]`` on the member axis.
+        """
+        self._check_member_major(params, "params")
+        shardings = self._opt_shardings(params)
+        with partitioning(self._mesh, self._rules):
+            return jax.jit(self._tx.init, out_shardings=shardings)(params)
+
+    def _opt_shardings(self, params: Any) -> Any:
+        abstract = jax.eval_shape(self._tx.init, params)
+        default = lambda x: member_sharding(self._mesh, len(x.shape), None, self._rules)
+        shapes = jax.tree_util.tree_map(np.shape, params)
+        param_shardings = jax.tree_util.tree_map(lambda p: self._sharding_of(p, p), params)
+        try:
+            # Moments shaped like a parameter get that parameter's sharding (e.g. split on
+            # 'model' too); everything else only the member axis.
+            return optax.tree_utils.tree_map_params(
+                self._member_tx,
+                lambda leaf, sharding, shape: sharding if leaf.shape == shape else default(leaf),
+                abstract,
+                param_shardings,
+                shapes,
+                transform_non_params=default,
+                is_leaf=lambda x: isinstance(x, NamedSharding | tuple),
+            )
+        except Exception:  # an exotic state layout: fall back to the member axis only
+            return jax.tree_util.tree_map(default, abstract)
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
+        jitted = self._program(params, opt_state, batch)
+        with partitioning(self._mesh, self._rules):
+            return jitted(params, opt_state, *batch)
+
+    def lower(self, params: Any, opt_state: Any, *batch: Any) -> jax.stages.Lowered:
+        """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``."""
+        jitted = self._program(params, opt_state, batch)
+        with partitioning(self._mesh, self._rules):
+            return jitted.lower(params, opt_state, *batch)
+
+    def _batch_axes(self, count: int) -> tuple[int | None, ...]:
+        pmb = self._per_member_batch
+        if isinstance(pmb, bool):
+            return (0 if pmb else None,) * count
+        pmb = tuple(pmb)
+        if len(pmb) != count:
+            raise ValueError(
+                f"per_member_batch={pmb} gives one flag per batch argument, but {count} batch "
+                "argument(s) were passed."
+            )
+        return tuple(0 if b else None for b in pmb)
+
+    def _program(self, params: Any, opt_state: Any, batch: tuple[Any, ...]) -> Callable[..., Any]:
+        self._check_member_major(params, "params")
+        self._check_member_major(opt_state, "opt_state")
+        axes = self._batch_axes(len(batch))
+        for pos, (arg, ax) in enumerate(zip(batch, axes)):
+            if ax == 0:
+                self._check_member_major(arg, f"batch argument {pos} (per-member)")
+        p_sh = jax.tree_util.tree_map(lambda x: self._sharding_of(x, x), params)
+        s_sh = jax.tree_util.tree_map(lambda x: self._sharding_of(x, x), opt_state)
+        key = (
+            jax.tree_util.tree_structure((params, opt_state)),
+            tuple(jax.tree_util.tree_leaves((p_sh, s_sh))),
+            axes,
+        )
+        jitted = self._cache.get(key)
+        if jitted is not None:
+            return jitted
+
+        loss_fn, tx, mesh, has_aux = self._loss_fn, self._tx, self._mesh, self._has_aux
+        data_parallel = self._data_parallel
+
+        def step(params, opt_state, *batch):
+            batch = constrain_inputs(batch, axes, mesh, data_parallel)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+            out, grads = jax.vmap(grad_fn, in_axes=(0, *axes), spmd_axis_name=MEMBER_AXIS)(
+                params, *batch
+            )
+            losses, aux = out if has_aux else (out, None)
+            if np.shape(losses) != (self._n,):
+                raise ValueError(
+                    "loss_fn must return a scalar loss per member; got shape "
+                    f"{np.shape(losses)[1:]}"
+                    + (" (with has_aux=True it returns (loss, aux))." if has_aux else ".")
+                )
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            losses = constrain_member_major(losses, mesh)
+            if has_aux:
+                aux = jax.tree_util.tree_map(lambda a: constrain_member_major(a, mesh), aux)
+                return params, opt_state, losses, aux
+            return params, opt_state, losses
+
+        loss_sharding = member_sharding(mesh, 1, None, self._rules)
+        out_shardings: tuple[Any, ...] = (p_sh, s_sh, loss_sharding)
+        if has_aux:
+            out_shardings = (*out_shardings, None)
+        jitted = jax.jit(
+            step,
+            out_shardings=out_shardings,
+            donate_argnums=(0, 1) if self._donate else (),
+        )
+        self._cache[key] = jitted
+        return jitted
+
+    def _sharding_of(self, x: Any, abstract: Any) -> NamedSharding:
+        # Keep a member-major array where it is; place anything else (host arrays) on the member
+        # axis.
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.shape == self._mesh.shape:
+            return sharding
+        return member_sharding(self._mesh, len(np.shape(abstract)), None, self._rules)
+
+    def _check_member_major(self, tree: Any, what: str) -> None:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            shape = np.shape(leaf)
+            if not shape or shape[0] != self._n:
+                raise ValueError(
+                    f"{what} leaf {jax.tree_util.keystr(path)} has shape {shape}; it needs a "
+                    f"leading member axis of size n={self._n}."
+                    + (
+                        " Use per_member_batch=False (or False for this argument) for a batch "
+                        "shared by all members."
+                        if what.startswith("batch")
+                        else " Pass the ensemble's variables['params'] and step.init(params)."
+                    )
+                )
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    *,
+    n: int,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    per_member_batch: bool | Sequence[bool] = False,
+    has_aux: bool = False,
+    donate: bool = True,
+    hyperparams: Mapping[str, Sequence[float] | jax.Array] | None = None,
+    data_parallel: bool = True,
+) -> TrainStep:
+    """A donated, jitted train step for an n-member ensemble.
+
+    Args:
+      loss_fn: ``loss_fn(member_params, *batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
+        the plain loss of ONE member.
+      tx: the optax transformation of ONE member (e.g. ``optax.chain(clip_by_global_norm(1),
+        adam(1e-3))``); it is wrapped with :func:`ensemble.per_member`, so every member has its
+        own state and global transforms see one member at a time. Do not pre-wrap it.
+      n: number of members.
+      mesh: the ensemble's mesh (``ens.mesh``).
+      rules: logical axis rules for constraints inside the loss (``ens.rules``).
+      per_member_batch: ``False``: every batch argument is shared by all members; ``True``: every
+        batch argument has a leading member axis n (bootstrapped batches, per-member keys); or one
+        flag per batch argument.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back member-major.
+      donate: donate params and optimizer state (their buffers are reused for the outputs).
+      hyperparams: per-member values (length n) for hyperparameters of a ``tx`` made with
+        ``optax.inject_hyperparams``, e.g. ``{'learning_rate': [1e-3, 3e-4, ...]}``.
+      data_parallel: split a batch over the ``'data'`` axis when a member spans several devices.
+
+    Returns:
+      A :class:`TrainStep`: ``step(params, opt_state, *batch) -> (params, opt_state, losses)``
+      (``+ (aux,)``), losses of shape ``[n]``; ``step.init(params)`` makes ``opt_state``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble
+      >>> model = nn.Dense(1)
+      >>> ens = ensemble.build(model, n=8)
+      >>> params = ens.init(jax.random.key(0), jnp.ones((4, 3)))["params"]
+      >>> def loss_fn(p, x, y):
+      ...     return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+      >>> step = train_step(loss_fn, optax.sgd(0.1), n=ens.n, mesh=ens.mesh)
+      >>> opt_state = step.init(params)
+      >>> params, opt_state, losses = step(params, opt_state, jnp.ones((4, 3)), jnp.zeros((4, 1)))
+      >>> losses.shape
+      (8,)
+    """
+    return TrainStep(
+        loss_fn,
+        tx,
+        n=n,
+        mesh=mesh,
+        rules=rules,
+        per_member_batch=per_member_batch,
+        has_aux=has_aux,
+        donate=donate,
+        hyperparams=hyperparams,
+        data_parallel=data_parallel,
+    )
