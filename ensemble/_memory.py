@@ -1,13 +1,279 @@
-"""Work in progress (stub)."""
+"""Per-device memory you can print and compare, on CPU and GPU alike.
+
+Two sources, both per device:
+
+- :func:`live_memory`: what arrays *hold now*, summed from their ``addressable_shards``.
+- :func:`compiled_memory`: what a jitted function *needs* on each device, from XLA's buffer
+  assignment (``jax.jit(f).lower(*args).compile().memory_analysis()``): argument, output, temp
+  and alias (donated) bytes, with ``peak = argument + output + temp - alias``. It needs no run,
+  so it also works on ``jax.ShapeDtypeStruct`` arguments for models that would not fit.
+
+``Device.memory_stats()`` (``bytes_in_use``, ``peak_bytes_in_use``) is added when the backend
+gives it (GPU, TPU); it is ``None`` on CPU.
+
+Example:
+  >>> import jax, jax.numpy as jnp, ensemble
+  >>> mesh = ensemble.make_mesh(jax.device_count())
+  >>> x = ensemble.shard_members(jnp.zeros((jax.device_count(), 1000)), mesh, jax.device_count())
+  >>> set(ensemble.live_memory(x).values())
+  {4000}
+  >>> stats = ensemble.compiled_memory(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+  >>> stats.argument, stats.alias
+  (4000, 4000)
+  >>> _ = ensemble.print_memory(stats)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+import jax
+
+MB = 1e6  # tables use decimal megabytes: 1 MB = 10**6 bytes
+
+_GPU_STAT_KEYS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
 
 
-def compiled_memory(*args, **kwargs):  # stub
-    raise NotImplementedError("compiled_memory")
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device memory of one compiled (SPMD) program, in bytes.
+
+    Under SPMD every device runs the same program on its own shard, so one set of numbers holds
+    for each device in ``devices``.
+
+    Attributes:
+      argument: inputs the program reads (its shards of them).
+      output: outputs it writes.
+      temp: scratch buffers (activations, gradients, fusion temporaries).
+      alias: output bytes that reuse donated input buffers.
+      generated_code: compiled code size.
+      xla_peak: XLA's own liveness-based peak estimate when the backend reports it, else 0.
+      devices: devices the program runs on.
+      device_stats: ``Device.memory_stats()`` subset (GPU/TPU) per device; empty on CPU.
+    """
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    generated_code: int = 0
+    xla_peak: int = 0
+    devices: tuple[jax.Device, ...] = ()
+    device_stats: Mapping[jax.Device, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        """Peak estimate per device: argument + output + temp - alias (donated inputs reused)."""
+        return self.argument + self.output + self.temp - self.alias
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (devices as strings)."""
+        return {
+            "argument": self.argument,
+            "output": self.output,
+            "temp": self.temp,
+            "alias": self.alias,
+            "peak": self.peak,
+            "generated_code": self.generated_code,
+            "xla_peak": self.xla_peak,
+            "devices": [str(d) for d in self.devices],
+            "device_stats": {str(d): dict(s) for d, s in self.device_stats.items()},
+        }
 
 
-def live_memory(*args, **kwargs):  # stub
-    raise NotImplementedError("live_memory")
+def _as_tree(tree: Any) -> Any:
+    try:
+        from flax import nnx
+
+        if isinstance(tree, nnx.Module):
+            return nnx.state(tree)
+    except ImportError:  # pragma: no cover - flax is a dependency
+        pass
+    return tree
 
 
-def print_memory(*args, **kwargs):  # stub
-    raise NotImplementedError("print_memory")
+def live_memory(tree: Any = None) -> dict[jax.Device, int]:
+    """Bytes each device holds for the arrays in ``tree`` (all live arrays when ``None``).
+
+    Summed over ``addressable_shards`` (what really sits on each device, replicas included), so
+    a replicated array counts once per device and a sharded one only by its shards. An array
+    that appears twice in ``tree`` counts once; deleted (donated) arrays count zero. Every local
+    device of the default backend appears, with 0 if it holds nothing.
+
+    Args:
+      tree: any pytree of ``jax.Array`` (linen variables, optax state, ``nnx.State``), or an
+        ``nnx.Module``; ``None`` for every array in ``jax.live_arrays()``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jax.device_put(jnp.zeros((8, 1000)), jax.devices()[0])
+      >>> live_memory({"x": x})[jax.devices()[0]]
+      32000
+    """
+    if tree is None:
+        arrays = list(jax.live_arrays())
+    else:
+        leaves = jax.tree_util.tree_leaves(_as_tree(tree))
+        arrays = [x for x in leaves if isinstance(x, jax.Array)]
+    out: dict[jax.Device, int] = {d: 0 for d in jax.local_devices()}
+    seen: set[int] = set()
+    for a in arrays:
+        if id(a) in seen or isinstance(a, jax.core.Tracer) or a.is_deleted():
+            continue
+        seen.add(id(a))
+        for shard in a.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + _nbytes(shard.data)
+    return out
+
+
+def _nbytes(x: jax.Array) -> int:
+    # Typed PRNG keys report nbytes of their underlying key data, which is what they occupy.
+    return int(x.nbytes)
+
+
+def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CompiledMemory:
+    """Per-device argument / output / temp / alias / peak bytes of ``fn(*args, **kwargs)``.
+
+    ``fn`` may be jitted (``jax.jit``, ``nnx.jit``, an ensemble train step: anything with
+    ``.lower``), with its donation and shardings, or a plain function (then ``jax.jit(fn)``, no
+    donation). Only lowering and compiling happen: nothing runs and donated arguments stay
+    valid, and ``args`` may be ``jax.ShapeDtypeStruct`` (with ``sharding=``) instead of arrays.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> step = jax.jit(lambda w: w - 0.1, donate_argnums=0)
+      >>> s = compiled_memory(step, jnp.zeros(1000))
+      >>> (s.argument, s.output, s.alias, s.peak)
+      (4000, 4000, 4000, 4000)
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    try:
+        compiled = jitted.lower(*args, **kwargs).compile()
+    except Exception as e:  # re-raised with what to do; the original stays chained
+        raise type(e)(
+            f"compiled_memory could not lower/compile {getattr(fn, '__name__', fn)!r} for the "
+            f"given arguments: {e}. Pass the same arguments you would call it with (arrays or "
+            "jax.ShapeDtypeStruct)."
+        ) from e
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(
+            "this backend gives no compiled memory analysis (memory_analysis() is None); use "
+            "live_memory() on the arrays instead."
+        )
+    devices = _compiled_devices(compiled)
+    return CompiledMemory(
+        argument=int(stats.argument_size_in_bytes),
+        output=int(stats.output_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+        alias=int(stats.alias_size_in_bytes),
+        generated_code=int(stats.generated_code_size_in_bytes),
+        xla_peak=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+        devices=devices,
+        device_stats=_device_stats(devices),
+    )
+
+
+def _compiled_devices(compiled: Any) -> tuple[jax.Device, ...]:
+    shardings = jax.tree_util.tree_leaves((compiled.input_shardings, compiled.output_shardings))
+    found: set[jax.Device] = set()
+    for s in shardings:
+        found.update(getattr(s, "device_set", ()))
+    if not found:  # a function of no arrays still runs on the default device
+        found = {jax.devices()[0]}
+    return tuple(sorted(found, key=lambda d: (d.platform, d.id)))
+
+
+def _device_stats(devices: tuple[jax.Device, ...]) -> dict[jax.Device, dict[str, int]]:
+    out = {}
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats:
+            out[d] = {k: int(stats[k]) for k in _GPU_STAT_KEYS if k in stats}
+    return out
+
+
+def _format_live(mem: Mapping[jax.Device, int], title: str) -> str:
+    rows = [(str(d), f"{b / MB:10.3f}") for d, b in mem.items()]
+    total = sum(mem.values())
+    rows.append(("total", f"{total / MB:10.3f}"))
+    return _table(title, ("device", "live MB"), rows)
+
+
+def _format_compiled(stats: CompiledMemory, title: str) -> str:
+    cols = ["device", "argument", "output", "temp", "alias", "peak", "code"]
+    gpu_keys = sorted({k for s in stats.device_stats.values() for k in s})
+    cols += [f"{k} (now)" for k in gpu_keys]
+    rows = []
+    for d in stats.devices:
+        values = [stats.argument, stats.output, stats.temp, stats.alias, stats.peak]
+        values.append(stats.generated_code)
+        values += [stats.device_stats.get(d, {}).get(k, 0) for k in gpu_keys]
+        rows.append((str(d), *(f"{v / MB:10.3f}" for v in values)))
+    return _table(title + " (MB per device; peak = argument + output + temp - alias)", cols, rows)
+
+
+def _table(title: str, header: tuple[str, ...] | list[str], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in [tuple(header), *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))
+    sep = "-" * len(line(tuple(header)))
+    return "\n".join([title, line(tuple(header)), sep, *(line(r) for r in rows)])
+
+
+def print_memory(
+    what: Any = None,
+    *args: Any,
+    title: str | None = None,
+    file: TextIO | None = None,
+    **kwargs: Any,
+) -> str:
+    """Prints a per-device memory table (MB) and returns it as a string.
+
+    ``what`` may be:
+
+    - a :class:`CompiledMemory` (from :func:`compiled_memory`): argument / output / temp /
+      alias / peak / code per device, plus GPU ``memory_stats`` columns when present;
+    - a jitted function followed by its arguments: ``print_memory(step, params, opt, batch)``
+      compiles it (without running) and prints the same table;
+    - a dict ``{device: bytes}`` (from :func:`live_memory`);
+    - any pytree of arrays or an ``nnx.Module``: its live bytes per device;
+    - ``None``: live bytes of every array JAX holds.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> table = print_memory({"w": jnp.zeros((8, 1000))}, title="w", file=None)  # doctest: +SKIP
+    """
+    if isinstance(what, CompiledMemory):
+        text = _format_compiled(what, title or "compiled memory")
+    elif _is_function(what) and (args or kwargs or hasattr(what, "lower")):
+        name = getattr(what, "__name__", type(what).__name__)
+        text = _format_compiled(compiled_memory(what, *args, **kwargs), title or name)
+    else:
+        if args or kwargs:
+            raise TypeError(
+                "extra arguments are only for a function to compile: print_memory(fn, *args)."
+            )
+        if isinstance(what, Mapping) and what and all(isinstance(k, jax.Device) for k in what):
+            mem = dict(what)
+        else:
+            mem = live_memory(what)
+        text = _format_live(mem, title or ("all live arrays" if what is None else "live arrays"))
+    print(text, file=file if file is not None else sys.stdout)
+    return text
+
+
+def _is_function(x: Any) -> bool:
+    if not callable(x):
+        return False
+    try:
+        from flax import nnx
+
+        return not isinstance(x, nnx.Module)  # a Module is state to measure, not a step
+    except ImportError:  # pragma: no cover
+        return True

@@ -1,0 +1,119 @@
+"""Per-device memory: live bytes from shards, compiled bytes from XLA, and the printed table."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ensemble
+from ensemble._memory import CompiledMemory
+
+
+def test_live_memory_sharded_vs_replicated():
+    mesh = ensemble.make_mesh(8)
+    sharded = ensemble.shard_members(jnp.ones((8, 1000)), mesh, 8)
+    assert ensemble.live_memory(sharded) == {d: 4000 for d in jax.devices()}
+    replicated = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, P()))
+    assert ensemble.live_memory({"a": replicated}) == {d: 32000 for d in jax.devices()}
+    # The same array twice is counted once; non-array leaves are ignored.
+    mem = ensemble.live_memory({"a": sharded, "b": sharded, "c": 3, "d": None})
+    assert set(mem.values()) == {4000}
+
+
+def test_live_memory_members_spanning_devices_and_unused_devices():
+    mesh = ensemble.make_mesh(4, devices=jax.devices()[:4])  # 4 members on devices 0..3
+    x = ensemble.shard_members(jnp.ones((4, 250), jnp.float32), mesh, 4)
+    mem = ensemble.live_memory(x)
+    assert [mem[d] for d in jax.devices()] == [1000] * 4 + [0] * 4
+    two_each = ensemble.shard_members(jnp.ones((4, 250)), ensemble.make_mesh(4), 4)
+    assert set(ensemble.live_memory(two_each).values()) == {1000}  # member replicated on 2
+
+
+def test_live_memory_all_live_arrays_and_deleted():
+    x = jax.device_put(jnp.ones((1000,)), jax.devices()[3])
+    before = ensemble.live_memory()[jax.devices()[3]]
+    assert before >= 4000
+    x.delete()
+    assert ensemble.live_memory({"x": x})[jax.devices()[3]] == 0
+    assert ensemble.live_memory()[jax.devices()[3]] == before - 4000
+
+
+def test_live_memory_nnx_module():
+    from flax import nnx
+
+    model = nnx.Linear(10, 20, rngs=nnx.Rngs(0))  # (10*20 + 20) float32 on device 0
+    assert ensemble.live_memory(model)[jax.devices()[0]] == (200 + 20) * 4
+
+
+def _sharded_adam_step(n=8, d_in=64, d_out=32):
+    mesh = ensemble.make_mesh(n)
+    params = ensemble.shard_members({"w": jnp.ones((n, d_in, d_out))}, mesh, n)
+    tx = ensemble.per_member(optax.adam(1e-3), n)
+    opt = jax.jit(tx.init)(params)
+    x = jnp.ones((16, d_in))
+
+    def step(params, opt, x):
+        def loss(p):
+            return jnp.sum(jnp.einsum("bi,nio->nbo", x, p["w"]) ** 2)
+
+        grads = jax.grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt, x
+
+
+def test_compiled_memory_donated_sharded_step():
+    step, params, opt, x = _sharded_adam_step()
+    stats = ensemble.compiled_memory(step, params, opt, x)
+    assert isinstance(stats, CompiledMemory)
+    assert stats.devices == tuple(jax.devices())
+    total_state = sum(a.nbytes for a in jax.tree_util.tree_leaves((params, opt)))
+    per_device_state = total_state / 8
+    # The per-device argument is this device's shard of the state (plus the shared batch).
+    assert per_device_state <= stats.argument <= per_device_state + x.nbytes + 1024
+    assert stats.alias >= 0.9 * per_device_state  # donated params and Adam moments reused
+    assert stats.peak == stats.argument + stats.output + stats.temp - stats.alias
+    assert stats.device_stats == {}  # CPU gives no memory_stats
+    # Lowering does not consume the donated arguments.
+    assert not jax.tree_util.tree_leaves(params)[0].is_deleted()
+    d = stats.as_dict()
+    assert d["peak"] == stats.peak and len(d["devices"]) == 8
+
+
+def test_compiled_memory_plain_function_and_shape_structs():
+    spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    stats = ensemble.compiled_memory(lambda a: a + 1, spec)
+    assert (stats.argument, stats.output, stats.alias) == (4000, 4000, 0)
+    donated = ensemble.compiled_memory(jax.jit(lambda a: a + 1, donate_argnums=0), spec)
+    assert donated.alias == 4000 and donated.peak == 4000
+
+
+def test_compiled_memory_says_what_to_pass():
+    with pytest.raises(TypeError, match="compiled_memory could not lower"):
+        ensemble.compiled_memory(lambda a, b: a + b, jnp.ones(3))
+
+
+def test_print_memory_tables(capsys):
+    mesh = ensemble.make_mesh(8)
+    x = ensemble.shard_members(jnp.ones((8, 250_000)), mesh, 8)  # 1 MB per device
+    text = ensemble.print_memory(x, title="state")
+    assert capsys.readouterr().out.strip() == text
+    assert text.splitlines()[0] == "state"
+    assert "cpu:7       1.000" in text and "total       8.000" in text
+
+    step = jax.jit(lambda a: a * 2, donate_argnums=0)
+    text = ensemble.print_memory(step, x)
+    header = text.splitlines()[1].split()
+    assert header == ["device", "argument", "output", "temp", "alias", "peak", "code"]
+    row = text.splitlines()[3].split()
+    assert row[0] == "cpu:0" and row[1:6] == ["1.000", "1.000", "0.000", "1.000", "1.000"]
+    assert (
+        ensemble.print_memory(ensemble.compiled_memory(step, x)).splitlines()[3]
+        == (text.splitlines()[3])
+    )
+    assert "cpu:3" in ensemble.print_memory(ensemble.live_memory(x))
+    with pytest.raises(TypeError, match="only for a function"):
+        ensemble.print_memory(x, x)
