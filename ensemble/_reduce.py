@@ -1,21 +1,114 @@
-"""Work in progress (stub)."""
+"""Reductions over the member axis (axis 0) of ensemble outputs, and taking one member out.
+
+All functions are jit-friendly and work on member-sharded arrays: the reduction over axis 0 is
+the only cross-member communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 
-def disagreement(*args, **kwargs):  # stub
-    raise NotImplementedError("disagreement")
+def mean(y: jax.Array) -> jax.Array:
+    """Ensemble mean over the member axis: ``y[n, ...] -> [...]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> mean(jnp.array([[1.0, 2.0], [3.0, 6.0]]))
+      Array([2., 4.], dtype=float32)
+    """
+    y = _member_major(y, "mean")
+    return jnp.mean(y, axis=0)
 
 
-def log_mean_exp(*args, **kwargs):  # stub
-    raise NotImplementedError("log_mean_exp")
+def variance(y: jax.Array, *, ddof: int = 0) -> jax.Array:
+    """Variance over the member axis (population variance by default; ``ddof=1`` for sample).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> variance(jnp.array([[1.0, 2.0], [3.0, 6.0]]))
+      Array([1., 4.], dtype=float32)
+    """
+    y = _member_major(y, "variance")
+    return jnp.var(y, axis=0, ddof=ddof)
 
 
-def mean(*args, **kwargs):  # stub
-    raise NotImplementedError("mean")
+def log_mean_exp(log_probs: jax.Array) -> jax.Array:
+    """``log(mean_i exp(log_probs[i]))`` over members = ``logsumexp(axis=0) - log(n)``.
+
+    The log of the ensemble's mean probability (the predictive mixture), computed stably: members
+    with log-probabilities of -1000 do not underflow to ``-inf``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(log_mean_exp(jnp.array([-1000.0, -1000.0])))
+      -1000.0
+    """
+    log_probs = _member_major(log_probs, "log_mean_exp")
+    n = log_probs.shape[0]
+    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(jnp.asarray(n, log_probs.dtype))
 
 
-def member(*args, **kwargs):  # stub
-    raise NotImplementedError("member")
+def disagreement(logits: jax.Array) -> jax.Array:
+    """Per example, the fraction of members whose top class differs from the ensemble's.
+
+    ``logits`` are ``[n, ..., classes]``. The ensemble's top class is the argmax of the mean of
+    the members' softmax probabilities; the result (shape ``[...]``, values in ``[0, 1)`` up to
+    ``(n-1)/n``) is the fraction of members whose own argmax is a different class. 0 means all
+    members agree with the ensemble.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> logits = jnp.array([[[2.0, 0.0]], [[2.0, 0.0]], [[0.0, 1.0]], [[3.0, 0.0]]])  # [4, 1, 2]
+      >>> disagreement(logits)
+      Array([0.25], dtype=float32)
+    """
+    logits = _member_major(logits, "disagreement")
+    if logits.ndim < 2:
+        raise ValueError(f"disagreement needs logits [n, ..., classes]; got shape {logits.shape}.")
+    ensemble_top = jnp.argmax(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), axis=-1)
+    member_top = jnp.argmax(logits, axis=-1)
+    return jnp.mean((member_top != ensemble_top[None]).astype(jnp.float32), axis=0)
 
 
-def variance(*args, **kwargs):  # stub
-    raise NotImplementedError("variance")
+def member(tree_or_ensemble: Any, i: int) -> Any:
+    """Member i: a slice ``[i]`` of every leaf of a member-major tree, or ``ens.member(i)``.
+
+    For linen variables this gives plain variables for ``model.apply``; for an NNX ensemble
+    (anything with a ``member(i)`` method) it defers to that method, which returns a plain module.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> member({"params": {"w": jnp.arange(6).reshape(3, 2)}}, 1)["params"]["w"]
+      Array([2, 3], dtype=int32)
+    """
+    if not isinstance(i, int | np.integer) or isinstance(i, bool):
+        raise TypeError(f"member index must be an int, got {type(i).__name__}.")
+    method = getattr(tree_or_ensemble, "member", None)
+    if callable(method) and not isinstance(tree_or_ensemble, dict | list | tuple):
+        return method(i)
+    leaves = jax.tree_util.tree_leaves_with_path(tree_or_ensemble)
+    if not leaves:
+        raise ValueError("member() got an empty tree.")
+    n = np.shape(leaves[0][1])[0] if np.ndim(leaves[0][1]) else None
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"leaf {jax.tree_util.keystr(path)} has shape {shape}; member() needs every leaf "
+                f"to share a leading member axis (first leaf has {n})."
+            )
+    if not -n <= i < n:
+        raise IndexError(f"member index {i} out of range for n={n} members.")
+    return jax.tree_util.tree_map(lambda a: a[i], tree_or_ensemble)
+
+
+def _member_major(y: Any, what: str) -> jax.Array:
+    y = jnp.asarray(y)
+    if y.ndim == 0:
+        raise ValueError(f"{what} needs a member axis first (shape [n, ...]); got a scalar.")
+    return y
