@@ -1,0 +1,85 @@
+"""Functional environments in pure JAX: jit/vmap/scan friendly, no Python state.
+
+Every env is a frozen (hashable) dataclass of static configuration with pure methods:
+
+- `env.reset(key, params=None) -> (state, obs)`
+- `env.step(state, action, key, params=None) -> (state, obs, reward, terminated, truncated, info)`
+- `env.observation_space` (a `Box`: `shape`, `dtype`, `low`, `high`), `env.action_space` (a
+  `Discrete` with `num_actions`, or a `Box` with `shape`, `low`, `high`), `env.max_episode_steps`.
+
+`state` is a NamedTuple pytree that includes the step counter `t` (truncation at the time
+limit). `params` is the env's array input that may change every step (the audio env's
+synthesiser weights); `None` means `env.default_params()`; CartPole and Pendulum ignore it.
+Batch with `jax.vmap` (`in_axes=(0, 0, 0, None)` shares `params` across envs).
+
+`make(name)` wraps the env in `AutoReset` by default: finished episodes restart inside `step`
+and `info` carries `final_obs` (the true last observation), `done`, `episode_return` and
+`episode_length`.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from rollout import envs
+  >>> env = envs.make("CartPole-v1")
+  >>> keys = jax.random.split(jax.random.key(0), 64)
+  >>> state, obs = jax.vmap(env.reset)(keys)
+  >>> obs.shape, env.action_space.num_actions
+  ((64, 4), 2)
+  >>> step = jax.jit(jax.vmap(env.step))
+  >>> state, obs, reward, terminated, truncated, info = step(
+  ...     state, jnp.zeros(64, jnp.int32), keys)
+  >>> sorted(info)
+  ['done', 'episode_length', 'episode_return', 'final_obs']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.envs._cartpole import CartPole, CartPoleState
+from rollout.envs._core import AutoReset, AutoResetState, Box, Discrete, Env, Space
+from rollout.envs._pendulum import Pendulum, PendulumState
+
+_REGISTRY: dict[str, type[Env]] = {
+    "cartpole": CartPole,
+    "cartpole-v1": CartPole,
+    "pendulum": Pendulum,
+    "pendulum-v1": Pendulum,
+}
+
+#: Names accepted by `make` (case-insensitive).
+ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v1")
+
+
+def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
+    """Build an environment by name.
+
+    Args:
+      name: one of `ENV_NAMES` (case-insensitive).
+      auto_reset: wrap in `AutoReset` (default) so episodes restart inside `step` and `info`
+        reports the true final observation and episode statistics; False gives the bare env.
+      **kwargs: fields of the env's dataclass (e.g. `max_episode_steps=100`, `g=9.81`).
+
+    Raises:
+      ValueError: unknown name (the message lists the valid ones).
+    """
+    cls = _REGISTRY.get(str(name).lower())
+    if cls is None:
+        raise ValueError(f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}")
+    env = cls(**kwargs)
+    return AutoReset(env) if auto_reset else env
+
+
+__all__ = [
+    "ENV_NAMES",
+    "AutoReset",
+    "AutoResetState",
+    "Box",
+    "CartPole",
+    "CartPoleState",
+    "Discrete",
+    "Env",
+    "Pendulum",
+    "PendulumState",
+    "Space",
+    "make",
+]

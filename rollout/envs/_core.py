@@ -1,0 +1,220 @@
+"""The functional environment API: spaces, the `Env` base class and the auto-reset wrapper.
+
+An environment is a frozen (hashable) dataclass whose fields are its static configuration. Its
+methods are pure functions of arrays, so they can be jitted, vmapped, scanned, exported with
+`jax.export`, or run on CPU cores through `rollout.on_cpu`:
+
+- `reset(key, params=None) -> (state, obs)`
+- `step(state, action, key, params=None) -> (state, obs, reward, terminated, truncated, info)`
+
+`state` is a pytree (a NamedTuple) that carries the step counter `t` used for truncation.
+`params` is the env's *array* input that may change every step (the audio env's synthesiser
+weights); environments without such input (CartPole, Pendulum) ignore it. `None` means
+`env.default_params()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+PRNGKey = jax.Array
+PyTree = Any
+Info = dict[str, Array]
+StepResult = tuple[PyTree, Array, Array, Array, Array, Info]
+
+
+# --------------------------------------------------------------------------------------------
+# Spaces
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Discrete:
+    """Discrete actions `0 .. num_actions - 1`, one int32 scalar per env."""
+
+    num_actions: int
+    shape: tuple[int, ...] = ()
+    dtype: Any = jnp.int32
+
+    @property
+    def n(self) -> int:
+        """Alias of `num_actions` (gymnasium's name)."""
+        return self.num_actions
+
+    def sample(self, key: PRNGKey) -> Array:
+        """A uniformly random action."""
+        return jax.random.randint(key, self.shape, 0, self.num_actions, dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """A float box of `shape`; `low`/`high` are per-element tuples (flattened), may be inf."""
+
+    shape: tuple[int, ...]
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        size = math.prod(self.shape)
+        for name in ("low", "high"):
+            value = np.broadcast_to(np.asarray(getattr(self, name), np.float64), (size,))
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @staticmethod
+    def uniform(shape: tuple[int, ...], low: float, high: float) -> Box:
+        """A box with the same bounds on every element."""
+        size = math.prod(shape)
+        return Box(tuple(shape), (float(low),) * size, (float(high),) * size)
+
+    def low_array(self) -> np.ndarray:
+        """`low` as a float32 array of `shape`."""
+        return np.asarray(self.low, np.float32).reshape(self.shape)
+
+    def high_array(self) -> np.ndarray:
+        """`high` as a float32 array of `shape`."""
+        return np.asarray(self.high, np.float32).reshape(self.shape)
+
+    def sample(self, key: PRNGKey) -> Array:
+        """Uniform in [low, high] (infinite bounds are replaced by +-1)."""
+        low = np.where(np.isfinite(self.low_array()), self.low_array(), -1.0)
+        high = np.where(np.isfinite(self.high_array()), self.high_array(), 1.0)
+        return jax.random.uniform(key, self.shape, self.dtype, low, high)
+
+
+Space = Discrete | Box
+
+
+# --------------------------------------------------------------------------------------------
+# Env base class
+# --------------------------------------------------------------------------------------------
+
+
+class Env:
+    """Base class of the functional environments (subclasses are frozen dataclasses).
+
+    Subclasses define `observation_space`, `action_space`, `max_episode_steps`, `reset` and
+    `step`; `default_params` when they take array inputs.
+    """
+
+    name: str = "env"
+
+    @property
+    def observation_space(self) -> Box:
+        raise NotImplementedError
+
+    @property
+    def action_space(self) -> Space:
+        raise NotImplementedError
+
+    @property
+    def unwrapped(self) -> Env:
+        """The innermost env (itself, for an unwrapped env)."""
+        return self
+
+    def default_params(self) -> PyTree:
+        """The array inputs used when `params=None` (None for envs without any)."""
+        return None
+
+    def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[PyTree, Array]:
+        raise NotImplementedError
+
+    def step(self, state: PyTree, action: Array, key: PRNGKey, params: PyTree = None) -> StepResult:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# Auto-reset with episode statistics
+# --------------------------------------------------------------------------------------------
+
+
+class AutoResetState(NamedTuple):
+    """State of `AutoReset`: the inner env's state and the running episode statistics."""
+
+    env_state: PyTree
+    episode_return: Array  # float32: sum of rewards of the current episode so far
+    episode_length: Array  # int32: steps of the current episode so far
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoReset(Env):
+    """Resets the wrapped env when an episode ends; reports the true final obs and statistics.
+
+    `step` returns, when `terminated | truncated`, the state and observation of a fresh episode
+    (reset with a key split from the step's key), and in `info`:
+
+    - `final_obs`: the observation the step actually reached, before any reset (equals `obs`
+      where not done). Use it to bootstrap values on truncation.
+    - `done`: `terminated | truncated`.
+    - `episode_return`, `episode_length`: return and length of the current episode up to and
+      including this step; where `done` they are the finished episode's totals. A learner's mean
+      return is `sum(where(done, episode_return, 0)) / max(sum(done), 1)`.
+    - every key of the wrapped env's own `info` (from the true, pre-reset step).
+
+    All shapes are static; the reset is computed every step and selected with `jnp.where`.
+    """
+
+    env: Env
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.env.name
+
+    @property
+    def observation_space(self) -> Box:
+        return self.env.observation_space
+
+    @property
+    def action_space(self) -> Space:
+        return self.env.action_space
+
+    @property
+    def max_episode_steps(self) -> int:
+        return self.env.max_episode_steps  # type: ignore[attr-defined]
+
+    @property
+    def unwrapped(self) -> Env:
+        return self.env.unwrapped
+
+    def default_params(self) -> PyTree:
+        return self.env.default_params()
+
+    def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[AutoResetState, Array]:
+        env_state, obs = self.env.reset(key, params)
+        return AutoResetState(env_state, jnp.float32(0.0), jnp.int32(0)), obs
+
+    def step(
+        self, state: AutoResetState, action: Array, key: PRNGKey, params: PyTree = None
+    ) -> StepResult:
+        if params is None:
+            params = self.env.default_params()
+        step_key, reset_key = jax.random.split(key)
+        env_state, obs, reward, terminated, truncated, info = self.env.step(
+            state.env_state, action, step_key, params
+        )
+        done = jnp.logical_or(terminated, truncated)
+        episode_return = state.episode_return + reward.astype(jnp.float32)
+        episode_length = state.episode_length + 1
+        reset_state, reset_obs = self.env.reset(reset_key, params)
+        pick = lambda fresh, cont: jnp.where(done, fresh, cont)
+        new_state = AutoResetState(
+            jax.tree.map(pick, reset_state, env_state),
+            jnp.where(done, 0.0, episode_return).astype(jnp.float32),
+            jnp.where(done, 0, episode_length).astype(jnp.int32),
+        )
+        info = dict(info)
+        info.update(
+            final_obs=obs,
+            done=done,
+            episode_return=episode_return,
+            episode_length=episode_length,
+        )
+        return new_state, pick(reset_obs, obs), reward, terminated, truncated, info

@@ -1,0 +1,312 @@
+"""rollout.envs: parity with gymnasium, auto-reset, batching, the audio env, make()."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollout import envs
+
+KEY = jax.random.key(0)
+
+# Parity tolerances. gymnasium keeps its state in float64 and returns float32 observations; our
+# ports compute in float32. "lockstep" copies our state into gymnasium before every step (the
+# float32 values are exact in float64), so only one step of rounding separates the two;
+# "free" runs both from the same initial state without resyncing, where rounding accumulates.
+LOCKSTEP = dict(rtol=1e-5, atol=1e-6)
+FREE = dict(rtol=1e-4, atol=1e-5)
+FREE_STEPS = 40
+
+
+def _cartpole_to_gym(state: envs.CartPoleState) -> np.ndarray:
+    return np.array([state.x, state.x_dot, state.theta, state.theta_dot], np.float64)
+
+
+def _pendulum_to_gym(state: envs.PendulumState) -> np.ndarray:
+    return np.array([state.theta, state.theta_dot], np.float64)
+
+
+def _state_from_gym(cls, values) -> tuple:
+    return cls(*[jnp.float32(v) for v in values], jnp.int32(0))
+
+
+def _balance(state: np.ndarray) -> int:
+    """A linear controller that keeps CartPole up for 500 steps (reaches the time limit)."""
+    x, x_dot, theta, theta_dot = state
+    return int(10.0 * theta + theta_dot + 0.1 * x + 0.5 * x_dot > 0)
+
+
+def _run_parity(env, gym_id, state_cls, to_gym, policy, seed, lockstep, max_steps=600):
+    """Steps `env` and gymnasium side by side; compares everything; returns steps and flags."""
+    genv = gym.make(gym_id)
+    gobs, _ = genv.reset(seed=seed)
+    state = _state_from_gym(state_cls, genv.unwrapped.state)
+    np.testing.assert_allclose(np.asarray(env.observation(state)), gobs, **LOCKSTEP)
+    step = jax.jit(env.step)
+    rng = np.random.default_rng(seed)
+    tol = LOCKSTEP if lockstep else FREE
+    for i in range(max_steps):
+        if lockstep:
+            genv.unwrapped.state = to_gym(state)
+        action = policy(to_gym(state), rng, i)
+        gobs, greward, gterm, gtrunc, _ = genv.step(action)
+        state, obs, reward, term, trunc, _ = step(state, jnp.asarray(action), KEY)
+        assert obs.dtype == jnp.float32 and obs.shape == gobs.shape
+        np.testing.assert_allclose(np.asarray(obs), gobs, **tol, err_msg=f"step {i}")
+        np.testing.assert_allclose(float(reward), greward, **tol, err_msg=f"step {i}")
+        assert (bool(term), bool(trunc)) == (gterm, gtrunc), f"step {i}"
+        assert int(state.t) == i + 1
+        if gterm or gtrunc or (not lockstep and i + 1 >= FREE_STEPS):
+            return i + 1, gterm, gtrunc
+    raise AssertionError("episode did not end")
+
+
+# ------------------------------------------------------------------------------------------
+# CartPole
+# ------------------------------------------------------------------------------------------
+
+CARTPOLE_POLICIES = {
+    "random": lambda s, rng, i: int(rng.integers(2)),
+    "left": lambda s, rng, i: 0,
+    "right": lambda s, rng, i: 1,
+    "alternate": lambda s, rng, i: i % 2,
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", sorted(CARTPOLE_POLICIES))
+def test_cartpole_matches_gymnasium_until_termination(seed, policy):
+    env = envs.CartPole()
+    for lockstep in (False, True):
+        steps, term, trunc = _run_parity(
+            env,
+            "CartPole-v1",
+            envs.CartPoleState,
+            _cartpole_to_gym,
+            CARTPOLE_POLICIES[policy],
+            seed,
+            lockstep,
+        )
+        if lockstep or steps < FREE_STEPS:
+            assert term and not trunc
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cartpole_matches_gymnasium_through_truncation_at_500(seed):
+    # Mostly a balancing controller, with 10% random pushes.
+    def policy(s, rng, i):
+        return int(rng.integers(2)) if rng.random() < 0.1 else _balance(s)
+
+    steps, term, trunc = _run_parity(
+        envs.CartPole(), "CartPole-v1", envs.CartPoleState, _cartpole_to_gym, policy, seed, True
+    )
+    assert (steps, term, trunc) == (500, False, True)
+
+
+def test_cartpole_terminates_at_the_cart_threshold_like_gymnasium():
+    env = envs.CartPole()
+    genv = gym.make("CartPole-v1")
+    for x, x_dot in [(2.39, 1.0), (-2.39, -1.0), (2.39, -1.0)]:
+        genv.reset(seed=0)
+        start = np.array([x, x_dot, 0.0, 0.0], np.float32).astype(np.float64)
+        genv.unwrapped.state = start
+        _, _, gterm, _, _ = genv.step(1)
+        state = _state_from_gym(envs.CartPoleState, start)
+        _, _, _, term, _, _ = env.step(state, jnp.int32(1), KEY)
+        assert bool(term) == gterm
+
+
+def test_cartpole_reset_distribution_and_spaces():
+    env = envs.CartPole()
+    states, obs = jax.vmap(env.reset)(jax.random.split(KEY, 2000))
+    obs = np.asarray(obs)
+    assert obs.dtype == np.float32 and obs.shape == (2000, 4)
+    assert obs.min() >= -0.05 and obs.max() <= 0.05
+    assert obs.min(0).max() < -0.045 and obs.max(0).min() > 0.045  # covers the whole range
+    assert np.all(np.asarray(states.t) == 0)
+    assert env.action_space == envs.Discrete(2) and env.action_space.num_actions == 2
+    gspace = gym.make("CartPole-v1").observation_space
+    assert env.observation_space.shape == gspace.shape
+    np.testing.assert_array_equal(env.observation_space.high_array(), gspace.high)
+    assert env.max_episode_steps == 500
+
+
+def test_cartpole_sutton_barto_reward():
+    env = envs.CartPole(sutton_barto_reward=True)
+    genv = gym.make("CartPole-v1", sutton_barto_reward=True)
+    genv.reset(seed=3)
+    state = _state_from_gym(envs.CartPoleState, genv.unwrapped.state)
+    while True:
+        _, greward, gterm, _, _ = genv.step(1)
+        state, _, reward, term, _, _ = env.step(state, jnp.int32(1), KEY)
+        assert float(reward) == greward and bool(term) == gterm
+        if gterm:
+            break
+
+
+# ------------------------------------------------------------------------------------------
+# Pendulum
+# ------------------------------------------------------------------------------------------
+
+PENDULUM_POLICIES = {
+    "random": lambda s, rng, i: rng.uniform(-2.0, 2.0, (1,)).astype(np.float32),
+    "clipped": lambda s, rng, i: rng.uniform(-10.0, 10.0, (1,)).astype(np.float32),
+    "max": lambda s, rng, i: np.array([2.0], np.float32),
+    "min": lambda s, rng, i: np.array([-2.5], np.float32),  # clipped to -2
+    "zero": lambda s, rng, i: np.zeros((1,), np.float32),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", sorted(PENDULUM_POLICIES))
+def test_pendulum_matches_gymnasium_through_truncation_at_200(seed, policy):
+    env = envs.Pendulum()
+    steps, term, trunc = _run_parity(
+        env, "Pendulum-v1", envs.PendulumState, _pendulum_to_gym, PENDULUM_POLICIES[policy],
+        seed, lockstep=True,
+    )  # fmt: skip
+    assert (steps, term, trunc) == (200, False, True)
+    steps, _, _ = _run_parity(
+        env, "Pendulum-v1", envs.PendulumState, _pendulum_to_gym, PENDULUM_POLICIES[policy],
+        seed, lockstep=False,
+    )  # fmt: skip
+    assert steps == FREE_STEPS
+
+
+def test_pendulum_speed_clip_and_angle_normalisation():
+    env = envs.Pendulum()
+    genv = gym.make("Pendulum-v1")
+    genv.reset(seed=0)
+    for theta, theta_dot in [(3.1, 7.99), (-3.1, -7.99), (13.0, 0.5), (-20.0, -3.0)]:
+        start = np.array([theta, theta_dot], np.float32).astype(np.float64)
+        genv.unwrapped.state = start
+        gobs, greward, _, _, _ = genv.step(np.array([2.0], np.float32))
+        state = _state_from_gym(envs.PendulumState, start)
+        _, obs, reward, _, _, _ = env.step(state, jnp.array([2.0]), KEY)
+        np.testing.assert_allclose(np.asarray(obs), gobs, **LOCKSTEP)
+        np.testing.assert_allclose(float(reward), greward, **LOCKSTEP)
+    # a scalar action works too
+    state = _state_from_gym(envs.PendulumState, [0.5, 0.1])
+    a = env.step(state, jnp.float32(1.0), KEY)[1]
+    b = env.step(state, jnp.array([1.0]), KEY)[1]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pendulum_reset_distribution_and_spaces():
+    env = envs.Pendulum()
+    states, obs = jax.vmap(env.reset)(jax.random.split(KEY, 2000))
+    theta, theta_dot = np.asarray(states.theta), np.asarray(states.theta_dot)
+    assert np.abs(theta).max() <= np.float32(np.pi) and np.abs(theta).max() > 3.0
+    assert np.abs(theta_dot).max() <= 1.0 and np.abs(theta_dot).max() > 0.99
+    assert np.asarray(obs).shape == (2000, 3) and obs.dtype == jnp.float32
+    space = env.action_space
+    assert isinstance(space, envs.Box) and space.shape == (1,)
+    assert space.low == (-2.0,) and space.high == (2.0,)
+    assert env.max_episode_steps == 200
+
+
+# ------------------------------------------------------------------------------------------
+# Auto-reset and batching
+# ------------------------------------------------------------------------------------------
+
+
+def test_auto_reset_keeps_the_true_final_observation():
+    env = envs.make("cartpole")
+    bare = env.unwrapped
+    assert isinstance(env, envs.AutoReset) and isinstance(bare, envs.CartPole)
+    state, obs = env.reset(KEY)
+    step = jax.jit(env.step)
+    key = jax.random.key(1)
+    for i in range(1, 100):
+        key, k = jax.random.split(key)
+        expected = bare.step(state.env_state, jnp.int32(1), k)
+        state, obs, _, term, _, info = step(state, jnp.int32(1), k)
+        final_obs = np.asarray(info["final_obs"])
+        np.testing.assert_allclose(final_obs, np.asarray(expected[1]), **LOCKSTEP)
+        assert int(info["episode_length"]) == i and float(info["episode_return"]) == i
+        assert bool(info["done"]) == bool(term) == bool(expected[3])
+        if bool(info["done"]):
+            break
+    else:
+        raise AssertionError("pushing right always should terminate")
+    # the returned state/obs are a fresh episode: the reset with the second half of the key
+    reset_state, reset_obs = bare.reset(jax.random.split(k)[1])
+    np.testing.assert_allclose(np.asarray(obs), np.asarray(reset_obs), **LOCKSTEP)
+    np.testing.assert_allclose(np.asarray(state.env_state.x), np.asarray(reset_state.x), **LOCKSTEP)
+    assert int(state.env_state.t) == 0 and int(state.episode_length) == 0
+    assert float(state.episode_return) == 0.0
+    assert not np.allclose(np.asarray(info["final_obs"]), np.asarray(obs))
+
+
+def test_vmap_64_envs_under_jit_with_truncation():
+    env = envs.make("pendulum")
+    n, steps = 64, 450
+
+    @jax.jit
+    def run(key):
+        state, _ = jax.vmap(env.reset)(jax.random.split(key, n))
+
+        def body(state, key):
+            k_act, k_step = jax.random.split(key)
+            actions = jax.random.uniform(k_act, (n, 1), minval=-2.0, maxval=2.0)
+            state, obs, reward, term, trunc, info = jax.vmap(env.step)(
+                state, actions, jax.random.split(k_step, n)
+            )
+            return state, (obs, reward, term, trunc, info)
+
+        return jax.lax.scan(body, state, jax.random.split(key, steps))
+
+    state, (obs, reward, term, _, info) = run(KEY)
+    assert obs.shape == (steps, n, 3) and reward.shape == (steps, n)
+    done = np.asarray(info["done"])
+    # every env truncates exactly at 200 and 400, never terminates
+    assert not np.asarray(term).any()
+    assert set(np.nonzero(done)[0].tolist()) == {199, 399} and done[[199, 399]].all()
+    assert np.all(np.asarray(info["episode_length"])[done] == 200)
+    np.testing.assert_allclose(
+        np.asarray(info["episode_return"])[199],
+        np.asarray(reward)[:200].sum(0),
+        rtol=1e-5,
+    )
+    assert np.all(np.asarray(state.env_state.t) == steps - 400)
+
+
+def test_vmap_cartpole_episode_statistics():
+    env = envs.make("CartPole-v1")
+    n, steps = 64, 300
+    keys = jax.random.split(KEY, n)
+    state, _ = jax.vmap(env.reset)(keys)
+
+    def body(state, key):
+        k_act, k_step = jax.random.split(key)
+        actions = jax.random.randint(k_act, (n,), 0, 2)
+        state, _, _, _, _, info = jax.vmap(env.step)(state, actions, jax.random.split(k_step, n))
+        return state, (info["done"], info["episode_return"], info["episode_length"])
+
+    run = jax.jit(lambda s: jax.lax.scan(body, s, jax.random.split(KEY, steps)))
+    _, (done, ret, length) = run(state)
+    done, ret, length = np.asarray(done), np.asarray(ret), np.asarray(length)
+    assert done.sum() > 200  # random play ends episodes after about 20 steps
+    np.testing.assert_array_equal(ret[done], length[done].astype(np.float32))
+    assert 8 < ret[done].mean() < 40
+
+
+# ------------------------------------------------------------------------------------------
+# make()
+# ------------------------------------------------------------------------------------------
+
+
+def test_make_names_and_errors():
+    assert isinstance(envs.make("CartPole-v1", auto_reset=False), envs.CartPole)
+    assert isinstance(envs.make("pendulum", auto_reset=False), envs.Pendulum)
+    assert envs.make("Pendulum-v1", g=9.81).unwrapped.g == 9.81
+    assert envs.make("cartpole", max_episode_steps=7).max_episode_steps == 7
+    with pytest.raises(ValueError, match=r"unknown env 'MountainCar-v0'.*cartpole.*Pendulum-v1"):
+        envs.make("MountainCar-v0")
+    with pytest.raises(TypeError):
+        envs.make("cartpole", not_a_field=1)
+    # envs are hashable static config: usable as a static jit argument
+    assert hash(envs.make("cartpole")) == hash(envs.make("cartpole"))
