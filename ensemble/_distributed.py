@@ -1,0 +1,388 @@
+"""One ensemble over several processes (hosts) on JAX's own distributed runtime.
+
+Every process runs the same program. :func:`initialize` joins the processes into one JAX
+runtime (``jax.distributed.initialize``) before anything touches a backend; after it,
+``jax.devices()`` lists the devices of *all* processes, so ``ensemble.make_mesh(n)`` builds one
+mesh across them and each process holds only the members that live on its own devices.
+
+Where the settings come from, first match wins:
+
+1. the arguments of :func:`initialize`;
+2. the variables ``python -m ensemble.launch`` sets (:data:`ENV_NUM_PROCESSES`,
+   :data:`ENV_PROCESS_ID`, and JAX's own ``JAX_COORDINATOR_ADDRESS``), which a user may also set by
+   hand on each host;
+3. the cluster detection of ``jax.distributed`` (SLURM, Open MPI, Kubernetes, Cloud TPU);
+4. none of these: a plain single-process run (nothing to join), so the same script works on a
+   laptop.
+
+Example (a script run as ``python -m ensemble.launch -n 2 --devices-per-process 2 -- python s.py``,
+or alone as ``python s.py``):
+
+  >>> from ensemble import _distributed as distributed
+  >>> info = distributed.initialize()          # before any other JAX call
+  >>> info.num_processes >= 1
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ensemble._mesh import MEMBER_AXIS, check_mesh
+
+logger = logging.getLogger(__name__)
+
+#: Number of processes (our own name; JAX only detects it on SLURM / Open MPI / Kubernetes / TPU).
+ENV_NUM_PROCESSES = "ENSEMBLE_NUM_PROCESSES"
+#: This process's id in ``0 .. num_processes - 1``.
+ENV_PROCESS_ID = "ENSEMBLE_PROCESS_ID"
+#: Seconds without a heartbeat after which a peer counts as dead (optional override).
+ENV_HEARTBEAT_TIMEOUT = "ENSEMBLE_HEARTBEAT_TIMEOUT"
+#: ``host:port`` of process 0's coordinator; read by ``jax.distributed.initialize`` too.
+ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+#: ``host:port`` the coordinator binds; read by ``jax.distributed.initialize`` too. JAX's default
+#: is every interface (``[::]:port``); the launcher sets it to loopback.
+ENV_COORDINATOR_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
+#: CPU devices of this process; read by JAX's config (``jax_num_cpu_devices``) too.
+ENV_NUM_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
+#: CPU collectives between processes; read by JAX's config too. We always use ``gloo``.
+ENV_CPU_COLLECTIVES = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process stands in the run, as :func:`initialize` left it."""
+
+    process_id: int
+    num_processes: int
+    coordinator_address: str | None
+    local_device_count: int
+    device_count: int
+
+    @property
+    def is_main(self) -> bool:
+        """True on process 0: the one that prints, writes metrics and plots."""
+        return self.process_id == 0
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_cpu_devices: int | None = None,
+    heartbeat_timeout_seconds: int | None = None,
+    shutdown_timeout_seconds: int = 120,
+    initialization_timeout: int = 120,
+) -> ProcessInfo:
+    """Joins this process to the run; call it first, before any other JAX computation.
+
+    Sets the CPU device count (``local_cpu_devices``) and gloo CPU collectives, then calls
+    ``jax.distributed.initialize`` when the run has several processes (see the module docstring
+    for where the settings come from). Calling it again returns the same answer.
+
+    A dead peer does not hang the others: JAX's coordination service notices the missing
+    heartbeats after ``heartbeat_timeout_seconds`` (default 30, or ``$ENSEMBLE_HEARTBEAT_TIMEOUT``;
+    JAX's own default is 100) and terminates every remaining process with "the JAX distributed
+    service detected fatal errors". A dead process 0 (the coordinator) is noticed at once.
+    When the coordinator address is a loopback address (one machine, ``ensemble.launch``), the
+    coordinator and gloo bind loopback only.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0, reachable from every process.
+      num_processes: number of processes.
+      process_id: this process's id, ``0 .. num_processes - 1``.
+      local_cpu_devices: CPU devices this process simulates (``jax_num_cpu_devices``); default:
+        ``$JAX_NUM_CPU_DEVICES`` or JAX's default.
+      heartbeat_timeout_seconds: seconds without heartbeats before a peer counts as dead.
+      shutdown_timeout_seconds: how long a finished process waits at exit for the others.
+      initialization_timeout: how long to wait for every process to connect.
+
+    Returns:
+      A :class:`ProcessInfo`.
+
+    Example:
+      >>> info = initialize()      # single process when no launcher / cluster is around
+      >>> info.process_id, info.is_main
+      (0, True)
+    """
+    from jax._src import distributed as jax_distributed
+
+    if jax_distributed.global_state.client is not None:
+        return _info()
+    if local_cpu_devices is None and os.environ.get(ENV_NUM_CPU_DEVICES):
+        local_cpu_devices = int(os.environ[ENV_NUM_CPU_DEVICES])
+    if _backends_started():
+        # Too late to join a distributed run or to change the device count. Fine only if the
+        # caller asked for nothing that needed it.
+        wants_many = (num_processes or _env_int(ENV_NUM_PROCESSES) or 1) > 1
+        if wants_many or (local_cpu_devices and local_cpu_devices != jax.local_device_count("cpu")):
+            raise RuntimeError(
+                "ensemble.distributed.initialize() must run before any JAX computation (the JAX "
+                "backend has already started, so devices and processes are fixed). Call it at "
+                "the top of your program, right after the imports."
+            )
+        return _info()
+
+    if local_cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", int(local_cpu_devices))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR_ADDRESS)
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    explicit = (coordinator_address, num_processes, process_id)
+    if all(v is None for v in explicit) and not _cluster_detected():
+        return _info()  # a plain single-process run: nothing to join
+    if num_processes == 1 and (process_id or 0) == 0 and not _cluster_detected():
+        return _info()
+    if None not in explicit and not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id={process_id} must be in 0..num_processes-1 (num_processes="
+            f"{num_processes}); give each process its own id."
+        )
+
+    if heartbeat_timeout_seconds is None:
+        heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT_TIMEOUT) or 30
+    bind = None
+    if coordinator_address and _is_loopback(coordinator_address):
+        # JAX binds the coordinator on every interface by default; one machine needs loopback.
+        bind = os.environ.get(ENV_COORDINATOR_BIND_ADDRESS) or coordinator_address
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        shutdown_timeout_seconds=shutdown_timeout_seconds,
+        coordinator_bind_address=bind,
+    )
+    if bind is not None:
+        _gloo_on_loopback()
+    info = _info()
+    logger.info("joined the run as process %d of %d", info.process_id, info.num_processes)
+    return info
+
+
+def is_main_process() -> bool:
+    """True on process 0 (and in a single-process run): print, log and plot only there.
+
+    Example:
+      >>> is_main_process()
+      True
+    """
+    return jax.process_index() == 0
+
+
+def process_local_members(mesh: Mesh, n: int) -> list[int]:
+    """Indices of the members whose parameters (or a part of them) live on this process.
+
+    Members are numbered in mesh order, so with ``make_mesh(4)`` on 2 processes x 2 devices,
+    process 0 holds members ``[0, 1]`` and process 1 holds ``[2, 3]``. A member that spans
+    devices of several processes is listed on each of them.
+
+    Example:
+      >>> from ensemble import make_mesh
+      >>> process_local_members(make_mesh(jax.device_count()), jax.device_count()) == list(
+      ...     range(jax.device_count()))  # one process: every member
+      True
+    """
+    check_mesh(mesh, n)
+    sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS))
+    here = jax.process_index()
+    members: set[int] = set()
+    for device, index in sharding.devices_indices_map((n,)).items():
+        if device.process_index == here:
+            members.update(range(n)[index[0]])
+    return sorted(members)
+
+
+def member_batch_from_local(local_data: Any, mesh: Mesh, n: int) -> Any:
+    """Builds global per-member arrays ``[n, ...]`` from this process's members' data.
+
+    Each process passes only the data of its own members (:func:`process_local_members`, in that
+    order): every leaf of ``local_data`` has a leading axis of ``len(process_local_members(mesh,
+    n))``. The result is one global array per leaf, member axis sharded over the mesh's member
+    axis, without any process holding another's data (``jax.make_array_from_process_local_data``).
+    The other axes are replicated over the devices of one member.
+
+    Example:
+      >>> import numpy as np
+      >>> from ensemble import make_mesh
+      >>> n = jax.device_count(); mesh = make_mesh(n)
+      >>> local = np.ones((len(process_local_members(mesh, n)), 8, 3), np.float32)
+      >>> member_batch_from_local(local, mesh, n).shape == (n, 8, 3)
+      True
+    """
+    members = process_local_members(mesh, n)
+
+    def make(path, leaf):
+        leaf = np.asarray(leaf)
+        if leaf.ndim == 0 or leaf.shape[0] != len(members):
+            raise ValueError(
+                f"leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; this process "
+                f"(process {jax.process_index()}) holds members {members}, so every leaf needs "
+                f"a leading axis of {len(members)} (those members' data, in that order)."
+            )
+        sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS))
+        return jax.make_array_from_process_local_data(sharding, leaf, (n, *leaf.shape[1:]))
+
+    return jax.tree_util.tree_map_with_path(make, local_data)
+
+
+def gather_metrics_to_host(tree: Any) -> Any:
+    """Brings small arrays (per-member losses, returns) to NumPy on every process.
+
+    Collective: every process must call it with the same tree. Print the result on process 0
+    only (:func:`is_main_process`). Meant for metrics; use checkpoints for parameters.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> gather_metrics_to_host({"loss": jnp.arange(3.0)})["loss"].tolist()
+      [0.0, 1.0, 2.0]
+    """
+    from jax.experimental import multihost_utils
+
+    def to_host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree_util.tree_map(to_host, tree)
+
+
+def save_checkpoint(directory: str | os.PathLike[str], tree: Any, *, force: bool = False) -> str:
+    """Writes ``tree`` (sharded arrays included) to ``directory``, collectively.
+
+    Every process calls it with the same directory, which all processes must see (one machine,
+    or a shared file system / bucket across hosts); each writes the shards it holds, process 0
+    writes the metadata. Returns the absolute path. Waits until the write is complete.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> path = save_checkpoint(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones(3)})
+      >>> restore_checkpoint(path, {"w": jnp.zeros(3)})["w"].tolist()
+      [1.0, 1.0, 1.0]
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(directory))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree, force=force)
+        checkpointer.wait_until_finished()
+    return path
+
+
+def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:
+    """Reads a checkpoint of :func:`save_checkpoint` straight into the shardings of ``like``.
+
+    ``like`` is a tree of arrays or ``jax.ShapeDtypeStruct`` (with ``sharding=``) of the same
+    structure; each process reads only the shards it holds. The checkpoint may come from a run
+    with another number of processes or devices. Collective: every process calls it.
+    """
+    import orbax.checkpoint as ocp
+
+    def abstract(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+    path = os.path.abspath(os.fspath(directory))
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path, jax.tree_util.tree_map(abstract, like))
+
+
+def local_shard_devices(tree: Any) -> dict[str, list[int]]:
+    """Leaf path -> ids of this process's devices that hold a shard of it (for checks and logs)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array):
+            out[jax.tree_util.keystr(path)] = sorted(s.device.id for s in leaf.addressable_shards)
+    return out
+
+
+# -- internals -------------------------------------------------------------------------------
+
+
+def _info() -> ProcessInfo:
+    from jax._src import distributed as jax_distributed
+
+    return ProcessInfo(
+        process_id=jax.process_index(),
+        num_processes=jax.process_count(),
+        coordinator_address=jax_distributed.global_state.coordinator_address,
+        local_device_count=jax.local_device_count(),
+        device_count=jax.device_count(),
+    )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} must be an integer.") from None
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _cluster_detected() -> bool:
+    """Whether jax.distributed would find its settings in a cluster environment on its own."""
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        return any(
+            not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types
+        )
+    except Exception:  # a private JAX API moved: look for the usual variables instead
+        markers = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_RANK", "JOB_COMPLETION_INDEX")
+        return any(m in os.environ for m in markers)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo_on_loopback() -> None:
+    """Makes gloo (CPU collectives between processes) listen on 127.0.0.1 only.
+
+    By default gloo binds the address the host name resolves to, which on many machines is a
+    public interface. For a run on one machine we register a CPU backend whose gloo binds
+    loopback. Falls back to JAX's default (with a log line) if JAX's internals differ.
+    """
+    try:
+        from jax._src import distributed as jax_distributed
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        def make_cpu_client():
+            collectives = _jax.make_gloo_tcp_collectives(
+                distributed_client=jax_distributed.global_state.client, hostname="127.0.0.1"
+            )
+            return xla_bridge.make_cpu_client(collectives=collectives)
+
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    except Exception as e:  # pragma: no cover - depends on JAX internals
+        logger.warning("could not pin gloo to loopback (%s); it binds JAX's default address", e)

@@ -1,0 +1,197 @@
+r"""One process of the multi-process ensemble test (run by tests/test_distributed.py).
+
+Alone it is a 1-process run; under ``python -m ensemble.launch -n 2 --devices-per-process 2``
+it is one of two processes sharing a 4-device mesh. Either way it trains the same 4-member MLP
+ensemble on the same per-member data, and writes ``OUT/params.npz`` (process 0) and
+``OUT/report_<rank>.json`` (every process: placement, memory, sockets) for the test to compare.
+
+  python tests/_dist_worker.py --out /tmp/one                       # JAX_NUM_CPU_DEVICES=4
+  python -m ensemble.launch -n 2 --devices-per-process 2 -- python tests/_dist_worker.py \
+      --out /tmp/two
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ensemble import _distributed as distributed
+
+N_MEMBERS = 4
+BATCH = 16
+FEATURES = 3
+
+
+def member_data(i: int, step: int):
+    """Member i's batch at a step, made from (i, step) alone, so any process can make it."""
+    import numpy as np
+
+    rng = np.random.default_rng(1000 * i + step)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    y = np.sin(x.sum(axis=1, keepdims=True) * (1 + i)).astype(np.float32)
+    return x, y
+
+
+def listening_addresses() -> list[str]:
+    """Local addresses of the TCP sockets this process listens on (from /proc, Linux only)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            local, state, inode = parts[1], parts[3], parts[9]
+            if state == "0A" and inode in inodes:  # 0A = LISTEN
+                out.append(_decode_address(local, width))
+    return out
+
+
+def _decode_address(text: str, width: int) -> str:
+    import ipaddress
+
+    hex_ip, hex_port = text.split(":")
+    raw = bytes.fromhex(hex_ip)
+    # /proc stores each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw) if width == 8 else ipaddress.IPv6Address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{int(hex_port, 16)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--restore", default=None, help="a checkpoint to compare with")
+    parser.add_argument("--forever", action="store_true", help="keep stepping (failure tests)")
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--die-after", type=int, default=2)
+    args = parser.parse_args()
+
+    info = distributed.initialize(heartbeat_timeout_seconds=10, shutdown_timeout_seconds=30)
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import ensemble
+
+    rank = info.process_id
+    os.makedirs(args.out, exist_ok=True)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.tanh(nn.Dense(32)(x))
+            return nn.Dense(1)(x)
+
+    model = MLP()
+    ens = ensemble.build(model, N_MEMBERS)
+    mesh = ens.mesh
+    variables = ens.init(jax.random.key(0), jnp.zeros((BATCH, FEATURES)))
+    params = variables["params"]
+    local = distributed.process_local_members(mesh, N_MEMBERS)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+    step = ensemble.train_step(
+        loss_fn, optax.adam(1e-2), n=N_MEMBERS, mesh=mesh, per_member_batch=True
+    )
+    opt_state = step.init(params)
+
+    def batch_at(t):
+        xs, ys = zip(*(member_data(i, t) for i in local))
+        return distributed.member_batch_from_local((np.stack(xs), np.stack(ys)), mesh, N_MEMBERS)
+
+    x, y = batch_at(0)
+    memory = {
+        "live": {str(d): b for d, b in ensemble.live_memory((params, opt_state)).items()},
+        "compiled_peak": ensemble.compiled_memory(step, params, opt_state, x, y).peak,
+    }
+    t = 0
+    losses = None
+    while args.forever or t < args.steps:
+        x, y = batch_at(t % 8)
+        old = params
+        params, opt_state, losses = step(params, opt_state, x, y)
+        donated = all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+        host_losses = distributed.gather_metrics_to_host(losses)
+        if info.is_main:
+            print(f"step {t} losses {np.round(host_losses, 4).tolist()}", flush=True)
+        t += 1
+        if args.die_rank == rank and t == args.die_after:
+            print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.forever:
+            time.sleep(0.2)
+
+    ckpt = distributed.save_checkpoint(os.path.join(args.out, "ckpt"), params, force=True)
+    restored = distributed.restore_checkpoint(ckpt, params)
+    same = all(
+        np.array_equal(np.asarray(a.data), np.asarray(b.data))
+        for ra, rb in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(params))
+        for a, b in zip(ra.addressable_shards, rb.addressable_shards)
+    )
+    other = None
+    if args.restore:  # a checkpoint written by a run with another process count
+        theirs = distributed.restore_checkpoint(args.restore, params)
+        diff = jax.tree_util.tree_map(lambda a, b: jnp.max(jnp.abs(a - b)), theirs, params)
+        other = float(max(distributed.gather_metrics_to_host(jax.tree_util.tree_leaves(diff))))
+
+    host_params = distributed.gather_metrics_to_host(params)
+    report = {
+        "rank": rank,
+        "num_processes": info.num_processes,
+        "device_count": info.device_count,
+        "local_devices": [d.id for d in jax.local_devices()],
+        "local_members": local,
+        "shards": {
+            jax.tree_util.keystr(path): [
+                [s.device.id, s.index[0].start, s.index[0].stop, list(s.data.shape)]
+                for s in leaf.addressable_shards
+            ]
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        },
+        "fully_addressable": [
+            leaf.is_fully_addressable for leaf in jax.tree_util.tree_leaves(params)
+        ],
+        "donated": donated,
+        "losses": np.asarray(distributed.gather_metrics_to_host(losses)).tolist(),
+        "checkpoint_roundtrip": same,
+        "restored_other_max_diff": other,
+        "memory": memory,
+        "listening": listening_addresses(),
+    }
+    with open(os.path.join(args.out, f"report_{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if info.is_main:
+        flat = {
+            jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host_params)
+        }
+        np.savez(os.path.join(args.out, "params.npz"), **flat)
+        print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
