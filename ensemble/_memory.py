@@ -139,7 +139,8 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
 
     ``fn`` may be jitted (``jax.jit``, ``nnx.jit``, an ensemble train step: anything with
     ``.lower``), with its donation and shardings, or a plain function (then ``jax.jit(fn)``, no
-    donation). Only lowering and compiling happen: nothing runs and donated arguments stay
+    donation), or an already lowered / compiled program (``ens.lower_init(key, x)``; then no
+    arguments). Only lowering and compiling happen: nothing runs and donated arguments stay
     valid, and ``args`` may be ``jax.ShapeDtypeStruct`` (with ``sharding=``) instead of arrays.
 
     Example:
@@ -149,15 +150,25 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
       >>> (s.argument, s.output, s.alias, s.peak)
       (4000, 4000, 4000, 4000)
     """
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
-        compiled = jitted.lower(*args, **kwargs).compile()
+        if isinstance(fn, jax.stages.Compiled):
+            compiled = fn
+        elif isinstance(fn, jax.stages.Lowered):  # e.g. ens.lower_init(key, x)
+            compiled = fn.compile()
+        else:
+            jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+            compiled = jitted.lower(*args, **kwargs).compile()
     except Exception as e:  # re-raised with what to do; the original stays chained
-        raise type(e)(
+        msg = (
             f"compiled_memory could not lower/compile {getattr(fn, '__name__', fn)!r} for the "
             f"given arguments: {e}. Pass the same arguments you would call it with (arrays or "
             "jax.ShapeDtypeStruct)."
-        ) from e
+        )
+        try:
+            err = type(e)(msg)
+        except Exception:  # an exception type with another constructor
+            err = RuntimeError(msg)
+        raise err from e
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(

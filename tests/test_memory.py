@@ -117,3 +117,25 @@ def test_print_memory_tables(capsys):
     assert "cpu:3" in ensemble.print_memory(ensemble.live_memory(x))
     with pytest.raises(TypeError, match="only for a function"):
         ensemble.print_memory(x, x)
+
+
+@pytest.mark.slow
+def test_memory_reduction_example_runs(tmp_path, monkeypatch):
+    """The README's main job stays runnable (small hidden size, D = 1 and 2)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "memory_reduction.py"
+    spec = importlib.util.spec_from_file_location("memory_reduction", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "memory_reduction", module)  # linen dataclasses need it
+    spec.loader.exec_module(module)
+    argv = ["--out", str(tmp_path), "--hidden", "64", "--members", "4", "--devices", "1", "2"]
+    report = module.main(argv)
+    ens, seed = report["results"]["ensemble"], report["results"]["seed"]
+    assert ens["2"]["state"] * 2 == ens["1"]["state"]  # halves with 2 devices
+    assert seed["2"]["state"] == seed["1"]["state"]  # the seed's way does not
+    assert ens["2"]["step_alias"] > 0 and seed["2"]["step_alias"] == 0
+    assert report["bias_specs"]["seed bias"] == "P()"
+    assert {p.name for p in tmp_path.iterdir()} >= {"memory_reduction.json", "memory_reduction.png"}
