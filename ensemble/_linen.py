@@ -204,7 +204,9 @@ class LinenEnsemble:
 
             args = self._constrain_inputs(args)
             in_axes = (rng_axes, *self._arg_axes(len(args)))
-            return jax.vmap(one, in_axes=in_axes, spmd_axis_name=MEMBER_AXIS)(member_rngs, *args)
+            return jax.vmap(one, in_axes=in_axes, axis_size=n, spmd_axis_name=MEMBER_AXIS)(
+                member_rngs, *args
+            )
 
         with partitioning(self._mesh, self._rules):
             boxed = jax.eval_shape(lambda r, a, d: boxed_init(r, a, d, False), rngs, args, dynamic)
@@ -288,7 +290,7 @@ class LinenEnsemble:
 
             args = self._constrain_inputs(args)
             in_axes = (0, rng_axes, *self._arg_axes(len(args)))
-            out = jax.vmap(one, in_axes=in_axes, spmd_axis_name=MEMBER_AXIS)(
+            out = jax.vmap(one, in_axes=in_axes, axis_size=n, spmd_axis_name=MEMBER_AXIS)(
                 variables, member_rngs, *args
             )
             return jax.tree_util.tree_map(self._constrain_member_major, out)

@@ -182,9 +182,9 @@ class TrainStep:
         def step(params, opt_state, *batch):
             batch = constrain_inputs(batch, axes, mesh, data_parallel)
             grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-            out, grads = jax.vmap(grad_fn, in_axes=(0, *axes), spmd_axis_name=MEMBER_AXIS)(
-                params, *batch
-            )
+            out, grads = jax.vmap(
+                grad_fn, in_axes=(0, *axes), axis_size=self._n, spmd_axis_name=MEMBER_AXIS
+            )(params, *batch)
             losses, aux = out if has_aux else (out, None)
             if np.shape(losses) != (self._n,):
                 raise ValueError(

@@ -1,0 +1,265 @@
+"""LinenEnsemble and build(): placement read off addressable shards, numbers vs the plain model."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ensemble
+import ensemble._nnx
+from ensemble._mesh import MEMBER_AXIS
+
+D = 8
+RULES = [("hidden", "model"), ("features", None)]
+
+
+class MLP(nn.Module):
+    """Annotated kernel, unannotated biases (the seed's bug: those stayed replicated)."""
+
+    hidden: int = 16
+    out: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("features", "hidden"))
+        h = nn.relu(nn.Dense(self.hidden, kernel_init=init)(x))
+        h = nn.with_logical_constraint(h, ("batch", "hidden"))
+        return nn.Dense(self.out)(h)
+
+
+class DropBN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(8)(x)
+        h = nn.Dropout(0.5, deterministic=not train)(h)
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(h)
+        return nn.Dense(2)(h)
+
+
+def members_on(mesh, device, n):
+    """Members the mesh puts on ``device``: its position on the ensemble axis, n/E each."""
+    pos = np.argwhere(mesh.devices == device)[0]
+    per = n // mesh.shape[MEMBER_AXIS]
+    return range(pos[0] * per, (pos[0] + 1) * per)
+
+
+def assert_placed(tree, mesh, n):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        assert leaf.shape[0] == n, jax.tree_util.keystr(path)
+        assert len(leaf.addressable_shards) == mesh.devices.size
+        for shard in leaf.addressable_shards:
+            got = range(*shard.index[0].indices(n))
+            assert got == members_on(mesh, shard.device, n), (
+                f"{jax.tree_util.keystr(path)} on {shard.device}: members {got}"
+            )
+
+
+@pytest.mark.parametrize("n", [D, 2 * D, D // 2])
+def test_every_leaf_on_its_members_devices(n):
+    ens = ensemble.build(MLP(), n, rules=RULES)
+    x = jnp.ones((4, 5))
+    variables = ens.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}
+    assert not any(isinstance(v, nn.Partitioned) for v in jax.tree_util.tree_leaves(variables))
+    assert_placed(variables, ens.mesh, n)
+    y = ens.apply(variables, x)
+    assert y.shape == (n, 4, 3)
+    assert_placed(y, ens.mesh, n)
+
+
+@pytest.mark.parametrize("n", [D, 2 * D, D // 2])
+def test_member_equals_plain_model(n):
+    ens = ensemble.build(MLP(), n, rules=RULES)
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    variables = ens.init(jax.random.key(0), x)
+    y = ens.apply(variables, x)
+    plain_apply = jax.jit(MLP().apply)
+    for i in (0, n // 2 + 1, n - 1):
+        ref = plain_apply(ens.member(variables, i), x)
+        np.testing.assert_allclose(y[i], ref, rtol=1e-5, atol=1e-6)
+    # Member i's init is the plain init with split(key, n)[i].
+    plain = MLP().init(jax.random.split(jax.random.key(0), n)[3], x)
+    np.testing.assert_allclose(
+        nn.unbox(plain)["params"]["Dense_0"]["kernel"], variables["params"]["Dense_0"]["kernel"][3]
+    )
+    assert not np.allclose(
+        variables["params"]["Dense_1"]["kernel"][0], plain["params"]["Dense_1"]["kernel"]
+    )
+
+
+def test_dropout_and_batchnorm_per_member():
+    n = D
+    # Same params for every member (params stream shared), so outputs differ only by dropout.
+    ens = ensemble.build(DropBN(), n, shared_rngs=("params",))
+    x = jax.random.normal(jax.random.key(1), (6, 4))
+    variables = ens.init(jax.random.key(0), x)
+    assert set(variables) == {"params", "batch_stats"}
+    assert_placed(variables, ens.mesh, n)
+    np.testing.assert_array_equal(
+        variables["params"]["Dense_0"]["kernel"][0], variables["params"]["Dense_0"]["kernel"][1]
+    )
+
+    eval_y = ens.apply(variables, x)
+    np.testing.assert_allclose(eval_y[0], eval_y[5], rtol=1e-6)
+
+    key = jax.random.key(7)
+    y, updates = ens.apply(variables, x, train=True, rngs={"dropout": key}, mutable=["batch_stats"])
+    assert y.shape == (n, 6, 2)
+    assert not np.allclose(y[0], y[1]), "dropout masks must differ per member"
+    assert_placed(updates, ens.mesh, n)
+    mean = updates["batch_stats"]["BatchNorm_0"]["mean"]
+    assert not np.allclose(mean, variables["batch_stats"]["BatchNorm_0"]["mean"])
+    for i in (0, 5):
+        ref, ref_upd = DropBN().apply(
+            ens.member(variables, i),
+            x,
+            train=True,
+            rngs={"dropout": jax.random.split(key, n)[i]},
+            mutable=["batch_stats"],
+        )
+        np.testing.assert_allclose(y[i], ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            mean[i], ref_upd["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_per_member_inputs_and_shape_errors():
+    n = D
+    ens = ensemble.build(MLP(), n, in_axes=0, rules=RULES)
+    xs = jax.random.normal(jax.random.key(1), (n, 3, 5))
+    variables = ens.init(jax.random.key(0), xs)
+    y = ens.apply(variables, xs)
+    for i in (0, 7):
+        np.testing.assert_allclose(
+            y[i], MLP().apply(ens.member(variables, i), xs[i]), rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(ValueError, match=r"input 0 is per-member .* n=8; got shape \(4, 3, 5\)"):
+        ens.apply(variables, xs[:4])
+    with pytest.raises(ValueError, match="leading member axis of size n=8"):
+        ens.apply(ens.member(variables, 0), xs)
+    with pytest.raises(TypeError, match="rngs= must be a dict"):
+        ens.apply(variables, xs, rngs=jax.random.key(0))
+    with pytest.raises(IndexError, match="out of range"):
+        ens.member(variables, n)
+    with pytest.raises(ValueError, match="in_axes must be None"):
+        ensemble.build(MLP(), n, in_axes=1)
+
+
+def test_model_parallel_rules_split_member_weights():
+    n = D // 4  # each member spans 4 devices: data 2 x model 2
+    ens = ensemble.build(MLP(hidden=16), n, model_parallel=2, rules=RULES)
+    assert dict(ens.mesh.shape) == {"ensemble": 2, "data": 2, "model": 2}
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    variables = ens.init(jax.random.key(0), x)
+    kernel = variables["params"]["Dense_0"]["kernel"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 5, 8)}
+    bias = variables["params"]["Dense_1"]["bias"]  # unannotated: member axis only
+    assert {s.data.shape for s in bias.addressable_shards} == {(1, 3)}
+    y = ens.apply(variables, x)
+    for i in range(n):
+        np.testing.assert_allclose(
+            y[i], MLP().apply(ens.member(variables, i), x), rtol=1e-5, atol=1e-6
+        )
+
+
+class Hidden(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        return nn.with_logical_constraint(h, ("batch", None))
+
+
+def test_logical_constraint_inside_member_is_not_a_no_op():
+    # n = D/2: a member spans 2 devices on 'data'; the model's 'batch' constraint must split the
+    # batch there even with the default input hint turned off.
+    ens = ensemble.build(Hidden(), D // 2, data_parallel=False)
+    x = jnp.ones((6, 3))
+    y = ens.apply(ens.init(jax.random.key(0), x), x)
+    assert y.sharding.spec[:2] == (MEMBER_AXIS, "data")
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 4)}
+
+
+def test_init_holds_only_a_devices_share():
+    ens = ensemble.build(MLP(hidden=512, out=64), D, rules=RULES)
+    x = jnp.ones((2, 64))
+    variables = ens.init(jax.random.key(0), x)
+    total = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(variables))
+    stats = ens.lower_init(jax.random.key(0), x).compile().memory_analysis()
+    assert stats.output_size_in_bytes == pytest.approx(total / D, rel=0.02)
+    # Scratch (random bits) is a small multiple of the share, never a copy of the ensemble.
+    peak = stats.output_size_in_bytes + stats.temp_size_in_bytes
+    assert peak < 3.5 * total / D
+    shardings = ens.init_shardings(jax.random.key(0), x)
+    assert jax.tree_util.tree_leaves(shardings)[0].spec[0] == MEMBER_AXIS
+
+
+def test_apply_compiles_once_per_static_config():
+    ens = ensemble.build(DropBN(), D)
+    x = jnp.ones((2, 4))
+    variables = ens.init(jax.random.key(0), x)
+    for seed in range(3):
+        ens.apply(
+            variables,
+            x + seed,
+            train=True,
+            rngs={"dropout": jax.random.key(seed)},
+            mutable=["batch_stats"],
+        )
+    ens.apply(variables, x)
+    apply_programs = [v for k, v in ens._cache.items() if k[0] == "apply"]
+    assert len(apply_programs) == 2
+    assert all(p._cache_size() == 1 for p in apply_programs)
+
+
+@pytest.mark.parametrize(
+    "rng", [jax.random.key(0), jax.random.PRNGKey(0), 0, {"params": jax.random.key(0)}]
+)
+def test_rng_forms(rng):
+    ens = ensemble.build(nn.Dense(2), D)
+    v = ens.init(rng, jnp.ones((1, 3)))
+    ref = ens.init(jax.random.key(0), jnp.ones((1, 3)))
+    np.testing.assert_array_equal(v["params"]["kernel"], ref["params"]["kernel"])
+
+
+def test_user_mesh_on_a_subset_of_devices():
+    mesh = ensemble.make_mesh(4, devices=jax.devices()[:2])
+    ens = ensemble.build(nn.Dense(2), 4, mesh=mesh)
+    v = ens.init(jax.random.key(0), jnp.ones((1, 3)))
+    assert {s.device for s in v["params"]["kernel"].addressable_shards} == set(jax.devices()[:2])
+    assert_placed(v, mesh, 4)
+    with pytest.raises(ValueError, match="n=3 members cannot be split"):
+        ensemble.build(nn.Dense(2), 3, mesh=mesh)
+
+
+def test_build_errors():
+    with pytest.raises(TypeError, match=r"instantiate it: ensemble.build\(Dense\(...\), n\)"):
+        ensemble.build(nn.Dense, D)
+    with pytest.raises(TypeError, match="pass a factory"):
+        ensemble.build(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), D)
+    with pytest.raises(TypeError, match=r"linen nn\.Module instance or an NNX factory"):
+        ensemble.build(42, D)
+    with pytest.raises(TypeError, match="neither a linen"):
+        ensemble.build(dict, D)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="positive integer"):
+            ensemble.build(nn.Dense(2), bad)
+    with pytest.raises(ValueError, match=r"n=3 members on D=8"):
+        ensemble.build(nn.Dense(2), 3)
+
+
+def test_build_dispatches_nnx_factories(monkeypatch):
+    calls = []
+
+    def fake_build_nnx(model, n, **kwargs):
+        calls.append((model, n, kwargs))
+        return "nnx-ensemble"
+
+    monkeypatch.setattr(ensemble._nnx, "build_nnx", fake_build_nnx, raising=False)
+    factory = lambda rngs: nnx.Linear(2, 3, rngs=rngs)
+    assert ensemble.build(factory, D, in_axes=0, extra=1) == "nnx-ensemble"
+    assert ensemble.build(nnx.Linear, D, in_features=2, out_features=3) == "nnx-ensemble"
+    model, n, kwargs = calls[0]
+    assert model is factory and n == D
+    assert kwargs == dict(mesh=None, devices=None, model_parallel=1, rules=None, in_axes=0, extra=1)
