@@ -1,0 +1,349 @@
+"""NNX ensembles: placement read off addressable shards, behaviour of members, training, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ensemble._nnx import NNXEnsemble, build_nnx, nnx_optimizer, nnx_train_step
+
+D = 8  # tests/conftest.py
+
+
+class MLP(nnx.Module):
+    """Unannotated params, BatchNorm and Dropout: every kind of state a member can hold."""
+
+    def __init__(self, din: int, dh: int, dout: int, *, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(din, dh, rngs=rngs)
+        self.bn = nnx.BatchNorm(dh, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(dh, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(self.bn(nnx.relu(self.l1(x)))))
+
+
+class Annotated(nnx.Module):
+    """A kernel whose hidden axis is tensor-parallel through the rule ('hidden', 'model')."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "hidden"))
+        self.l1 = nnx.Linear(3, 16, kernel_init=init, rngs=rngs)
+        self.l2 = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def mlp(rngs):
+    return MLP(3, 8, 2, rngs=rngs)
+
+
+def linear(rngs):
+    return nnx.Linear(3, 1, rngs=rngs)
+
+
+def mse(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+@nnx.jit
+def forward(ens, x):
+    return ens(x)
+
+
+def assert_on_member_axis(tree, mesh, n):
+    """Every leaf: leading n, each shard holds exactly its own members on the devices the mesh
+    assigns to them (read off addressable_shards, not metadata)."""
+    e = mesh.shape["ensemble"]
+    per_shard = n // e
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    assert leaves
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        assert leaf.shape[0] == n, name
+        for shard in leaf.addressable_shards:
+            rows = range(n)[shard.index[0]]
+            assert len(rows) == per_shard, f"{name}: shard on {shard.device} holds rows {rows}"
+            owner = rows[0] // per_shard
+            assert shard.device in set(mesh.devices[owner].flat), (name, shard.device, owner)
+            assert shard.data.shape[0] == per_shard, name
+
+
+@functools.cache
+def built(n):
+    """One MLP ensemble per n for the whole file: building (a compile) is the slow part."""
+    return build_nnx(mlp, n, rngs=0)
+
+
+@pytest.fixture
+def ens8():
+    ens = built(D)
+    yield ens
+    ens.train()
+    ens.in_axes = None
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [D, 2 * D, D // 2])
+def test_contract_placement(n):
+    ens = built(n)
+    assert isinstance(ens, NNXEnsemble) and ens.n == n
+    y = forward(ens, jnp.ones((4, 3)))
+    assert y.shape == (n, 4, 2)
+    assert y.sharding.spec[0] == "ensemble"
+    assert_on_member_axis(nnx.state(ens), ens.mesh, n)
+    # Params, batch stats and the dropout rng key/count all hold their member axis.
+    kinds = {type(v).__name__ for v in jax.tree.leaves(nnx.state(ens), is_leaf=_is_var)}
+    assert {"Param", "BatchStat", "RngKey", "RngCount"} <= kinds
+    # Per-device bytes are the share: n members over the mesh's member axis.
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(ens)))
+    per_device = _bytes_per_device(nnx.state(ens))
+    assert max(per_device.values()) == total // ens.mesh.shape["ensemble"]
+
+
+def _is_var(x):
+    return isinstance(x, nnx.Variable)
+
+
+def _bytes_per_device(tree):
+    out = {}
+    for leaf in jax.tree.leaves(tree):
+        for s in leaf.addressable_shards:
+            out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
+
+
+def test_eager_call_and_outputs_member_sharded(ens8):
+    y = ens8(jnp.ones((4, 3)))
+    assert y.shape == (D, 4, 2)
+    assert {s.device for s in y.addressable_shards} == set(jax.devices())
+    assert all(s.data.shape[0] == 1 for s in y.addressable_shards)
+
+
+def test_model_parallel_through_rules():
+    ens = build_nnx(Annotated, 4, model_parallel=2, rules=[("hidden", "model")], rngs=1)
+    assert dict(ens.mesh.shape) == {"ensemble": 4, "data": 1, "model": 2}
+    kernel = ens.members.l1.kernel[...]
+    assert kernel.sharding.spec == jax.P("ensemble", None, "model")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 3, 8)}
+    assert_on_member_axis(nnx.state(ens), ens.mesh, 4)
+    x = jnp.ones((2, 3))
+    np.testing.assert_allclose(forward(ens, x)[2], ens.member(2)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_inside_member():
+    ens = build_nnx(linear, D // 2, rngs=2)
+    y = forward(ens, jnp.ones((6, 3)))
+    # Each member spans 2 devices ('data'): its batch is split over them, not duplicated.
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 1)}
+
+
+def test_user_mesh_and_rngs_forms():
+    devices = jax.devices()[:4]
+    a = build_nnx(linear, 4, devices=devices, rngs=jax.random.key(3))
+    assert set(a.mesh.devices.flat) == set(devices)
+    # An nnx.Rngs gives one key per stream (advancing it, like any other use of the Rngs).
+    rngs = nnx.Rngs(params=3)
+    b = build_nnx(linear, 4, mesh=a.mesh, rngs=rngs)
+    c = build_nnx(nnx.Linear, 4, mesh=a.mesh, rngs={"params": 3}, in_features=3, out_features=1)
+    assert int(rngs.params.count[...]) == 1
+    assert not np.array_equal(b.members.kernel[...], c.members.kernel[...])
+    kernels = np.asarray(a.members.kernel[...])
+    assert len({k.tobytes() for k in kernels}) == 4, "members must differ"
+
+
+# -- behaviour ------------------------------------------------------------------------------------
+
+
+def test_member_i_equals_row_i(ens8):
+    ens8.eval()
+    x = jax.random.normal(jax.random.key(0), (5, 3))
+    y = forward(ens8, x)
+    for i in (0, 5, D - 1):
+        member = ens8.member(i)
+        assert type(member) is MLP
+        assert member.l1.kernel[...].shape == (3, 8)
+        np.testing.assert_allclose(member(x), y[i], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_masks_differ_per_member_and_eval_is_deterministic():
+    class Drop(nnx.Module):
+        def __init__(self, rngs):
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(x)
+
+    ens = build_nnx(Drop, D)
+    x = jnp.ones((32,))
+    member = ens.member(3)
+    masks = forward(ens, x)
+    assert len({np.asarray(m).tobytes() for m in masks}) == D
+    # A member copy carries that member's rng state: same mask as row i of the ensemble.
+    np.testing.assert_array_equal(member(x), masks[3])
+    assert not np.array_equal(forward(ens, x), masks), "rng counts must advance"
+    ens.eval()
+    np.testing.assert_array_equal(forward(ens, x), jnp.ones((D, 32)))
+
+
+def test_batchnorm_updates_stats_per_member(ens8):
+    ens = ens8
+    ens.in_axes = 0
+    x = jax.random.normal(jax.random.key(1), (D, 16, 3)) * jnp.arange(1, D + 1)[:, None, None]
+    before = np.asarray(ens.members.bn.mean[...])
+    forward(ens, x)
+    after = ens.members.bn.mean[...]
+    assert after.shape == (D, 8) and after.sharding.spec[0] == "ensemble"
+    assert not np.allclose(before, after)
+    assert len({np.asarray(r).tobytes() for r in after}) == D
+    ens.eval()
+    forward(ens, x)
+    np.testing.assert_array_equal(ens.members.bn.mean[...], after)
+
+
+def test_value_and_grad_and_per_member_inputs(ens8):
+    x = jax.random.normal(jax.random.key(2), (D, 4, 3))
+
+    @nnx.jit
+    def loss_and_grads(ens, x):
+        return nnx.value_and_grad(lambda e: (e(x) ** 2).sum())(ens)
+
+    ens8.in_axes = 0
+    loss, grads = loss_and_grads(ens8, x)
+    assert loss.shape == ()
+    assert_on_member_axis(grads, ens8.mesh, D)
+
+
+# -- optimizer and training ------------------------------------------------------------------------
+
+
+def test_optimizer_state_placement(ens8):
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    opt = nnx_optimizer(ens8, tx, learning_rate=np.linspace(1e-3, 1e-2, D))
+    state = nnx.state(opt)
+    member_shaped = [x for x in jax.tree.leaves(state) if x.ndim >= 1]
+    assert_on_member_axis(member_shaped, ens8.mesh, D)
+    lr = opt.opt_state.hyperparams["learning_rate"][...]
+    assert lr.shape == (D,) and lr.sharding.spec[0] == "ensemble"
+    # Only the global step counter is not member-shaped.
+    assert [x.shape for x in jax.tree.leaves(state) if x.ndim == 0] == [()]
+
+
+def test_train_step_lowers_loss_and_donates():
+    ens = build_nnx(linear, D, rngs=4)
+    opt = nnx_optimizer(ens, optax.sgd(0.1, momentum=0.5))
+    step = nnx_train_step(mse)
+    x = jax.random.normal(jax.random.key(5), (16, 3))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5]])
+    old = ens.members.kernel[...]
+    first = step(ens, opt, x, y)
+    assert first.shape == (D,) and first.sharding.spec[0] == "ensemble"
+    assert old.is_deleted(), "donated params must be consumed by the step"
+    for _ in range(30):
+        last = step(ens, opt, x, y)
+    assert bool(jnp.all(last < 0.1 * first)), (first, last)
+    assert_on_member_axis(nnx.state(ens), ens.mesh, D)
+    assert_on_member_axis([x for x in jax.tree.leaves(nnx.state(opt)) if x.ndim], ens.mesh, D)
+    memory = step.lower(ens, opt, x, y).compile().memory_analysis()
+    assert memory.alias_size_in_bytes > 0
+    keep = nnx_train_step(mse, donate=False)
+    kept = ens.members.kernel[...]
+    keep(ens, opt, x, y)
+    assert not kept.is_deleted()
+
+
+def test_per_member_clip_and_batches_are_independent():
+    """A huge gradient on member 0 must not change the other members' (clipped) updates."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    x = jax.random.normal(jax.random.key(6), (D, 8, 3))
+    y = jnp.zeros((D, 8, 1))
+    ens = build_nnx(linear, D, rngs=7)
+    opt = nnx_optimizer(ens, tx)
+    step = nnx_train_step(mse, per_member_batch=True, donate=False)
+    results = []
+    for scale in (1.0, 1e6):
+        e, o = nnx.clone(ens), nnx.clone(opt)
+        step(e, o, x, y.at[0].set(scale))
+        results.append(np.asarray(e.members.kernel[...]))
+    np.testing.assert_array_equal(results[0][1:], results[1][1:])
+    assert not np.allclose(results[0][0], results[1][0])
+
+
+def test_per_member_learning_rates():
+    ens = build_nnx(linear, D, rngs=8)
+    lrs = np.arange(D, dtype=np.float32) * 0.01  # member 0 does not move
+    opt = nnx_optimizer(
+        ens, optax.inject_hyperparams(optax.sgd)(learning_rate=0.0), learning_rate=lrs
+    )
+    step = nnx_train_step(mse, has_aux=False)
+    x, y = jnp.ones((4, 3)), jnp.ones((4, 1))
+    before = np.asarray(ens.members.kernel[...])
+    grads = np.asarray(nnx.grad(lambda e: e.map(mse, x, y).sum())(ens).members.kernel[...])
+    step(ens, opt, x, y)
+    delta = before - np.asarray(ens.members.kernel[...])
+    np.testing.assert_allclose(delta, lrs[:, None, None] * grads, rtol=1e-4, atol=1e-7)
+    assert np.all(delta[0] == 0)
+
+
+def test_train_step_with_aux_and_dropout_batchnorm(ens8):
+    opt = nnx_optimizer(ens8, optax.sgd(0.01))
+
+    def loss_fn(m, x):
+        out = m(x)
+        return (out**2).mean(), out.mean()
+
+    step = nnx_train_step(loss_fn, has_aux=True)
+    stats = np.asarray(ens8.members.bn.mean[...])  # a copy: the step donates the old buffer
+    losses, aux = step(ens8, opt, jax.random.normal(jax.random.key(9), (8, 3)))
+    assert losses.shape == (D,) and aux.shape == (D,)
+    assert not np.allclose(stats, ens8.members.bn.mean[...])
+    assert int(opt.step[...]) == 1
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, -2, 1.5])
+def test_bad_n(n):
+    with pytest.raises(ValueError, match="positive integer"):
+        build_nnx(linear, n)
+
+
+def test_impossible_n_for_devices():
+    with pytest.raises(ValueError, match=r"n=3 members on D=8.*divisor of D"):
+        build_nnx(linear, 3)
+
+
+def test_factory_errors():
+    with pytest.raises(TypeError, match=r"must return an nnx\.Module"):
+        build_nnx(lambda rngs: jnp.ones(3), D)
+    with pytest.raises(TypeError, match=r"instance.*factory"):
+        build_nnx(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), D)
+    with pytest.raises(TypeError, match="callable"):
+        build_nnx("Linear", D)
+    with pytest.raises(TypeError, match=r"only accepted with an nnx\.Module subclass"):
+        build_nnx(linear, D, in_features=3)
+    with pytest.raises(TypeError, match="rngs must be"):
+        build_nnx(linear, D, rngs="seed")
+    with pytest.raises(ValueError, match="in_axes"):
+        build_nnx(linear, D, in_axes=1)
+
+
+def test_bad_inputs(ens8):
+    ens8.in_axes = 0
+    with pytest.raises(ValueError, match="leading member axis of size n=8"):
+        ens8(jnp.ones((4, 3)))
+    ens8.in_axes = (None, 0)
+    with pytest.raises(ValueError, match="one axis"):
+        ens8(jnp.ones((4, 3)))
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        ens8.member(8)
+    with pytest.raises(TypeError, match="NNXEnsemble"):
+        nnx_optimizer(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
