@@ -19,7 +19,11 @@ with gloo collectives:
 Output lines come back prefixed ``[rank k]``. If any process fails (non-zero exit or a signal),
 the launcher stops the others (SIGTERM, SIGKILL after ``--grace`` seconds) and exits with that
 process's code, so a crash never leaves the rest hanging in a collective. SIGINT / SIGTERM sent to
-the launcher are forwarded to every process. ``--timeout`` bounds the whole run (exit 124).
+the launcher are forwarded to every process, followed by SIGKILL ``--grace`` seconds later for any
+that is still running: JAX's preemption service catches SIGTERM in a distributed run and only
+records it, so a process blocked in a collective would otherwise keep running. ``--timeout``
+bounds the whole run (exit 124). Only 127.0.0.1 is used: the coordinator binds loopback
+(``JAX_COORDINATOR_BIND_ADDRESS``) and ``ensemble.distributed.initialize`` makes gloo bind it too.
 
 This is for trying a multi-host program on one machine and for tests. Across real hosts, start
 one process per host with your cluster's tools (SLURM, Kubernetes, or by hand with the variables
@@ -90,7 +94,7 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     timeout: float | None = None,
-    grace: float = 10.0,
+    grace: float = 5.0,
     env: Mapping[str, str] | None = None,
     stdout: IO[bytes] | None = None,
     stderr: IO[bytes] | None = None,
@@ -149,6 +153,7 @@ def launch(
             threads.append(t)
 
     received: list[int] = []
+    kill_at: list[float] = []
 
     def forward(signum, frame):
         received.append(signum)
@@ -156,6 +161,9 @@ def launch(
         sig = signal.SIGKILL if received.count(signal.SIGINT) > 1 else signum
         for p in procs:
             _signal_group(p, sig)
+        # JAX's preemption service catches SIGTERM in a distributed run (it only records a
+        # preemption notice), so a process may well survive it: SIGKILL after the grace period.
+        kill_at.append(time.monotonic() + grace)
 
     old = {}
     if threading.current_thread() is threading.main_thread():
@@ -179,6 +187,10 @@ def launch(
                 _stop(procs, grace)
             if all(c is not None for c in codes):
                 break
+            if kill_at and time.monotonic() > kill_at[0]:
+                for p in procs:
+                    if p.poll() is None:
+                        _signal_group(p, signal.SIGKILL)
             if deadline is not None and time.monotonic() > deadline and code == 0:
                 note(f"--timeout {timeout:g} s reached; stopping all processes.")
                 code = 124
@@ -216,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after S s")
     parser.add_argument(
-        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and its arguments")
     args = parser.parse_args(argv)

@@ -83,9 +83,12 @@ def main() -> int:
     parser.add_argument("--forever", action="store_true", help="keep stepping (failure tests)")
     parser.add_argument("--die-rank", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=2)
+    parser.add_argument("--heartbeat", type=int, default=10, help="heartbeat timeout, seconds")
     args = parser.parse_args()
 
-    info = distributed.initialize(heartbeat_timeout_seconds=10, shutdown_timeout_seconds=30)
+    info = distributed.initialize(
+        heartbeat_timeout_seconds=args.heartbeat, shutdown_timeout_seconds=30
+    )
 
     import flax.linen as nn
     import jax

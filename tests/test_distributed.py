@@ -1,0 +1,281 @@
+"""Ensembles across processes: the local launcher, and 2 processes x 2 CPU devices vs 1 x 4.
+
+The multi-process tests start fresh Python processes with an explicit environment: they must not
+inherit this pytest process's 8 simulated devices (conftest) or any JAX_/XLA_ settings.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ensemble import _distributed as distributed
+from ensemble import launch as launcher
+from ensemble import make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
+# Subprocess budgets: generous for 2 busy cores, yet far below "hangs forever".
+RUN_TIMEOUT = 150
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The parent's environment without anything that configures JAX, XLA or a cluster."""
+    drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_launcher(args: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ensemble.launch", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def is_loopback(address: str) -> bool:
+    return address.rsplit(":", 1)[0] in ("127.0.0.1", "::1")
+
+
+# -------------------------------------------------------------------- launcher (no JAX inside)
+
+
+def _launch_quiet(command: list[str], n: int, **kw) -> tuple[int, str, str]:
+    out, err = io.BytesIO(), io.BytesIO()
+    code = launcher.launch(command, n, env=clean_env(), stdout=out, stderr=err, **kw)
+    return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+@pytest.mark.timeout(60)
+def test_launcher_sets_loopback_env_and_prefixes_output():
+    script = (
+        "import os, sys; e = os.environ; "
+        "print(e['ENSEMBLE_PROCESS_ID'], e['ENSEMBLE_NUM_PROCESSES'], "
+        "e['JAX_COORDINATOR_ADDRESS'], "
+        "e['JAX_COORDINATOR_BIND_ADDRESS'], e['JAX_NUM_CPU_DEVICES'], "
+        "e['JAX_CPU_COLLECTIVES_IMPLEMENTATION']); print('to stderr', file=sys.stderr)"
+    )
+    code, out, err = _launch_quiet([sys.executable, "-c", script], 3, devices_per_process=2)
+    assert code == 0, err
+    lines = sorted(out.splitlines())
+    assert [line.split()[:2] for line in lines] == [["[rank", f"{r}]"] for r in range(3)]
+    fields = [line.split()[2:] for line in lines]
+    assert [f[0] for f in fields] == ["0", "1", "2"]
+    addresses = {f[2] for f in fields} | {f[3] for f in fields}
+    assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
+    assert all(f[1] == "3" and f[4] == "2" and f[5] == "gloo" for f in fields)
+    assert sorted(err.splitlines()) == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+@pytest.mark.timeout(60)
+def test_launcher_stops_the_others_when_one_fails():
+    script = (
+        "import os, sys, time\n"
+        "if os.environ['ENSEMBLE_PROCESS_ID'] == '1': time.sleep(0.5); sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    start = time.monotonic()
+    code, _, err = _launch_quiet([sys.executable, "-c", script], 3, grace=5)
+    assert code == 3
+    assert time.monotonic() - start < 30
+    assert "rank 1 exited with code 3" in err and "stopping the other processes [0, 2]" in err
+
+
+@pytest.mark.timeout(60)
+def test_launcher_timeout_stops_everything():
+    start = time.monotonic()
+    code, _, err = _launch_quiet(
+        [sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout=1.0, grace=2
+    )
+    assert code == 124 and "--timeout" in err
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(90)
+def test_launcher_forwards_sigterm_and_leaves_no_process(tmp_path):
+    pids = tmp_path / "pids"
+    # Like a process of a JAX distributed run, whose preemption service swallows SIGTERM.
+    script = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(pids)!r} + os.environ['ENSEMBLE_PROCESS_ID'], 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    proc = subprocess.Popen(
+        [*cmd, sys.executable, "-c", script],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        files = [tmp_path / f"pids{r}" for r in range(2)]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline, "the launched processes never started"
+            time.sleep(0.1)
+        children = [int(f.read_text()) for f in files]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launcher_cli_needs_a_command():
+    with pytest.raises(SystemExit):
+        launcher.main(["-n", "2"])
+
+
+# -------------------------------------------------------------------- helpers, in this process
+
+
+def test_single_process_helpers(tmp_path):
+    n = jax.device_count()
+    mesh = make_mesh(n)
+    info = distributed.initialize()  # backend already up, nothing asked: just reports
+    assert (info.process_id, info.num_processes, info.device_count) == (0, 1, n)
+    assert distributed.is_main_process()
+    assert distributed.process_local_members(mesh, n) == list(range(n))
+    assert distributed.process_local_members(make_mesh(2 * n), 2 * n) == list(range(2 * n))
+
+    local = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    x = distributed.member_batch_from_local({"x": local}, mesh, n)["x"]
+    assert x.shape == (n, 3) and len({s.device for s in x.addressable_shards}) == n
+    np.testing.assert_array_equal(distributed.gather_metrics_to_host(x), local)
+    with pytest.raises(ValueError, match="leading axis of 8"):
+        distributed.member_batch_from_local(np.zeros((3, 2)), mesh, n)
+
+    path = distributed.save_checkpoint(tmp_path / "ckpt", {"x": x})
+    back = distributed.restore_checkpoint(path, {"x": x})["x"]
+    assert back.sharding == x.sharding
+    np.testing.assert_array_equal(np.asarray(back), local)
+
+
+def test_initialize_too_late_says_what_to_do():
+    jnp.zeros(1).block_until_ready()  # the backend is up
+    with pytest.raises(RuntimeError, match="before any JAX computation"):
+        distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+
+
+def test_loopback_detection():
+    assert distributed._is_loopback("127.0.0.1:1234") and distributed._is_loopback("[::1]:1")
+    assert distributed._is_loopback("localhost:80")
+    assert not distributed._is_loopback("10.0.0.1:1234")
+
+
+# -------------------------------------------------------------------- 2 processes x 2 devices
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_train_like_one(tmp_path):
+    """4 members on 2 processes x 2 CPU devices == the same 4 members on 1 process x 4 devices."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    res = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "140", "--",
+         sys.executable, WORKER, "--out", str(two)]
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ref = subprocess.run(
+        [sys.executable, WORKER, "--out", str(one), "--restore", str(two / "ckpt")],
+        cwd=ROOT,
+        env=clean_env(JAX_NUM_CPU_DEVICES="4"),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    # Same seeds, same data: the same parameters (per-member math is the same program).
+    a, b = np.load(two / "params.npz"), np.load(one / "params.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+    reports = [json.loads((two / f"report_{r}.json").read_text()) for r in range(2)]
+    single = json.loads((one / "report_0.json").read_text())
+    assert single["num_processes"] == 1 and single["restored_other_max_diff"] <= 1e-6
+    for r, rep in enumerate(reports):
+        assert rep["num_processes"] == 2 and rep["device_count"] == 4
+        assert len(rep["local_devices"]) == 2
+        # Each process holds its own members' shards, and only those.
+        assert rep["local_members"] == [2 * r, 2 * r + 1]
+        assert not any(rep["fully_addressable"])
+        for leaf, shards in rep["shards"].items():
+            assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
+            assert sorted((s[1], s[2]) for s in shards) == [
+                (2 * r, 2 * r + 1),
+                (2 * r + 1, 2 * r + 2),
+            ]
+            assert all(s[3][0] == 1 for s in shards), leaf
+        assert rep["donated"] and rep["checkpoint_roundtrip"]
+        np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
+        # The memory report: each device holds one member, as in the 1-process run.
+        assert set(rep["memory"]["live"].values()) == set(single["memory"]["live"].values())
+        assert rep["memory"]["compiled_peak"] == single["memory"]["compiled_peak"]
+        # Nothing listens beyond loopback (coordinator on rank 0, gloo on both).
+        assert rep["listening"] and all(is_loopback(a) for a in rep["listening"]), rep["listening"]
+    assert "[rank 0] done" in res.stdout
+
+
+@pytest.mark.timeout(200)
+def test_killed_process_stops_the_run_under_the_launcher(tmp_path):
+    res = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--grace", "2", "--timeout", "140", "--",
+         sys.executable, WORKER, "--out", str(tmp_path), "--forever", "--die-rank", "1"]
+    )  # fmt: skip
+    ended = time.time()
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL" in res.stderr
+    died = float(res.stdout.split("rank 1 dying now at ")[1].split()[0])
+    print(f"launcher exited {ended - died:.1f} s after rank 1 died")
+    assert ended - died < 60
+
+
+@pytest.mark.timeout(200)
+def test_dead_peer_is_detected_without_the_launcher(tmp_path):
+    """As on two hosts (no launcher to stop the survivor): the heartbeat timeout ends it."""
+    port = launcher.free_port()
+    procs = []
+    for rank in range(2):
+        env = launcher.process_env(rank, 2, port, devices_per_process=2, base=clean_env())
+        cmd = [sys.executable, WORKER, "--out", str(tmp_path), "--forever", "--die-rank", "1",
+               "--heartbeat", "5"]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        out1, _ = procs[1].communicate(timeout=RUN_TIMEOUT)
+        died = float(out1.split("rank 1 dying now at ")[1].split()[0])
+        _, err0 = procs[0].communicate(timeout=60)
+        ended = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode != 0
+    print(f"survivor exited {ended - died:.1f} s after its peer died (heartbeat timeout 5 s)")
+    assert ended - died < 60, f"survivor took {ended - died:.1f} s"
+    assert "another task died" in err0 or "Connection closed" in err0, err0[-3000:]
