@@ -179,19 +179,25 @@ class TrainStep:
         loss_fn, tx, mesh, has_aux = self._loss_fn, self._tx, self._mesh, self._has_aux
         data_parallel = self._data_parallel
 
+        def member_loss(params, *batch):
+            out = loss_fn(params, *batch)
+            loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
+            if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
+            if np.shape(loss) != ():
+                raise ValueError(
+                    "loss_fn must return a scalar loss per member (it sees one member's params); "
+                    f"got shape {np.shape(loss)}. Reduce it, e.g. with jnp.mean."
+                )
+            return out
+
         def step(params, opt_state, *batch):
             batch = constrain_inputs(batch, axes, mesh, data_parallel)
-            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+            grad_fn = jax.value_and_grad(member_loss, has_aux=has_aux)
             out, grads = jax.vmap(
                 grad_fn, in_axes=(0, *axes), axis_size=self._n, spmd_axis_name=MEMBER_AXIS
             )(params, *batch)
             losses, aux = out if has_aux else (out, None)
-            if np.shape(losses) != (self._n,):
-                raise ValueError(
-                    "loss_fn must return a scalar loss per member; got shape "
-                    f"{np.shape(losses)[1:]}"
-                    + (" (with has_aux=True it returns (loss, aux))." if has_aux else ".")
-                )
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             losses = constrain_member_major(losses, mesh)

@@ -1,0 +1,235 @@
+"""train_step: donation, placement kept, per-member optimizer state and hyperparameters."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ensemble
+
+D = 8
+RULES = [("hidden", "model"), ("features", None)]
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("features", "hidden"))
+        h = nn.tanh(nn.Dense(8, kernel_init=init)(x))
+        h = nn.with_logical_constraint(h, ("batch", "hidden"))
+        return nn.Dense(1)(h)
+
+
+MODEL = MLP()
+
+
+def mse(params, x, y):
+    return jnp.mean((MODEL.apply({"params": params}, x) - y) ** 2)
+
+
+def setup(n, x, **build_kwargs):
+    ens = ensemble.build(MODEL, n, rules=RULES, **build_kwargs)
+    return ens, ens.init(jax.random.key(0), x)["params"]
+
+
+def specs(tree):
+    return [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.parametrize(("n", "mp"), [(D, 1), (2 * D, 1), (D // 4, 2)])
+def test_step_trains_in_place_and_donates(n, mp):
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    y = jnp.sin(x[:, :1])
+    ens, params = setup(n, x, model_parallel=mp)
+    step = ensemble.train_step(mse, optax.adam(1e-2), n=n, mesh=ens.mesh, rules=ens.rules)
+    opt_state = step.init(params)
+    # Adam moments sit where their parameters sit (split on 'model' too); counts on the members.
+    mu = opt_state[0].mu
+    assert specs(mu) == specs(params)
+    assert opt_state[0].count.shape == (n,)
+    assert opt_state[0].count.sharding.spec == P("ensemble")
+
+    param_specs = specs(params)
+    stats = step.lower(params, opt_state, x, y).compile().memory_analysis()
+    assert stats.alias_size_in_bytes > 0
+    old_params, old_state = params, opt_state
+    params, opt_state, losses = step(params, opt_state, x, y)
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves((old_params, old_state)))
+    assert losses.shape == (n,) and losses.sharding.spec == P("ensemble")
+    assert specs(params) == param_specs
+    first = np.asarray(losses)
+    for _ in range(20):
+        params, opt_state, losses = step(params, opt_state, x, y)
+    assert np.all(np.asarray(losses) < first)
+    assert len(step._cache) == 1
+
+
+def test_member_step_equals_plain_optax():
+    n = D
+    xs = jax.random.normal(jax.random.key(1), (n, 4, 3))
+    ys = jax.random.normal(jax.random.key(2), (n, 4, 1))
+    ens, params = setup(n, xs[0])
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    step = ensemble.train_step(
+        mse, tx, n=n, mesh=ens.mesh, rules=ens.rules, per_member_batch=True, donate=False
+    )
+    opt_state = step.init(params)
+    new_params, _, losses = step(params, opt_state, xs, ys)
+
+    @jax.jit
+    def plain_step(p, x, y):
+        loss, grads = jax.value_and_grad(mse)(p, x, y)
+        updates, _ = tx.update(grads, tx.init(p), p)
+        return loss, optax.apply_updates(p, updates)
+
+    for i in (0, 5):
+        loss, ref = plain_step(ensemble.member(params, i), xs[i], ys[i])
+        np.testing.assert_allclose(losses[i], loss, rtol=1e-5)
+        jax.tree_util.tree_map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            ensemble.member(new_params, i),
+            ref,
+        )
+
+
+def test_huge_gradient_on_one_member_leaves_the_others_alone():
+    n = D
+    xs = jax.random.normal(jax.random.key(1), (n, 4, 3))
+    ys = jax.random.normal(jax.random.key(2), (n, 4, 1))
+    ys_huge = ys.at[0].multiply(1e6)
+    ens, params = setup(n, xs[0])
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    step = ensemble.train_step(
+        mse, tx, n=n, mesh=ens.mesh, rules=ens.rules, per_member_batch=True, donate=False
+    )
+    opt_state = step.init(params)
+    calm, _, _ = step(params, opt_state, xs, ys)
+    stormy, _, _ = step(params, opt_state, xs, ys_huge)
+    for a, b in zip(*map(jax.tree_util.tree_leaves, (calm, stormy))):
+        np.testing.assert_array_equal(a[1:], b[1:])
+        assert not np.allclose(a[0], b[0])
+    # Member 0's update was clipped to norm 1 (times lr 0.1) on its own.
+    delta = jax.tree_util.tree_map(lambda a, p: a[0] - p[0], stormy, params)
+    assert float(optax.tree.norm(delta)) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_per_member_learning_rates():
+    n = D
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    y = jnp.ones((4, 1))
+    ens, params = setup(n, x, shared_rngs=("params",))  # identical members
+    lrs = [0.0, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1]
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    step = ensemble.train_step(
+        mse,
+        tx,
+        n=n,
+        mesh=ens.mesh,
+        rules=ens.rules,
+        hyperparams={"learning_rate": lrs},
+        donate=False,
+    )
+    opt_state = step.init(params)
+    lr_state = opt_state.hyperparams["learning_rate"]
+    assert lr_state.sharding.spec == P("ensemble")
+    np.testing.assert_allclose(lr_state, lrs)
+    new, _, _ = step(params, opt_state, x, y)
+    delta = jax.tree_util.tree_map(lambda a, b: np.asarray(a - b), new, params)
+    for d in jax.tree_util.tree_leaves(delta):
+        np.testing.assert_array_equal(d[0], 0.0)
+        # a - b loses the last bits of a parameter of size ~1: compare to 1e-6.
+        np.testing.assert_allclose(d[2], 2 * d[1], atol=1e-6)
+        np.testing.assert_allclose(d[3], d[1], atol=1e-6)
+        assert np.abs(d[1]).max() > 1e-3
+
+
+class BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(4)(x)
+        h = nn.Dropout(0.5, deterministic=not train)(h)
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(h)
+        return nn.Dense(1)(h)
+
+
+def test_batchnorm_and_dropout_flow_through_aux():
+    n = D
+    x = jax.random.normal(jax.random.key(1), (6, 3))
+    y = jnp.ones((6, 1))
+    net = BNNet()
+    ens = ensemble.build(net, n)
+    variables = ens.init(jax.random.key(0), x)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+
+    def loss_fn(p, stats, key, x, y):
+        out, upd = net.apply(
+            {"params": p, "batch_stats": stats},
+            x,
+            train=True,
+            rngs={"dropout": key},
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((out - y) ** 2), upd["batch_stats"]
+
+    step = ensemble.train_step(
+        loss_fn,
+        optax.sgd(0.1),
+        n=n,
+        mesh=ens.mesh,
+        has_aux=True,
+        per_member_batch=(True, True, False, False),
+        donate=False,
+    )
+    keys = jax.random.split(jax.random.key(3), n)
+    opt_state = step.init(params)
+    new_params, _, losses, new_stats = step(params, opt_state, batch_stats, keys, x, y)
+    assert specs(new_stats) == specs(batch_stats)
+    ref_loss, ref_stats = loss_fn(
+        ensemble.member(params, 2), ensemble.member(batch_stats, 2), keys[2], x, y
+    )
+    np.testing.assert_allclose(losses[2], ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(
+        new_stats["BatchNorm_0"]["mean"][2], ref_stats["BatchNorm_0"]["mean"], rtol=1e-5
+    )
+    assert not np.allclose(losses[0], losses[1])  # different members, different dropout
+    out = ens.apply({"params": new_params, "batch_stats": new_stats}, x)
+    assert out.shape == (n, 6, 1)
+
+
+def test_train_step_errors():
+    n = D
+    x = jnp.ones((4, 3))
+    ens, params = setup(n, x)
+    with pytest.raises(TypeError, match="GradientTransformation for ONE member"):
+        ensemble.train_step(mse, "adam", n=n, mesh=ens.mesh)
+    with pytest.raises(ValueError, match="cannot be split"):
+        ensemble.train_step(mse, optax.sgd(0.1), n=3, mesh=ens.mesh)
+    step = ensemble.train_step(mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=True)
+    opt_state = step.init(params)
+    with pytest.raises(
+        ValueError, match=r"batch argument 0 \(per-member\) leaf  has shape \(4, 3\)"
+    ):
+        step(params, opt_state, x, jnp.ones((n, 4, 1)))
+    with pytest.raises(ValueError, match=r"params leaf .* leading member axis of size n=8"):
+        step.init(ensemble.member(params, 0))
+    mixed = ensemble.train_step(
+        mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=(True, False)
+    )
+    with pytest.raises(ValueError, match="one flag per batch argument"):
+        mixed(params, opt_state, x)
+    vector = ensemble.train_step(
+        lambda p, x: MODEL.apply({"params": p}, x)[:, 0], optax.sgd(0.1), n=n, mesh=ens.mesh
+    )
+    with pytest.raises(ValueError, match="scalar loss per member"):
+        vector(params, opt_state, x)
+    with pytest.raises(ValueError, match="learning_rate"):
+        ensemble.train_step(
+            mse,
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            n=n,
+            mesh=ens.mesh,
+            hyperparams={"learning_rate": [0.1, 0.2]},
+        )
