@@ -139,3 +139,24 @@ def test_memory_reduction_example_runs(tmp_path, monkeypatch):
     assert ens["2"]["step_alias"] > 0 and seed["2"]["step_alias"] == 0
     assert report["bias_specs"]["seed bias"] == "P()"
     assert {p.name for p in tmp_path.iterdir()} >= {"memory_reduction.json", "memory_reduction.png"}
+
+
+@pytest.mark.slow
+def test_memory_benchmark_runs(tmp_path, monkeypatch):
+    """benchmarks/memory.py stays runnable; a tiny linen model on D = 1, 2 still halves."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("memory_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "memory_benchmark", module)
+    spec.loader.exec_module(module)
+    argv = ["--api", "linen", "--devices", "1", "2", "--hidden", "256", "--depth", "1"]
+    module.main([*argv, "--input-dim", "64", "--batch", "4", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "memory.json").read_text())
+    two = report["results"]["linen"]["2"]
+    assert two["state_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert two["step_ratio"] <= 1.05 and two["step_alias"] > 0
