@@ -1,0 +1,74 @@
+"""Reductions over the member axis against NumPy references, on member-sharded arrays."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ensemble
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def logits():
+    mesh = ensemble.make_mesh(N)
+    x = np.random.default_rng(0).normal(size=(N, 5, 4)).astype(np.float32)
+    return np.asarray(x), ensemble.shard_members(x, mesh, N)
+
+
+def test_mean_and_variance(logits):
+    ref, y = logits
+    np.testing.assert_allclose(ensemble.mean(y), ref.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ensemble.variance(y), ref.var(0), rtol=1e-5)
+    np.testing.assert_allclose(ensemble.variance(y, ddof=1), ref.var(0, ddof=1), rtol=1e-5)
+    jitted = jax.jit(ensemble.mean)(y)
+    np.testing.assert_allclose(jitted, ref.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_log_mean_exp_matches_numpy_and_is_stable(logits):
+    _, y = logits
+    log_probs = jax.nn.log_softmax(y, axis=-1)
+    expected = np.log(np.mean(np.exp(np.asarray(log_probs, np.float64)), axis=0))
+    np.testing.assert_allclose(ensemble.log_mean_exp(log_probs), expected, rtol=1e-5)
+    tiny = jnp.array([[-1000.0, -2000.0], [-1001.0, -2000.0]])
+    out = ensemble.log_mean_exp(tiny)
+    np.testing.assert_allclose(out, [-1000.0 + np.log((1 + np.exp(-1.0)) / 2), -2000.0], rtol=1e-6)
+    assert np.all(np.isfinite(out))
+
+
+def test_disagreement_is_fraction_disagreeing_with_mean_probability_argmax(logits):
+    ref, y = logits
+    probs = np.exp(ref) / np.exp(ref).sum(-1, keepdims=True)
+    ensemble_top = probs.mean(0).argmax(-1)
+    expected = (ref.argmax(-1) != ensemble_top[None]).mean(0)
+    np.testing.assert_allclose(ensemble.disagreement(y), expected)
+    agree = jnp.broadcast_to(jnp.array([0.0, 5.0, 1.0]), (N, 2, 3))
+    np.testing.assert_array_equal(ensemble.disagreement(agree), [0.0, 0.0])
+
+
+def test_member_slices_trees_and_defers_to_ensembles():
+    tree = {"params": {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.arange(4.0)}}
+    m = ensemble.member(tree, 2)
+    np.testing.assert_array_equal(m["params"]["w"], [6.0, 7.0, 8.0])
+    assert float(m["params"]["b"]) == 2.0
+    np.testing.assert_array_equal(ensemble.member(tree, -1)["params"]["b"], 3.0)
+
+    class Fake:
+        def member(self, i):
+            return ("member", i)
+
+    assert ensemble.member(Fake(), 3) == ("member", 3)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="member axis first"):
+        ensemble.mean(jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"logits \[n, ..., classes\]"):
+        ensemble.disagreement(jnp.ones(3))
+    with pytest.raises(IndexError, match="out of range for n=4"):
+        ensemble.member({"w": jnp.ones((4, 2))}, 4)
+    with pytest.raises(ValueError, match="share a leading member axis"):
+        ensemble.member({"w": jnp.ones((4, 2)), "b": jnp.ones((3,))}, 0)
+    with pytest.raises(TypeError, match="must be an int"):
+        ensemble.member({"w": jnp.ones((4, 2))}, 1.0)
