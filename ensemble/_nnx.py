@@ -108,6 +108,8 @@ class NNXEnsemble(nnx.Module):
       rules: logical axis rules (merged over :data:`ensemble.DEFAULT_RULES`).
       in_axes: default input axes: ``None`` shared inputs, ``0`` per-member inputs (leading n), or
         one of those per positional argument.
+      data_parallel: when a member spans several devices (``'data'`` axis > 1), split the axis
+        after the member axis of array inputs (the batch) over them.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -126,12 +128,14 @@ class NNXEnsemble(nnx.Module):
         mesh: Mesh,
         rules: LogicalRules,
         in_axes: InAxes = None,
+        data_parallel: bool = True,
     ):
         self.members = members
         self.n = int(n)
         self.mesh = mesh
         self.rules = merge_rules(rules)
         self.in_axes = _check_in_axes(in_axes)
+        self.data_parallel = bool(data_parallel)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every member on the inputs; outputs get a leading member axis of size n."""
@@ -234,7 +238,7 @@ class NNXEnsemble(nnx.Module):
             spec = [MEMBER_AXIS] if axis == 0 else []
             inner = shape[len(spec) :]
             data = self.mesh.shape[DATA_AXIS]
-            if data > 1 and inner and inner[0] % data == 0:
+            if self.data_parallel and data > 1 and inner and inner[0] % data == 0:
                 # A member spanning several devices splits its batch over them (data parallel).
                 spec.append(DATA_AXIS)
             if not spec:
@@ -297,6 +301,7 @@ def build_nnx(
     rules: Sequence[tuple[str, Any]] | None = None,
     in_axes: InAxes = None,
     rngs: RngsLike = 0,
+    data_parallel: bool = True,
     **module_kwargs: Any,
 ) -> NNXEnsemble:
     """Builds an n-member NNX ensemble whose state is created straight into its shards.
@@ -316,6 +321,8 @@ def build_nnx(
       rngs: an int seed, a ``jax.random.key``, a mapping ``{stream: seed or key}``, or an
         ``nnx.Rngs`` (one key is drawn from each of its streams). EVERY stream is split per
         member, so members differ in init and in dropout masks.
+      data_parallel: when each member spans several devices, split inputs' batch axis over them
+        (default); ``False`` keeps inputs replicated within a member.
       **module_kwargs: constructor arguments when ``factory`` is a Module subclass (names that
         clash with this function's keywords need ``functools.partial``).
 
@@ -371,7 +378,7 @@ def build_nnx(
         # Every leaf comes out of this jit already in its shard: no full copy on any device.
         state = jax.jit(lambda k: nnx.state(create(k)), out_shardings=shardings)(keys)
     members = nnx.merge(graphdef, state)
-    return NNXEnsemble(members, n, mesh, rules, in_axes)
+    return NNXEnsemble(members, n, mesh, rules, in_axes, data_parallel)
 
 
 def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx.Rngs], Any]:

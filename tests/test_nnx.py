@@ -9,7 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from ensemble._nnx import NNXEnsemble, build_nnx, nnx_optimizer, nnx_train_step
+import ensemble
+from ensemble import NNXEnsemble, nnx_optimizer, nnx_train_step
+from ensemble._nnx import build_nnx
 
 D = 8  # tests/conftest.py
 
@@ -77,7 +79,7 @@ def assert_on_member_axis(tree, mesh, n):
 @functools.cache
 def built(n):
     """One MLP ensemble per n for the whole file: building (a compile) is the slow part."""
-    return build_nnx(mlp, n, rngs=0)
+    return ensemble.build(mlp, n, rngs=0)
 
 
 @pytest.fixture
@@ -95,9 +97,9 @@ def ens8():
 def test_contract_placement(n):
     ens = built(n)
     assert isinstance(ens, NNXEnsemble) and ens.n == n
-    y = forward(ens, jnp.ones((4, 3)))
+    y = ens(jnp.ones((4, 3)))  # eager, as in the contract
     assert y.shape == (n, 4, 2)
-    assert y.sharding.spec[0] == "ensemble"
+    assert_on_member_axis([y], ens.mesh, n)
     assert_on_member_axis(nnx.state(ens), ens.mesh, n)
     # Params, batch stats and the dropout rng key/count all hold their member axis.
     kinds = {type(v).__name__ for v in jax.tree.leaves(nnx.state(ens), is_leaf=_is_var)}
@@ -120,13 +122,6 @@ def _bytes_per_device(tree):
     return out
 
 
-def test_eager_call_and_outputs_member_sharded(ens8):
-    y = ens8(jnp.ones((4, 3)))
-    assert y.shape == (D, 4, 2)
-    assert {s.device for s in y.addressable_shards} == set(jax.devices())
-    assert all(s.data.shape[0] == 1 for s in y.addressable_shards)
-
-
 def test_model_parallel_through_rules():
     ens = build_nnx(Annotated, 4, model_parallel=2, rules=[("hidden", "model")], rngs=1)
     assert dict(ens.mesh.shape) == {"ensemble": 4, "data": 1, "model": 2}
@@ -143,6 +138,10 @@ def test_data_parallel_inside_member():
     y = forward(ens, jnp.ones((6, 3)))
     # Each member spans 2 devices ('data'): its batch is split over them, not duplicated.
     assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 1)}
+    assert y.sharding.spec[:2] == ("ensemble", "data")
+    ens.data_parallel = False
+    y = forward(ens, jnp.ones((6, 3)))
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 6, 1)}
 
 
 def test_user_mesh_and_rngs_forms():
