@@ -1,5 +1,87 @@
-"""Work in progress (stub)."""
+"""CPU device setup: one JAX CPU device per core, one thread per device, set before JAX starts.
+
+How this relates to the other devices:
+
+- On a GPU/TPU host the accelerator devices are untouched; this only shapes JAX's *CPU* client,
+  which is what ``on_cpu(..., executor='inprocess')`` spreads its work over.
+- On a CPU-only host (CI, laptops, this project's tests) the CPU devices *are* the devices the
+  jitted, sharded step runs on: ``tests/conftest.py`` asks for 8 of them to simulate 8
+  accelerators. Those same devices would serve the in-process executor, which is exactly the
+  situation that deadlocks, so ``on_cpu`` uses worker processes there; workers have their own JAX
+  with one CPU device each, whatever count was configured here.
+"""
+
+from __future__ import annotations
+
+import os
+
+_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 
-def configure_cpu_devices(*args, **kwargs):  # stub
-    raise NotImplementedError("configure_cpu_devices")
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_cpu_devices(n: int | None = None) -> int:
+    """Give this process ``n`` JAX CPU devices (default: its CPU cores), one thread each.
+
+    Call it right after ``import jax`` and before any JAX computation (XLA reads its flags and
+    the device count once, when the first backend starts). It sets ``jax_num_cpu_devices`` and
+    adds ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` to ``XLA_FLAGS``
+    (other flags are kept; a conflicting ``--xla_force_host_platform_device_count`` is dropped),
+    so that ``n`` devices use ``n`` cores instead of each one spawning a thread per core.
+
+    Calling it again with the count JAX already has is a no-op, so a library and a script (or a
+    test's conftest) can both call it. Accelerator devices are not affected.
+
+    Args:
+      n: number of CPU devices; default ``len(os.sched_getaffinity(0))``.
+
+    Returns:
+      The number of JAX CPU devices.
+
+    Raises:
+      RuntimeError: JAX's CPU backend already started with a different count. Call this before
+        any JAX operation, or set ``JAX_NUM_CPU_DEVICES=n`` in the environment instead.
+
+    Example:
+      >>> import jax
+      >>> import rollout
+      >>> n = rollout.configure_cpu_devices(len(jax.devices("cpu")))  # no-op if already so
+      >>> len(jax.devices("cpu")) == n
+      True
+    """
+    import jax
+
+    if n is None:
+        n = _cores()
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"configure_cpu_devices: n must be a positive int, got {n!r}")
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # The backend has started; the count is fixed now. Fine if it is the one we want.
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return n
+        raise RuntimeError(
+            f"configure_cpu_devices({n}): JAX's CPU backend already started with {have} "
+            "devices. Call rollout.configure_cpu_devices() right after `import jax`, before any "
+            f"JAX operation, or start Python with JAX_NUM_CPU_DEVICES={n}."
+        ) from None
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith(
+            (
+                "--xla_cpu_multi_thread_eigen",
+                "intra_op_parallelism_threads",
+                "--xla_force_host_platform_device_count",
+            )
+        )
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, *_THREAD_FLAGS])
+    return n

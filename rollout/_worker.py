@@ -1,0 +1,99 @@
+"""One worker process of the out-of-process ``on_cpu`` executor.
+
+Started by ``rollout._pool`` as ``python _worker.py FD`` in a fresh interpreter whose environment
+already pins JAX to one CPU device and one thread (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=1``,
+``XLA_FLAGS=... intra_op_parallelism_threads=1``), so W workers use W cores and no more.
+
+Protocol over the socket ``FD`` (pickled tuples through ``multiprocessing.connection``):
+
+- parent -> worker: ``("run", call_id, shm_name, shm_size, key, program, ins, outs)`` where
+  ``program`` is the pickled ``jax.export.Exported`` of the chunk function (sent once per key) or
+  ``None``, and ``ins``/``outs`` are ``(offset, shape, dtype)`` slices of the shared memory block;
+  ``("close",)`` to exit.
+- worker -> parent: ``("ready", pid)`` once JAX is imported, then per run ``("ok", call_id)`` or
+  ``("err", call_id, type_name, message, traceback_text)``.
+
+The worker imports nothing from the ``rollout`` package (the program arrives as StableHLO), so user
+closures are never pickled and the worker starts as fast as ``import jax`` allows.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+
+
+def _attach(name: str, size: int):
+    # Attach without multiprocessing.shared_memory: in Python < 3.13 attaching registers the block
+    # with a resource tracker, which would unlink the parent's block when this worker exits.
+    from multiprocessing import shared_memory
+
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        pass
+    from multiprocessing import resource_tracker
+
+    register = resource_tracker.register
+    resource_tracker.register = lambda *a, **k: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
+
+
+def main(fd: int) -> None:
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    import jax
+    import numpy as np
+
+    conn.send(("ready", os.getpid()))
+    programs: dict = {}
+    shm = None
+    shm_name = None
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # parent went away: exit quietly
+            if msg[0] == "close":
+                return
+            _, call_id, name, size, key, program, ins, outs = msg
+            try:
+                if name != shm_name:
+                    if shm is not None:
+                        shm.close()
+                    shm, shm_name = _attach(name, size), name
+                buf = shm.buf
+                if key not in programs:
+                    if program is None:
+                        raise RuntimeError(f"worker has no program for key {key!r}")
+                    exported = pickle.loads(program)  # a jax.export.Exported
+                    programs[key] = jax.jit(exported.call)
+                args = [
+                    np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)
+                    for off, shape, dt in ins
+                ]
+                results = programs[key](*args)
+                for (off, shape, dt), res in zip(outs, results, strict=True):
+                    np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
+                # Drop views into the block now, so that it can be closed when it is replaced.
+                args = results = buf = None
+                conn.send(("ok", call_id))
+            except BaseException as e:  # report everything; the parent decides what to raise
+                conn.send(("err", call_id, type(e).__name__, str(e), traceback.format_exc()))
+    finally:
+        if shm is not None:
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a view is still alive during interpreter teardown; the OS unmaps it
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

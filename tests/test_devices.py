@@ -1,0 +1,50 @@
+"""rollout.configure_cpu_devices: device count and one thread per device, before JAX starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from rollout import configure_cpu_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_same_count_after_start_is_a_no_op_and_another_count_is_an_error():
+    assert len(jax.devices()) == 8  # conftest's simulated devices; the backend is now started
+    assert configure_cpu_devices(8) == 8
+    with pytest.raises(RuntimeError, match=r"already started with 8 devices.*JAX_NUM_CPU_DEVICES"):
+        configure_cpu_devices(3)
+    with pytest.raises(ValueError, match="positive int"):
+        configure_cpu_devices(0)
+
+
+@pytest.mark.timeout(60)
+def test_fresh_process_gets_n_devices_and_thread_flags():
+    script = textwrap.dedent(
+        """
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_dump_to=/dev/null --xla_force_host_platform_device_count=5"
+        import jax, rollout
+        print(rollout.configure_cpu_devices(3))
+        print(len(jax.devices("cpu")))
+        print(os.environ["XLA_FLAGS"])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = ROOT
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    n, devices, flags = res.stdout.strip().splitlines()
+    assert (n, devices) == ("3", "3")
+    assert "--xla_dump_to=/dev/null" in flags  # other flags kept
+    assert "--xla_cpu_multi_thread_eigen=false" in flags
+    assert "intra_op_parallelism_threads=1" in flags
+    assert "xla_force_host_platform_device_count" not in flags

@@ -1,0 +1,340 @@
+"""rollout.on_cpu: same results as fn under jit, sharded jit, shard_map, vmap, scan; never a hang.
+
+Runs on the 8 simulated CPU devices of conftest.py, i.e. the caller is a multi-device *CPU* program:
+exactly the case in which the naive pure_callback + pmap pattern deadlocks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rollout import on_cpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W = 2  # worker processes: small, the test machine has 2 cores
+
+
+def synth(params, x):
+    """A small GRU-like recurrence per row: params {w, u}, x[B, T] -> audio[B, T]."""
+
+    def step(h, xt):
+        z = jax.nn.sigmoid(params["u"] * h + xt)
+        h = (1 - z) * h + z * jnp.tanh(params["w"] * h + xt)
+        return h, h
+
+    return jax.lax.scan(step, jnp.zeros(x.shape[0], x.dtype), x.T)[1].T
+
+
+def fresh(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def params_for(seed):
+    a, b = np.random.default_rng(seed).normal(size=2).astype(np.float32)
+    return {"w": jnp.float32(a), "u": jnp.float32(b)}
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def mesh8():
+    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def children() -> list[tuple[int, str]]:
+    """Live child processes of this process (pid, cmdline), without multiprocessing's tracker."""
+    me, out = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z" and "resource_tracker" not in cmd:
+            out.append((int(pid), cmd))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rollout_fn():
+    f = on_cpu(synth, in_axes=(None, 0), workers=W)  # executor='auto'
+    yield f
+    f.close()
+    assert not [c for c in children() if "_worker.py" in c[1]]
+
+
+# ------------------------------------------------------------------------------ equality
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_jit_matches_fn_and_params_change(rollout_fn, batch):
+    step = jax.jit(rollout_fn)
+    for call in range(2):  # new parameters and inputs every call, same compiled program
+        p, x = params_for(batch * 10 + call), fresh(batch * 10 + call, batch, 24)
+        close(step(p, x), synth(p, x))
+    assert rollout_fn.last_executor == "process"  # auto on a CPU caller
+    assert len(rollout_fn.pids) == W
+
+
+@pytest.mark.timeout(120)
+def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
+    mesh = mesh8()
+    x = jax.device_put(fresh(1, 21 * 8, 24), NamedSharding(mesh, P("d")))
+    p = jax.device_put(params_for(1), NamedSharding(mesh, P()))
+    y = jax.jit(lambda p, x: rollout_fn(p, x * 2.0) + 1.0)(p, x)
+    close(y, synth(p, x * 2.0) + 1.0)
+    assert rollout_fn.last_executor == "process"
+    assert len(y.sharding.device_set) == 8
+    # A batch that does not divide by the 8 devices is padded and stripped.
+    x = jax.device_put(fresh(2, 13, 24), NamedSharding(mesh, P()))
+    close(jax.jit(rollout_fn)(p, x), synth(p, x))
+
+
+@pytest.mark.timeout(120)
+def test_shard_map_over_8_devices_then_psum(rollout_fn):
+    mesh = mesh8()
+    x = jax.device_put(fresh(3, 8 * 3, 24), NamedSharding(mesh, P("d")))
+    p = params_for(3)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), P()))
+    def step(p, x):
+        y = rollout_fn(p, x)  # called once per device, on that device's 3 rows
+        return y, jax.lax.psum(y.sum(), "d")
+
+    y, total = step(p, x)
+    close(y, synth(p, x))
+    np.testing.assert_allclose(float(total), float(synth(p, x).sum()), rtol=1e-4)
+    assert rollout_fn.last_executor == "process"
+
+
+@pytest.mark.timeout(120)
+def test_vmap_folds_into_batch(rollout_fn):
+    x = fresh(4, 3, 5, 24)
+    p = params_for(4)
+    close(jax.jit(jax.vmap(rollout_fn, in_axes=(None, 0)))(p, x), jax.vmap(synth, (None, 0))(p, x))
+    # Parameters vmapped too: each vmapped element keeps its own parameters.
+    ps = {"w": jnp.arange(3.0) / 3, "u": -jnp.arange(3.0) / 4}
+    close(jax.jit(jax.vmap(rollout_fn))(ps, x), jax.vmap(synth)(ps, x))
+
+
+@pytest.mark.timeout(120)
+def test_scan_with_parameters_in_the_carry(rollout_fn):
+    xs = fresh(5, 4, 6, 24)
+
+    def body(f):
+        def step(p, x):
+            y = f(p, x)
+            return {"w": p["w"] * 0.9 + y.mean(), "u": p["u"]}, y
+
+        return step
+
+    p0 = params_for(5)
+    _, ys = jax.jit(lambda p, xs: jax.lax.scan(body(rollout_fn), p, xs))(p0, xs)
+    _, ref = jax.lax.scan(body(synth), p0, xs)
+    close(ys, ref)
+
+
+@pytest.mark.timeout(120)
+def test_pytrees_in_axes_and_keys():
+    def fn(cfg, batch, keys):
+        noise = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
+        out = batch["a"].T * cfg["scale"] + noise  # batch["a"] has the batch on axis 1
+        split = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+        return {"y": out, "n": batch["n"] + 1, "k": split}
+
+    f = on_cpu(fn, in_axes=(None, {"a": 1, "n": 0}, 0), workers=W)
+    try:
+        cfg = {"scale": jnp.float32(2.0)}
+        batch = {"a": fresh(6, 3, 7), "n": jnp.arange(7, dtype=jnp.int32)}
+        keys = jax.random.split(jax.random.key(0), 7)
+        got, want = jax.jit(f)(cfg, batch, keys), fn(cfg, batch, keys)
+        close(got["y"], want["y"])
+        assert got["n"].dtype == jnp.int32 and (got["n"] == want["n"]).all()
+        assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
+        assert (jax.random.key_data(got["k"]) == jax.random.key_data(want["k"])).all()
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_calls_from_threads(rollout_fn):
+    step = jax.jit(rollout_fn)
+    p = params_for(7)
+    xs = [fresh(70 + i, 9, 24) for i in range(4)]
+    step(p, xs[0]).block_until_ready()
+    results: dict[int, jax.Array] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, step(p, xs[i])))
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(4):
+        close(results[i], synth(p, xs[i]))
+
+
+@pytest.mark.timeout(60)
+def test_zero_gradient(rollout_fn):
+    p, x = params_for(8), fresh(8, 4, 24)
+
+    def loss(p, x, scale):
+        return jnp.mean(rollout_fn(p, x) * scale) + scale**2
+
+    gp, gx, gs = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x, jnp.float32(3.0))
+    assert float(gp["w"]) == 0.0 and float(gp["u"]) == 0.0 and not np.any(gx)
+    np.testing.assert_allclose(gs, jnp.mean(synth(p, x)) + 6.0, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.timeout(60)
+def test_errors_in_fn_surface_at_trace_time(rollout_fn):
+    def bad(x):
+        raise ValueError("bad rollout config")
+
+    with pytest.raises(ValueError, match="bad rollout config"):
+        jax.jit(on_cpu(bad, workers=W))(jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="one result per row"):
+        jax.jit(on_cpu(lambda x: x.mean(0), workers=W))(jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="batch size"):
+        on_cpu(lambda a, b: a + b, workers=W)(jnp.ones((4, 2)), jnp.ones((3, 2)))
+
+
+@pytest.mark.timeout(90)
+def test_worker_side_exception_names_its_type(rollout_fn, monkeypatch):
+    # A program the workers cannot load: the caller gets the worker's exception type and message.
+    monkeypatch.setattr(type(rollout_fn), "_exported", lambda self, *a: b"not a program")
+    with pytest.raises(Exception, match=r"raised UnpicklingError"):
+        jax.jit(rollout_fn)(params_for(9), fresh(9, 31, 24)).block_until_ready()
+    monkeypatch.undo()
+    p, x = params_for(9), fresh(9, 31, 24)
+    close(jax.jit(rollout_fn)(p, x), synth(p, x))  # workers survived and still work
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_raises_then_pool_restarts():
+    f = on_cpu(synth, in_axes=(None, 0), workers=W, executor="process")
+    step = jax.jit(f)
+    try:
+        p, x = params_for(10), fresh(10, 6, 24)
+        close(step(p, x), synth(p, x))
+        victim = f.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.raises(Exception, match=rf"pid {victim}\) was killed by signal SIGKILL"):
+            step(p, x).block_until_ready()
+        assert f.pids == []  # the broken pool was shut down...
+        close(step(p, x), synth(p, x))  # ...and restarts on the next call
+        assert len(f.pids) == W
+        started = set(f.pids)
+    finally:
+        f.close()
+    assert f.pids == [] and not started & {pid for pid, _ in children()}
+
+
+# ------------------------------------------------------------------------------ executors
+
+
+@pytest.mark.timeout(60)
+def test_inprocess_from_one_device_caller():
+    f = on_cpu(synth, in_axes=(None, 0), executor="inprocess", workers=W)
+    p, x = params_for(11), fresh(11, 7, 24)
+    close(jax.jit(f)(p, x), synth(p, x))
+    assert f.last_executor == "inprocess" and f.pids == []
+
+
+@pytest.mark.timeout(60)
+def test_inprocess_refused_for_multi_device_cpu_caller():
+    f = on_cpu(synth, in_axes=(None, 0), executor="inprocess", workers=W)
+    mesh = mesh8()
+    x = jax.device_put(fresh(12, 16, 24), NamedSharding(mesh, P("d")))
+    with pytest.raises(RuntimeError, match=r"would deadlock.*executor='process'"):
+        jax.jit(f)(params_for(12), x)
+    sm = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))
+    with pytest.raises(RuntimeError, match="would deadlock"):
+        jax.jit(sm)(params_for(12), x)
+
+
+NAIVE = """
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+pm = jax.pmap(lambda a: a * 3.0, backend="cpu")
+def cb(a):
+    a = np.asarray(a)  # callbacks get CPU jax.Arrays in this version
+    return np.asarray(pm(a.reshape(8, -1))).reshape(a.shape)
+@jax.jit
+@jax.shard_map(mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+def step(x):
+    return jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+print("start", flush=True)
+print(step(jax.device_put(jnp.ones(64), NamedSharding(mesh, P("d")))).sum(), flush=True)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_naive_pattern_hangs_in_a_subprocess():
+    """The seed's pure_callback + pmap from an 8-device CPU shard_map never returns (killed)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", NAIVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=20)
+        hung = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        hung = True
+    assert "start" in out, out
+    assert hung and "done" not in out, f"no hang (rc {proc.returncode}): FIELD-NOTES is outdated"
+
+
+# ------------------------------------------------------------------------------ lifecycle
+
+
+@pytest.mark.timeout(90)
+def test_workers_stop_at_interpreter_exit():
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        jax.config.update("jax_num_cpu_devices", 4)
+        from rollout import on_cpu
+        f = on_cpu(lambda x: x * 2, workers=2)
+        print(float(jax.jit(f)(jnp.ones((5, 3))).sum()))
+        print(*f.pids, flush=True)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    total, pids = res.stdout.strip().splitlines()
+    assert float(total) == 30.0
+    time.sleep(0.5)
+    for pid in map(int, pids.split()):
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived its parent"
