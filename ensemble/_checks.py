@@ -60,16 +60,40 @@ def _chex_style(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 def _leaves(tree: Any) -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs; an ``nnx.Module`` is read through ``nnx.state``."""
+    """(path, leaf) pairs; an ``nnx.Module`` is read through ``nnx.state``, and an NNX Variable
+    yields its array (so paths read ``['kernel']``, not ``['kernel'].value``)."""
+    variable_type: tuple[type, ...] = ()
     try:
         from flax import nnx
 
+        variable_type = (nnx.Variable,)
         if isinstance(tree, nnx.Module):
             tree = nnx.state(tree)
     except ImportError:  # pragma: no cover - flax is a dependency
         pass
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        yield (jax.tree_util.keystr(path) or "<root>"), leaf
+    is_variable = lambda x: isinstance(x, variable_type)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_variable):
+        name = jax.tree_util.keystr(path) or "<root>"
+        if is_variable(leaf):
+            note = _metadata_note(leaf)
+            for sub, array in jax.tree_util.tree_leaves_with_path(leaf):
+                # A Variable flattens to its array; keep the metadata next to the path.
+                del sub
+                yield name + note, array
+        else:
+            yield name, leaf
+
+
+def _metadata_note(variable: Any) -> str:
+    """The sharding an NNX Variable's metadata *claims*, to show next to where it really is."""
+    try:
+        meta = variable.get_metadata()
+    except Exception:  # not every Variable-like object has it
+        return ""
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if meta.get(key) is not None:
+            return f" (metadata says {key}={tuple(meta[key])})"
+    return ""
 
 
 def _fail(problems: list[str], what: str, hint: str) -> None:

@@ -158,3 +158,63 @@ def test_nnx_module_and_state():
     bad = Box(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P())))
     with pytest.raises(AssertionError, match=r"w.*P\(\)"):
         ensemble.assert_no_replicated_members(bad, 8)
+
+
+def test_linen_build_state_passes_and_seed_route_bias_fails():
+    """ensemble.build shards unannotated biases; the seed's logical route leaves them P()."""
+    import flax.linen as nn
+    import optax
+
+    model = nn.Dense(
+        4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("in", "out"))
+    )
+    x = jnp.ones((2, 3))
+    ens = ensemble.build(model, 8, rules=[("in", None), ("out", None)])
+    params = ens.init(jax.random.key(0), x)["params"]
+    step = ensemble.train_step(
+        lambda p, x: jnp.sum(model.apply({"params": p}, x)), optax.adam(0.1), n=8, mesh=ens.mesh
+    )
+    state = (params, step.init(params))
+    ensemble.assert_member_axis(state, 8)
+    ensemble.assert_member_placement(state, ens.mesh)
+    ensemble.assert_no_replicated_members(state, 8, ens.mesh)
+
+    # The seed's way: nn.vmap + metadata_params, shardings from the logical annotations.
+    vmapped = nn.vmap(
+        nn.Dense,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=None,
+        axis_size=8,
+        metadata_params={nn.PARTITION_NAME: "ensemble"},
+    )(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("in", "out")))
+    boxed = jax.eval_shape(vmapped.init, jax.random.PRNGKey(0), x)
+    rules = (("ensemble", "ensemble"), ("in", None), ("out", None))
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), ens.mesh, rules)
+    seed = jax.jit(lambda k: nn.meta.unbox(vmapped.init(k, x)), out_shardings=shardings)(
+        jax.random.PRNGKey(0)
+    )["params"]
+    ensemble.assert_no_replicated_members(seed["kernel"], 8)  # annotated: sharded
+    with pytest.raises(AssertionError, match=r"(?s)1 leaf .*\['bias'\]: shape \(8, 4\).*P\(\)"):
+        ensemble.assert_no_replicated_members(seed, 8)
+
+
+def test_nnx_metadata_is_not_placement():
+    """nnx.vmap's transform_metadata says 'ensemble'; the arrays stay replicated: caught."""
+    from flax import nnx
+
+    mesh = ensemble.make_mesh(8)
+
+    @nnx.split_rngs(splits=8)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "ensemble"})
+    def create(rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None))
+        return nnx.Linear(3, 2, kernel_init=init, rngs=rngs)
+
+    with jax.set_mesh(mesh):
+        model = create(nnx.Rngs(0))
+    claim = r"\['kernel'\] \(metadata says out_sharding=\('ensemble', None, None\)\)"
+    with pytest.raises(AssertionError, match=rf"(?s){claim}: .*P\(\).*all 8 members held whole"):
+        ensemble.assert_no_replicated_members(model, 8)
+    with pytest.raises(AssertionError, match=r"\['bias'\]: .*member 0 should be on \{cpu:0\}"):
+        ensemble.assert_member_placement(model, mesh)
