@@ -88,6 +88,13 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
     """
     if not isinstance(i, int | np.integer) or isinstance(i, bool):
         raise TypeError(f"member index must be an int, got {type(i).__name__}.")
+    from ensemble._linen import LinenEnsemble
+
+    if isinstance(tree_or_ensemble, LinenEnsemble):
+        raise TypeError(
+            "a LinenEnsemble holds no variables; use ens.member(variables, i) or "
+            "ensemble.member(variables, i)."
+        )
     method = getattr(tree_or_ensemble, "member", None)
     if callable(method) and not isinstance(tree_or_ensemble, dict | list | tuple):
         return method(i)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import ensemble
 import ensemble._nnx
@@ -57,36 +58,24 @@ def assert_placed(tree, mesh, n):
 
 
 @pytest.mark.parametrize("n", [D, 2 * D, D // 2])
-def test_every_leaf_on_its_members_devices(n):
-    ens = ensemble.build(MLP(), n, rules=RULES)
-    x = jnp.ones((4, 5))
-    variables = ens.init(jax.random.key(0), x)
-    assert set(variables) == {"params"}
-    assert not any(isinstance(v, nn.Partitioned) for v in jax.tree_util.tree_leaves(variables))
-    assert_placed(variables, ens.mesh, n)
-    y = ens.apply(variables, x)
-    assert y.shape == (n, 4, 3)
-    assert_placed(y, ens.mesh, n)
-
-
-@pytest.mark.parametrize("n", [D, 2 * D, D // 2])
-def test_member_equals_plain_model(n):
+def test_every_leaf_placed_and_member_equals_plain_model(n):
     ens = ensemble.build(MLP(), n, rules=RULES)
     x = jax.random.normal(jax.random.key(1), (4, 5))
     variables = ens.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}
+    assert not any(isinstance(v, nn.Partitioned) for v in jax.tree_util.tree_leaves(variables))
+    assert_placed(variables, ens.mesh, n)  # unannotated biases included
     y = ens.apply(variables, x)
+    assert y.shape == (n, 4, 3)
+    assert_placed(y, ens.mesh, n)
     plain_apply = jax.jit(MLP().apply)
     for i in (0, n // 2 + 1, n - 1):
         ref = plain_apply(ens.member(variables, i), x)
         np.testing.assert_allclose(y[i], ref, rtol=1e-5, atol=1e-6)
     # Member i's init is the plain init with split(key, n)[i].
-    plain = MLP().init(jax.random.split(jax.random.key(0), n)[3], x)
-    np.testing.assert_allclose(
-        nn.unbox(plain)["params"]["Dense_0"]["kernel"], variables["params"]["Dense_0"]["kernel"][3]
-    )
-    assert not np.allclose(
-        variables["params"]["Dense_1"]["kernel"][0], plain["params"]["Dense_1"]["kernel"]
-    )
+    plain = nn.unbox(MLP().init(jax.random.split(jax.random.key(0), n)[3], x))
+    for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(variables)):
+        np.testing.assert_array_equal(a, b[3])
 
 
 def test_dropout_and_batchnorm_per_member():
@@ -162,6 +151,25 @@ def test_model_parallel_rules_split_member_weights():
         np.testing.assert_allclose(
             y[i], MLP().apply(ens.member(variables, i), x), rtol=1e-5, atol=1e-6
         )
+
+
+class MeshAnnotated(nn.Module):
+    """``nn.with_partitioning`` names mesh axes directly (no logical rules)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+        return nn.Dense(4, kernel_init=init)(x)
+
+
+def test_mesh_axis_annotations_are_kept():
+    ens = ensemble.build(MeshAnnotated(), D // 2, model_parallel=2)
+    x = jnp.ones((2, 3))
+    variables = ens.init(jax.random.key(0), x)
+    kernel = variables["params"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == P(MEMBER_AXIS, None, "model")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 3, 2)}
+    assert_placed(variables, ens.mesh, D // 2)
 
 
 class Hidden(nn.Module):
