@@ -310,3 +310,132 @@ def test_make_names_and_errors():
         envs.make("cartpole", not_a_field=1)
     # envs are hashable static config: usable as a static jit argument
     assert hash(envs.make("cartpole")) == hash(envs.make("cartpole"))
+
+
+# ------------------------------------------------------------------------------------------
+# The audio env (GRU synthesiser whose weights are a per-step input)
+# ------------------------------------------------------------------------------------------
+
+
+def test_synthesize_is_a_flax_gru_cell_run_sample_by_sample():
+    import flax.linen as nn
+
+    hidden = 8
+    params = envs.init_synth_params(jax.random.key(3), hidden)
+    params = params._replace(
+        b=jax.random.normal(jax.random.key(4), (3 * hidden,)),
+        b_hn=jax.random.normal(jax.random.key(5), (hidden,)),
+    )
+    h0 = jax.random.normal(jax.random.key(6), (hidden,)) * 0.1
+    x = jax.random.normal(jax.random.key(7), (20,))
+    h_last, audio = envs.synthesize(params, h0, x)
+
+    sl = [slice(i * hidden, (i + 1) * hidden) for i in range(3)]
+    flax_params = {
+        name: {"kernel": params.w_in[None, s], "bias": params.b[s]}
+        for name, s in zip(("ir", "iz", "in"), sl)
+    }
+    flax_params |= {
+        "hr": {"kernel": params.w_h[:, sl[0]]},
+        "hz": {"kernel": params.w_h[:, sl[1]]},
+        "hn": {"kernel": params.w_h[:, sl[2]], "bias": params.b_hn},
+    }
+    cell = nn.GRUCell(hidden)
+    h, expected = h0, []
+    for xt in x:
+        h, _ = cell.apply({"params": flax_params}, h, xt[None])
+        expected.append(np.tanh(np.asarray(h) @ np.asarray(params.w_out) + float(params.b_out)))
+    np.testing.assert_allclose(np.asarray(audio), np.array(expected), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(h_last), np.asarray(h), rtol=1e-5, atol=1e-6)
+
+
+def test_audio_spaces_and_default_shapes():
+    env = envs.make("audio", auto_reset=False)
+    assert isinstance(env, envs.AudioSynth) and env.samples_per_step >= 256
+    assert env.observation_space.shape == (env.samples_per_step + 1,)
+    assert env.action_space == envs.Discrete(3)
+    # shapes of the default (heavy) configuration, without compiling it
+    state, obs = jax.eval_shape(env.reset, KEY)
+    out = jax.eval_shape(env.step, state, jnp.int32(0), KEY, env.default_params())
+    assert obs.shape == out[1].shape == (env.samples_per_step + 1,)
+    assert out[0].h.shape == (env.hidden_size,)
+    cont = envs.make("audio", light=True, discrete=False, auto_reset=False)
+    assert cont.action_space == envs.Box.uniform((1,), -1.0, 1.0)
+    assert cont.hidden_size == 8 and cont.samples_per_step == 32
+
+
+def test_audio_is_deterministic_and_depends_on_the_synth_params():
+    env = envs.AudioSynth.light()
+    p0 = envs.init_synth_params(jax.random.key(0), env.hidden_size)
+    p1 = envs.init_synth_params(jax.random.key(1), env.hidden_size)
+    step = jax.jit(env.step)
+    state, obs0 = env.reset(KEY, p0)
+    _, obs_reset_p1 = env.reset(KEY, p1)
+    np.testing.assert_array_equal(np.asarray(obs0), np.asarray(obs_reset_p1))  # silence
+    a = step(state, jnp.int32(2), KEY, p0)
+    b = step(state, jnp.int32(2), KEY, p0)
+    c = step(state, jnp.int32(2), KEY, p1)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a[1].shape == (env.samples_per_step + 1,) and a[1].dtype == jnp.float32
+    assert np.abs(np.asarray(a[1][:-1])).max() > 1e-3  # not silent
+    assert not np.allclose(np.asarray(a[1][:-1]), np.asarray(c[1][:-1]))
+    assert float(a[2]) != float(c[2])
+    assert float(a[1][-1]) == float(state.target)  # the target rides along in the obs
+    # eager equals jitted, and params=None means default_params()
+    eager = env.step(state, jnp.int32(2), KEY, p0)
+    np.testing.assert_allclose(np.asarray(eager[1]), np.asarray(a[1]), rtol=1e-5, atol=1e-6)
+    d = step(state, jnp.int32(2), KEY)
+    e = step(state, jnp.int32(2), KEY, env.default_params())
+    np.testing.assert_allclose(np.asarray(d[1]), np.asarray(e[1]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="hidden_size=8"):
+        env.step(state, jnp.int32(2), KEY, envs.init_synth_params(KEY, 4))
+
+
+def test_audio_actions_steer_the_level_toward_the_target():
+    env = envs.make("audio", light=True)
+    params = env.default_params()
+    n = 32
+    keys = jax.random.split(KEY, n)
+
+    def episode(policy):
+        state, _ = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+
+        def body(carry, key):
+            state, level = carry
+            actions = policy(level, state.env_state.target)
+            state, _, reward, _, _, info = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+                state, actions, jax.random.split(key, n), params
+            )
+            return (state, info["level"]), (reward, info["done"])
+
+        init = (state, jnp.zeros(n))
+        steps = env.max_episode_steps
+        _, (reward, done) = jax.lax.scan(body, init, jax.random.split(KEY, steps))
+        return reward, done
+
+    follow = jax.jit(lambda: episode(lambda lvl, tgt: jnp.where(lvl < tgt, 2, 0)))()
+    oppose = jax.jit(lambda: episode(lambda lvl, tgt: jnp.where(lvl < tgt, 0, 2)))()
+    assert float(follow[0][-4:].mean()) > float(oppose[0][-4:].mean()) + 0.05
+    assert np.asarray(follow[1])[-1].all() and not np.asarray(follow[1])[:-1].any()
+
+
+def test_audio_step_exports_with_jax_export():
+    from jax import export
+
+    env = envs.AudioSynth.light()
+    n = 4
+    keys = jax.random.split(jax.random.PRNGKey(0), n)  # raw uint32 keys
+    params = env.default_params()
+    state, _ = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+    actions = jnp.array([0, 1, 2, 1], jnp.int32)
+    batched = jax.jit(jax.vmap(env.step, in_axes=(0, 0, 0, None)))
+    exported = export.export(batched)(state, actions, keys, params)
+    try:
+        exported = export.deserialize(exported.serialize())
+    except ImportError:  # serialization needs the optional flatbuffers package
+        pass
+    got = exported.call(state, actions, keys, params)
+    want = batched(state, actions, keys, params)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)

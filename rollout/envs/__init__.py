@@ -12,6 +12,11 @@ limit). `params` is the env's array input that may change every step (the audio 
 synthesiser weights); `None` means `env.default_params()`; CartPole and Pendulum ignore it.
 Batch with `jax.vmap` (`in_axes=(0, 0, 0, None)` shares `params` across envs).
 
+Environments (`make(name)`): 'cartpole' / 'CartPole-v1' and 'pendulum' / 'Pendulum-v1'
+(ports of gymnasium's, tested step by step against it), and 'audio' (`AudioSynth`: audio frames
+made sample by sample by a GRU synthesiser whose weights, `SynthParams` from
+`init_synth_params`, are the `params` input of every step).
+
 `make(name)` wraps the env in `AutoReset` by default: finished episodes restart inside `step`
 and `info` carries `final_obs` (the true last observation), `done`, `episode_return` and
 `episode_length`.
@@ -29,12 +34,28 @@ Example:
   ...     state, jnp.zeros(64, jnp.int32), keys)
   >>> sorted(info)
   ['done', 'episode_length', 'episode_return', 'final_obs']
+
+The audio env, with synthesiser weights that the caller owns and may change every step:
+  >>> audio = envs.make("audio", light=True)
+  >>> synth = envs.init_synth_params(jax.random.key(1), audio.unwrapped.hidden_size)
+  >>> state, obs = jax.vmap(audio.reset, in_axes=(0, None))(keys, synth)
+  >>> step = jax.jit(jax.vmap(audio.step, in_axes=(0, 0, 0, None)))
+  >>> state, obs, reward, *_ = step(state, jnp.full(64, 2), keys, synth)
+  >>> obs.shape, reward.shape
+  ((64, 33), (64,))
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rollout.envs._audio import (
+    AudioState,
+    AudioSynth,
+    SynthParams,
+    init_synth_params,
+    synthesize,
+)
 from rollout.envs._cartpole import CartPole, CartPoleState
 from rollout.envs._core import AutoReset, AutoResetState, Box, Discrete, Env, Space
 from rollout.envs._pendulum import Pendulum, PendulumState
@@ -44,10 +65,11 @@ _REGISTRY: dict[str, type[Env]] = {
     "cartpole-v1": CartPole,
     "pendulum": Pendulum,
     "pendulum-v1": Pendulum,
+    "audio": AudioSynth,
 }
 
 #: Names accepted by `make` (case-insensitive).
-ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v1")
+ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v1", "audio")
 
 
 def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
@@ -57,7 +79,8 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
       name: one of `ENV_NAMES` (case-insensitive).
       auto_reset: wrap in `AutoReset` (default) so episodes restart inside `step` and `info`
         reports the true final observation and episode statistics; False gives the bare env.
-      **kwargs: fields of the env's dataclass (e.g. `max_episode_steps=100`, `g=9.81`).
+      **kwargs: fields of the env's dataclass (e.g. `max_episode_steps=100`, `g=9.81`); for
+        'audio' also `light=True` (`AudioSynth.light()`, a small configuration for tests).
 
     Raises:
       ValueError: unknown name (the message lists the valid ones).
@@ -65,12 +88,17 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
     cls = _REGISTRY.get(str(name).lower())
     if cls is None:
         raise ValueError(f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}")
-    env = cls(**kwargs)
+    if cls is AudioSynth and kwargs.pop("light", False):
+        env: Env = AudioSynth.light(**kwargs)
+    else:
+        env = cls(**kwargs)
     return AutoReset(env) if auto_reset else env
 
 
 __all__ = [
     "ENV_NAMES",
+    "AudioState",
+    "AudioSynth",
     "AutoReset",
     "AutoResetState",
     "Box",
@@ -81,5 +109,8 @@ __all__ = [
     "Pendulum",
     "PendulumState",
     "Space",
+    "SynthParams",
+    "init_synth_params",
     "make",
+    "synthesize",
 ]
