@@ -75,6 +75,42 @@ def _decode_address(text: str, width: int) -> str:
     return f"{ip}:{int(hex_port, 16)}"
 
 
+def train_nnx(steps: int, local: list[int]):
+    """The same ensemble through the NNX API: returns host params and this process's shards."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import ensemble
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.hidden = nnx.Linear(FEATURES, 32, rngs=rngs)
+            self.out = nnx.Linear(32, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.tanh(self.hidden(x)))
+
+    ens = ensemble.build(MLP, N_MEMBERS)
+    optimizer = ensemble.nnx_optimizer(ens, optax.adam(1e-2))
+    step = ensemble.nnx_train_step(lambda m, x, y: ((m(x) - y) ** 2).mean(), per_member_batch=True)
+    for t in range(steps):
+        xs, ys = zip(*(member_data(i, t % 8) for i in local))
+        x, y = distributed.member_batch_from_local((np.stack(xs), np.stack(ys)), ens.mesh, ens.n)
+        step(ens, optimizer, x, y)
+    state = nnx.state(ens, nnx.Param)
+    shards = {
+        jax.tree_util.keystr(path): sorted(
+            [s.device.id, s.index[0].start, s.index[0].stop] for s in leaf.addressable_shards
+        )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+    }
+    host = distributed.gather_metrics_to_host(state)
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host)}
+    return flat, shards
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -161,6 +197,7 @@ def main() -> int:
         diff = jax.tree_util.tree_map(lambda a, b: jnp.max(jnp.abs(a - b)), theirs, params)
         other = float(max(distributed.gather_metrics_to_host(jax.tree_util.tree_leaves(diff))))
 
+    nnx_params, nnx_shards = train_nnx(args.steps, local)
     host_params = distributed.gather_metrics_to_host(params)
     report = {
         "rank": rank,
@@ -175,6 +212,7 @@ def main() -> int:
             ]
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)
         },
+        "nnx_shards": nnx_shards,
         "fully_addressable": [
             leaf.is_fully_addressable for leaf in jax.tree_util.tree_leaves(params)
         ],
@@ -191,6 +229,7 @@ def main() -> int:
         flat = {
             jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host_params)
         }
+        flat.update({f"nnx{k}": v for k, v in nnx_params.items()})
         np.savez(os.path.join(args.out, "params.npz"), **flat)
         print("done", flush=True)
     return 0
