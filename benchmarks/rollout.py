@@ -1,0 +1,219 @@
+"""Throughput of a heavy sequential rollout (a GRU synthesising audio sample by sample) on CPUs.
+
+Rows of the table, for each batch size:
+
+- ``naive``: ``jax.jit(render)`` on one CPU device (the seed's first attempt: everything on one
+  device; with one thread per device that is one core).
+- ``direct``: the same function called directly, ``jit(shard_map(render))`` over k CPU devices,
+  no callback: the reference for the callback's overhead at k cores.
+- ``inprocess`` / ``process``: ``rollout.on_cpu(render, executor=...)`` with k workers, called
+  from a jitted caller on one device (the only caller for which ``'inprocess'`` is safe on a
+  CPU-only host; the process executor is safe from any caller).
+
+speed-up = samples/s over naive; overhead = time / direct time at the same k, minus 1.
+Goals (issue 3): speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
+
+    python benchmarks/rollout.py                 # ~2 min on 2 cores
+    python benchmarks/rollout.py --batches 64 256 1024 --samples 4096 --reps 7
+
+Writes benchmarks/results/rollout.json and benchmarks/results/rollout.png. Figures on a machine
+shared with other work are noisy: the JSON records the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax  # noqa: E402
+
+import rollout  # noqa: E402
+
+rollout.configure_cpu_devices()  # one CPU device and one thread per core, before JAX starts
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+try:  # the audio env's GRU synthesiser, when rollout.envs provides it
+    from rollout.envs import init_synth_params, synthesize
+except ImportError:
+
+    def init_synth_params(key, hidden_size=32):
+        k1, k2, k3 = jax.random.split(key, 3)
+        h = hidden_size
+        return {
+            "w_in": 0.5 * jax.random.normal(k1, (3 * h,)),
+            "w_h": jax.random.normal(k2, (h, 3 * h)) / np.sqrt(h),
+            "w_out": 2.0 * jax.random.normal(k3, (h,)) / np.sqrt(h),
+        }
+
+    def synthesize(params, h, excitation):
+        hidden = h.shape[-1]
+        x_proj = excitation[:, None] * params["w_in"]
+
+        def cell(h, xp):
+            hp = h @ params["w_h"]
+            r = jax.nn.sigmoid(xp[:hidden] + hp[:hidden])
+            z = jax.nn.sigmoid(xp[hidden : 2 * hidden] + hp[hidden : 2 * hidden])
+            n = jnp.tanh(xp[2 * hidden :] + r * hp[2 * hidden :])
+            h = (1.0 - z) * n + z * h
+            return h, jnp.tanh(h @ params["w_out"])
+
+        return jax.lax.scan(cell, h, x_proj)
+
+
+def make_render(samples: int, hidden: int):
+    t = jnp.arange(samples, dtype=jnp.float32) / 16000.0
+
+    def render(synth_params, gain_freq):
+        def one(gf):
+            excitation = gf[0] * jnp.sin(2 * jnp.pi * gf[1] * t)
+            return synthesize(synth_params, jnp.zeros((hidden,), jnp.float32), excitation)[1]
+
+        return jax.vmap(one)(gain_freq)
+
+    return render
+
+
+def timeit(fn, args, reps: int) -> float:
+    for _ in range(2):  # compile, start workers, warm caches
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+
+    cpus = jax.devices("cpu")
+    cores = len(cpus)
+    render = make_render(args.samples, args.hidden)
+    dev0 = cpus[0]
+    params = jax.device_put(init_synth_params(jax.random.key(0), args.hidden), dev0)
+    load_before = os.getloadavg()
+    rows = []
+
+    def record(batch, mode, k, seconds):
+        rows.append(
+            dict(
+                batch=batch,
+                mode=mode,
+                cores=k,
+                seconds=seconds,
+                samples_per_s=batch * args.samples / seconds,
+            )
+        )
+        print(f"  {mode:9s} k={k}  {seconds * 1e3:8.1f} ms/call", flush=True)
+
+    for batch in args.batches:
+        rng = np.random.default_rng(batch)
+        gf = np.stack(
+            [rng.uniform(0, 2, batch), np.exp(rng.uniform(np.log(110), np.log(880), batch))], -1
+        ).astype(np.float32)
+        x = jax.device_put(gf, dev0)
+        print(f"batch {batch}:", flush=True)
+        ref = np.asarray(jax.jit(render)(params, x))
+        record(batch, "naive", 1, timeit(jax.jit(render), (params, x), args.reps))
+        for k in range(1, cores + 1):
+            mesh = jax.sharding.Mesh(np.array(cpus[:k]), ("w",))
+            direct = jax.jit(
+                jax.shard_map(
+                    render, mesh=mesh, in_specs=(P(), P("w")), out_specs=P("w"), check_vma=False
+                )
+            )
+            pad = -(-batch // k) * k
+            xk = np.concatenate([gf, gf[: pad - batch]])
+            xk = jax.device_put(xk, NamedSharding(mesh, P("w")))
+            pk = jax.device_put(params, NamedSharding(mesh, P()))
+            record(batch, "direct", k, timeit(direct, (pk, xk), args.reps))
+            for executor in ("inprocess", "process"):
+                f = rollout.on_cpu(render, in_axes=(None, 0), executor=executor, workers=k)
+                step = jax.jit(f)
+                np.testing.assert_allclose(np.asarray(step(params, x)), ref, atol=1e-5)
+                record(batch, executor, k, timeit(step, (params, x), args.reps))
+                f.close()
+
+    base = {r["batch"]: r["seconds"] for r in rows if r["mode"] == "naive"}
+    direct = {(r["batch"], r["cores"]): r["seconds"] for r in rows if r["mode"] == "direct"}
+    for r in rows:
+        r["speedup"] = base[r["batch"]] / r["seconds"]
+        r["overhead"] = r["seconds"] / direct[r["batch"], r["cores"]] - 1.0
+    load_after = os.getloadavg()
+
+    header = f"{'batch':>6} {'mode':>10} {'cores':>5} {'ms/call':>9} {'Msamples/s':>11} "
+    header += f"{'speed-up':>9} {'overhead':>9}"
+    print("\n" + header)
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {r['mode']:>10} {r['cores']:>5} {r['seconds'] * 1e3:>9.1f} "
+            f"{r['samples_per_s'] / 1e6:>11.2f} {r['speedup']:>8.2f}x {100 * r['overhead']:>8.1f}%"
+        )
+    print(f"load average before {load_before}, after {load_after} on {os.cpu_count()} cores")
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(
+        command=" ".join([os.path.relpath(sys.argv[0]), *(argv or sys.argv[1:])]),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        cpu_devices=cores,
+        cpu_count=os.cpu_count(),
+        samples=args.samples,
+        hidden=args.hidden,
+        reps=args.reps,
+        load_average_before=load_before,
+        load_average_after=load_after,
+    )
+    with open(os.path.join(args.out, "rollout.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    plot(rows, cores, os.path.join(args.out, "rollout.png"))
+    print(f"wrote {args.out}/rollout.json and rollout.png")
+
+
+def plot(rows, cores, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        sel = [r for r in rows if r["batch"] == batch]
+        naive = next(r for r in sel if r["mode"] == "naive")
+        ks = list(range(1, cores + 1))
+        ax.plot(ks, [naive["samples_per_s"] / 1e6 * k for k in ks], "k:", label="ideal")
+        ax.plot(ks, [naive["samples_per_s"] / 1e6 * 0.85 * k for k in ks], "k--", lw=0.8,
+                label="goal 0.85 x cores")  # fmt: skip
+        for mode, style in (("direct", "s-"), ("inprocess", "o-"), ("process", "^-")):
+            pts = sorted((r["cores"], r["samples_per_s"] / 1e6) for r in sel if r["mode"] == mode)
+            ax.plot(*zip(*pts), style, label=mode)
+        ax.set(title=f"batch {batch}", xlabel="CPU cores", ylabel="M samples / s", xticks=ks)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
