@@ -1,0 +1,41 @@
+"""Ensemble PPO: n PPO agents, one per device, trained by one jitted, donated update.
+
+Example:
+  >>> import jax
+  >>> from rollout.ppo import Learner, PPOConfig
+  >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=2048)
+  >>> learner = Learner(cfg)
+  >>> state = learner.init()
+  >>> state, metrics = learner.update(state, 1)
+  >>> metrics["returns"].shape == (cfg.members, 1)
+  True
+
+The command line (``python -m rollout.ppo --help``) trains, logs ``metrics.jsonl``, plots the
+learning curves and checkpoints; :func:`train` is the same loop as a function.
+"""
+
+from rollout.ppo._cli import main, plot_curves, train
+from rollout.ppo._config import PPOConfig
+from rollout.ppo._gae import gae
+from rollout.ppo._learner import (
+    METRIC_NAMES,
+    Learner,
+    MemberState,
+    RunningStats,
+    TrainState,
+)
+from rollout.ppo._networks import ActorCritic
+
+__all__ = [
+    "METRIC_NAMES",
+    "ActorCritic",
+    "Learner",
+    "MemberState",
+    "PPOConfig",
+    "RunningStats",
+    "TrainState",
+    "gae",
+    "main",
+    "plot_curves",
+    "train",
+]

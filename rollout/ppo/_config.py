@@ -1,0 +1,217 @@
+"""PPO configuration: one frozen dataclass, CleanRL defaults per environment, checked early.
+
+Every check here runs before anything is compiled, so a bad config fails in milliseconds with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+#: Per-member hyperparameters: a float (all members) or one value per member.
+PerMember = float | tuple[float, ...]
+
+#: The hyperparameters that may differ between members.
+PER_MEMBER_FIELDS = ("learning_rate", "ent_coef", "clip_coef")
+
+# CleanRL's ppo.py (discrete) and ppo_continuous_action.py defaults, per environment. Pendulum uses
+# 8 envs x 256 steps (the same 2048-step batch as CleanRL's 1 x 2048) because short per-env
+# rollouts vectorise better, and gamma 0.95 / lr 1e-3 because Pendulum's dense, short-horizon reward
+# is the classic case where gamma 0.99 learns slowly (rl-zoo uses 0.9).
+_ENV_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cartpole": dict(
+        num_envs=4,
+        num_steps=128,
+        update_epochs=4,
+        num_minibatches=4,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        clip_coef=0.2,
+        ent_coef=0.01,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        total_steps=500_000,
+    ),
+    "pendulum": dict(
+        num_envs=8,
+        num_steps=256,
+        update_epochs=10,
+        num_minibatches=32,
+        learning_rate=1e-3,
+        gamma=0.95,
+        gae_lambda=0.95,
+        clip_coef=0.2,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        total_steps=1_000_000,
+    ),
+}
+
+ENV_ALIASES = {
+    "cartpole-v1": "cartpole",
+    "cartpole": "cartpole",
+    "pendulum-v1": "pendulum",
+    "pendulum": "pendulum",
+    "audio": "audio",
+}
+
+
+def canonical_env(name: str) -> str:
+    """``'CartPole-v1'`` -> ``'cartpole'``; unknown names pass through (checked by ``validate``)."""
+    return ENV_ALIASES.get(str(name).lower(), str(name).lower())
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Everything one ensemble PPO run needs; ``PPOConfig.for_env`` fills CleanRL's defaults.
+
+    Step counts are per member: ``total_steps`` env steps for each of the ``members`` agents.
+    ``learning_rate``, ``ent_coef`` and ``clip_coef`` take a float or one value per member.
+
+    Example:
+      >>> cfg = PPOConfig.for_env(
+      ...     "cartpole", members=2, total_steps=4096, learning_rate=[3e-4, 1e-3]
+      ... )
+      >>> cfg.num_updates, cfg.batch_size, cfg.minibatch_size, cfg.per_member("learning_rate")
+      (8, 512, 128, (0.0003, 0.001))
+    """
+
+    env: str = "cartpole"
+    members: int = 4
+    total_steps: int = 500_000
+    num_envs: int = 4
+    num_steps: int = 128
+    update_epochs: int = 4
+    num_minibatches: int = 4
+    learning_rate: PerMember = 2.5e-4
+    anneal_lr: bool = True
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: PerMember = 0.2
+    clip_vloss: bool = True
+    ent_coef: PerMember = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    norm_adv: bool = True
+    #: Running mean/std observation normalisation per member (None: on for continuous actions).
+    normalize_obs: bool | None = None
+    #: Reward scaling by the std of the discounted return, per member (None: on for continuous).
+    normalize_reward: bool | None = None
+    #: On truncation (time limit), add gamma * V(final obs) to the reward instead of treating the
+    #: cut as a terminal state (the true final observation comes from the env's ``info``).
+    bootstrap_truncation: bool = True
+    hidden: tuple[int, ...] = (64, 64)
+    seed: int = 0
+    env_on: Literal["device", "cpu"] = "device"
+    #: PPO updates per jitted call (a ``lax.scan``): fewer host round trips, one compile.
+    updates_per_call: int = 8
+
+    @classmethod
+    def for_env(cls, env: str = "cartpole", **overrides: Any) -> PPOConfig:
+        """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``), then ``overrides``."""
+        name = canonical_env(env)
+        base = dict(_ENV_DEFAULTS.get(name, {}))
+        base.update(overrides)
+        for key in PER_MEMBER_FIELDS:
+            if isinstance(base.get(key), list):
+                base[key] = tuple(base[key])
+        if isinstance(base.get("hidden"), list):
+            base["hidden"] = tuple(base["hidden"])
+        return cls(env=name, **base)
+
+    # Derived sizes -------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Transitions per member per update (``num_envs * num_steps``)."""
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches
+
+    @property
+    def num_updates(self) -> int:
+        """PPO updates in the whole run (``total_steps // batch_size``)."""
+        return self.total_steps // self.batch_size
+
+    def per_member(self, name: str) -> tuple[float, ...]:
+        """The value of a per-member hyperparameter for each member (length ``members``)."""
+        value = getattr(self, name)
+        if isinstance(value, (tuple, list)):
+            return tuple(float(v) for v in value)
+        return (float(value),) * self.members
+
+    def validate(self, num_devices: int | None = None, known_envs: Sequence[str] = ()) -> None:
+        """Raises ``ValueError`` naming the first problem; cheap, compiles nothing.
+
+        ``num_devices``: check that ``members`` fits that many devices (``ensemble.layout``).
+        ``known_envs``: names the env registry offers (an unknown ``env`` lists them).
+        """
+        _positive_int(self, "members")
+        for name in ("total_steps", "num_envs", "num_steps", "update_epochs", "num_minibatches"):
+            _positive_int(self, name)
+        _positive_int(self, "updates_per_call")
+        if known_envs and self.env not in known_envs:
+            raise ValueError(
+                f"unknown env {self.env!r}; known envs: {sorted(known_envs)} "
+                "(aliases like 'CartPole-v1' work too)."
+            )
+        if self.env_on not in ("device", "cpu"):
+            raise ValueError(f"env_on must be 'device' or 'cpu', got {self.env_on!r}.")
+        if self.batch_size % self.num_minibatches:
+            raise ValueError(
+                f"num_minibatches={self.num_minibatches} must divide the batch "
+                f"num_envs*num_steps={self.batch_size}."
+            )
+        if self.num_updates < 1:
+            raise ValueError(
+                f"total_steps={self.total_steps} is less than one update's batch "
+                f"(num_envs*num_steps={self.batch_size}); raise total_steps or shrink the batch."
+            )
+        for name in PER_MEMBER_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (tuple, list)) and len(value) != self.members:
+                raise ValueError(
+                    f"{name} has {len(value)} values but there are members={self.members}; give "
+                    "one value per member or a single float."
+                )
+            values = self.per_member(name)
+            if any(not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+        if any(v <= 0 for v in self.per_member("learning_rate")):
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+        for name in ("gamma", "gae_lambda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}.")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}.")
+        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
+            raise ValueError(f"hidden must be non-empty positive widths, got {self.hidden}")
+        if num_devices is not None:
+            from ensemble import layout
+
+            layout(self.members, num_devices)  # its error names n, D and the valid choices
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (tuples become lists); ``PPOConfig(**d)`` inverts it."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
+        return cls(**kw)
+
+
+def _positive_int(cfg: PPOConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")

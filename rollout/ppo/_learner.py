@@ -1,0 +1,470 @@
+"""The ensemble PPO learner: n actor-critics, one jitted and donated update for all of them.
+
+Read :meth:`Learner._member_update` top to bottom: it is one member's whole PPO update (rollout,
+GAE, epochs of shuffled minibatches), written for a single agent. ``jax.vmap`` with
+``spmd_axis_name='ensemble'`` turns it into the ensemble's update, and the member-major train
+state, sharded on the mesh's ``'ensemble'`` axis, keeps each member on its own device(s): nothing
+member-shaped is ever gathered, and ``out_shardings`` equal the input shardings so the donated
+buffers are reused in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import flax.struct as struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import ensemble
+from ensemble import MEMBER_AXIS
+from rollout.ppo import _env as envlib
+from rollout.ppo import _networks as nets
+from rollout.ppo._config import PPOConfig
+from rollout.ppo._gae import gae
+
+
+class RunningStats(NamedTuple):
+    """Running mean / variance (Welford, batched merge) as in gymnasium's normalisation wrappers."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> RunningStats:
+        # count starts at a tiny epsilon like gymnasium's RunningMeanStd (avoids 0/0).
+        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.asarray(1e-4, jnp.float32))
+
+    def update(self, batch: jax.Array) -> RunningStats:
+        b_mean = jnp.mean(batch, axis=0)
+        b_var = jnp.var(batch, axis=0)
+        b_count = jnp.asarray(batch.shape[0], jnp.float32)
+        delta = b_mean - self.mean
+        total = self.count + b_count
+        mean = self.mean + delta * b_count / total
+        m2 = self.var * self.count + b_var * b_count + delta**2 * self.count * b_count / total
+        return RunningStats(mean, m2 / total, total)
+
+
+@struct.dataclass
+class MemberState:
+    """Everything that belongs to the members; every leaf has the member axis first."""
+
+    params: Any
+    opt_state: Any
+    env_state: Any  # [n, num_envs, ...]
+    obs: jax.Array  # [n, num_envs, *obs_shape], raw (unnormalised) current observations
+    obs_stats: RunningStats  # [n, *obs_shape] (count [n])
+    ret_stats: RunningStats  # [n] reward-scaling statistics of the discounted return
+    disc_return: jax.Array  # [n, num_envs] discounted return used for reward scaling
+    ep_return: jax.Array  # [n, num_envs] undiscounted return of the running episodes
+    ep_length: jax.Array  # [n, num_envs]
+    last_return: jax.Array  # [n] mean return of episodes finished last update (NaN: none)
+    last_length: jax.Array  # [n]
+    hparams: dict[str, jax.Array]  # per-member learning_rate, ent_coef, clip_coef: [n]
+    rng: jax.Array  # [n, 2] uint32 raw keys (plain arrays: easy to checkpoint and shard)
+
+
+@struct.dataclass
+class TrainState:
+    """The whole learner state: ``members`` (sharded on the member axis) and the update counter."""
+
+    members: MemberState
+    update: jax.Array  # () int32, replicated: PPO updates done so far
+
+
+class Transition(NamedTuple):
+    obs: jax.Array
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    reward: jax.Array  # the (scaled, truncation-bootstrapped) reward the learner trains on
+    done: jax.Array
+
+
+METRIC_NAMES = (
+    "returns",
+    "episode_length",
+    "episodes",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "approx_kl",
+    "clipfrac",
+    "learning_rate",
+)
+
+
+class Learner:
+    """n PPO agents trained together; each member on its own device(s) of ``mesh``.
+
+    Args:
+      config: a :class:`PPOConfig` (validated here, before anything is compiled).
+      mesh: an ensemble mesh (default ``ensemble.make_mesh(config.members, devices=devices)``).
+      devices: devices for the default mesh (default: all).
+
+    Example:
+      >>> import jax
+      >>> from rollout.ppo import Learner, PPOConfig
+      >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=1024,
+      ...                         num_steps=32, updates_per_call=2)
+      >>> learner = Learner(cfg)
+      >>> state = learner.init()
+      >>> state, metrics = learner.update(state, 2)
+      >>> metrics["returns"].shape == (cfg.members, 2)
+      True
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        mesh: Mesh | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> None:
+        devices = list(mesh.devices.flat) if mesh is not None else devices
+        num_devices = len(devices) if devices is not None else jax.device_count()
+        config.validate(num_devices=num_devices, known_envs=envlib.known_envs())
+        self.config = config
+        self.env = envlib.make_env(config.env)
+        self.spec = envlib.spec_of(self.env)
+        n = config.members
+        self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)
+        self.network = nets.ActorCritic(
+            action_dim=self.spec.action_dim, discrete=self.spec.discrete, hidden=config.hidden
+        )
+        self.ensemble = ensemble.build(self.network, n, mesh=self.mesh)
+        self.normalize_obs = (
+            (not self.spec.discrete) if config.normalize_obs is None else config.normalize_obs
+        )
+        self.normalize_reward = (
+            (not self.spec.discrete) if config.normalize_reward is None else config.normalize_reward
+        )
+        # One member's optimizer; per_member vmaps it (one Adam state per member) for init, and
+        # the member update below runs it inside the member vmap, so clip_by_global_norm sees one
+        # member's gradients only.
+        self.tx = optax.inject_hyperparams(_adam_with_clip)(
+            learning_rate=config.per_member("learning_rate")[0],
+            max_grad_norm=config.max_grad_norm,
+        )
+        self._env_step = self._make_env_step()
+        self._programs: dict[int, Callable[..., Any]] = {}
+        self._state_shardings: Any = None
+
+    # ------------------------------------------------------------------ state
+
+    def init(self, seed: int | None = None) -> TrainState:
+        """A fresh train state, every member-shaped leaf on the member axis from the start."""
+        cfg, n = self.config, self.config.members
+        seed = cfg.seed if seed is None else seed
+        k_params, k_members = jax.random.split(jax.random.key(seed))
+        sample_obs = jnp.zeros((1, *self.spec.obs_shape), jnp.float32)
+        params = self.ensemble.init(k_params, sample_obs)["params"]
+        member_keys = jax.random.key_data(jax.random.split(k_members, n))
+        hparams = {k: jnp.asarray(cfg.per_member(k), jnp.float32) for k in _HPARAMS}
+        shardings = self.state_shardings()
+        init = jax.jit(self._init_state, out_shardings=shardings)
+        with jax.set_mesh(self.mesh):
+            return init(params, member_keys, hparams)
+
+    def _init_state(self, params, member_keys, hparams) -> TrainState:
+        cfg, n = self.config, self.config.members
+        opt_state = ensemble.per_member(self.tx, n, learning_rate=hparams["learning_rate"]).init(
+            params
+        )
+
+        def one(key):
+            key = jax.random.wrap_key_data(key)
+            key, k_env = jax.random.split(key)
+            env_state, obs = jax.vmap(self.env.reset)(jax.random.split(k_env, cfg.num_envs))
+            obs = obs.astype(jnp.float32)
+            obs_stats = RunningStats.zeros(self.spec.obs_shape)
+            if self.normalize_obs:
+                obs_stats = obs_stats.update(obs)
+            zeros = jnp.zeros((cfg.num_envs,), jnp.float32)
+            return dict(
+                env_state=env_state,
+                obs=obs,
+                obs_stats=obs_stats,
+                ret_stats=RunningStats.zeros(()),
+                disc_return=zeros,
+                ep_return=zeros,
+                ep_length=zeros,
+                last_return=jnp.asarray(jnp.nan, jnp.float32),
+                last_length=jnp.asarray(jnp.nan, jnp.float32),
+                rng=jax.random.key_data(key),
+            )
+
+        parts = jax.vmap(one, spmd_axis_name=MEMBER_AXIS)(member_keys)
+        members = MemberState(params=params, opt_state=opt_state, hparams=hparams, **parts)
+        return TrainState(members=members, update=jnp.zeros((), jnp.int32))
+
+    def state_shardings(self) -> TrainState:
+        """``NamedSharding`` of every leaf of the train state (member axis on ``'ensemble'``)."""
+        if self._state_shardings is None:
+            shapes = self.state_shapes()
+            member = jax.tree_util.tree_map(
+                lambda x: ensemble.member_sharding(self.mesh, x.ndim), shapes.members
+            )
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._state_shardings = TrainState(members=member, update=replicated)
+        return self._state_shardings
+
+    def state_shapes(self) -> TrainState:
+        """Shapes and dtypes of the train state (nothing is computed)."""
+        n = self.config.members
+        params = jax.eval_shape(
+            lambda k: jax.vmap(self.network.init, in_axes=(0, None))(
+                jax.random.split(k, n), jnp.zeros((1, *self.spec.obs_shape), jnp.float32)
+            )["params"],
+            jax.random.key(0),
+        )
+        keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32)
+        hparams = {k: jax.ShapeDtypeStruct((n,), jnp.float32) for k in _HPARAMS}
+        return jax.eval_shape(self._init_state, params, keys, hparams)
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, state: TrainState, num_updates: int | None = None) -> tuple[TrainState, dict]:
+        """Runs ``num_updates`` PPO updates (default ``config.updates_per_call``) in one jit call.
+
+        ``state`` is donated (do not use it afterwards). Returns the new state and metrics, a dict
+        of ``[n, num_updates]`` arrays sharded on the member axis (see ``METRIC_NAMES``).
+        """
+        k = self.config.updates_per_call if num_updates is None else int(num_updates)
+        if k <= 0:
+            raise ValueError(f"num_updates must be positive, got {k}.")
+        program = self._programs.get(k)
+        if program is None:
+            program = self._programs[k] = self._compile_updates(k)
+        with jax.set_mesh(self.mesh):
+            return program(state)
+
+    def lower(self, state: TrainState, num_updates: int = 1) -> jax.stages.Lowered:
+        """The lowered update program (``.compile().memory_analysis()``, ``.as_text()``)."""
+        with jax.set_mesh(self.mesh):
+            return self._compile_updates(num_updates).lower(state)
+
+    def _compile_updates(self, k: int) -> Callable[..., Any]:
+        shardings = self.state_shardings()
+        metric_sharding = ensemble.member_sharding(self.mesh, 2)
+        metrics_out = dict.fromkeys(METRIC_NAMES, metric_sharding)
+
+        def updates(state: TrainState) -> tuple[TrainState, dict]:
+            def one(state: TrainState, _):
+                members, metrics = jax.vmap(
+                    self._member_update, in_axes=(0, None), spmd_axis_name=MEMBER_AXIS
+                )(state.members, state.update)
+                return TrainState(members=members, update=state.update + 1), metrics
+
+            state, metrics = jax.lax.scan(one, state, None, length=k)
+            # scan stacks updates first: [k, n] -> [n, k], member axis first like everything else.
+            return state, {name: m.T for name, m in metrics.items()}
+
+        return jax.jit(
+            updates,
+            in_shardings=(shardings,),
+            out_shardings=(shardings, metrics_out),
+            donate_argnums=0,
+        )
+
+    def _member_update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
+        """One member's PPO update, written for a single agent (the ensemble vmaps it)."""
+        cfg, spec = self.config, self.spec
+        apply = self.network.apply
+        hp = ms.hparams
+        key = jax.random.wrap_key_data(ms.rng)
+
+        def normalize(obs, stats):
+            if not self.normalize_obs:
+                return obs
+            return jnp.clip((obs - stats.mean) / jnp.sqrt(stats.var + 1e-8), -10.0, 10.0)
+
+        # 1. Rollout: num_steps steps of num_envs envs with the current policy.
+        def env_step(carry, _):
+            (env_state, obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key) = carry
+            key, k_act, k_env = jax.random.split(key, 3)
+            nobs = normalize(obs, obs_stats)
+            pi, value = apply({"params": ms.params}, nobs)
+            action = nets.sample(pi, k_act, spec.discrete)
+            logp = nets.log_prob(pi, action, spec.discrete)
+            env_action = envlib.to_env_action(action, spec)
+            env_state, next_obs, reward, term, trunc, info = self._env_step(
+                env_state, env_action, jax.random.split(k_env, cfg.num_envs)
+            )
+            next_obs = next_obs.astype(jnp.float32)
+            reward = reward.astype(jnp.float32)
+            term, trunc = term.astype(bool), trunc.astype(bool)
+            done = term | trunc
+
+            # Episode bookkeeping on the true reward (what the metrics report).
+            ep_ret, ep_len = ep_ret + reward, ep_len + 1
+            fin_sum, fin_len, fin_count = fin
+            fin = (
+                fin_sum + jnp.sum(jnp.where(done, ep_ret, 0.0)),
+                fin_len + jnp.sum(jnp.where(done, ep_len, 0.0)),
+                fin_count + jnp.sum(done),
+            )
+            ep_ret, ep_len = jnp.where(done, 0.0, ep_ret), jnp.where(done, 0.0, ep_len)
+
+            # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
+            train_reward = reward
+            if self.normalize_reward:
+                disc_ret = disc_ret * cfg.gamma + reward
+                ret_stats = ret_stats.update(disc_ret)
+                disc_ret = jnp.where(done, 0.0, disc_ret)
+                train_reward = jnp.clip(reward / jnp.sqrt(ret_stats.var + 1e-8), -10.0, 10.0)
+            # A time-limit cut is not a terminal state: bootstrap it with V(true final obs).
+            if cfg.bootstrap_truncation:
+                last = normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
+                _, final_value = apply({"params": ms.params}, last)
+                cut = trunc & ~term
+                train_reward = train_reward + jnp.where(cut, cfg.gamma * final_value, 0.0)
+            if self.normalize_obs:
+                obs_stats = obs_stats.update(next_obs)
+
+            step = Transition(nobs, action, logp, value, train_reward, done.astype(jnp.float32))
+            carry = (env_state, next_obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key)
+            return carry, step
+
+        zero = jnp.zeros((), jnp.float32)
+        carry = (
+            ms.env_state,
+            ms.obs,
+            ms.obs_stats,
+            ms.ret_stats,
+            ms.disc_return,
+            ms.ep_return,
+            ms.ep_length,
+            (zero, zero, zero),
+            key,
+        )
+        carry, traj = jax.lax.scan(env_step, carry, None, length=cfg.num_steps)
+        (env_state, obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key) = carry
+
+        # 2. Advantages: GAE over the trajectory, bootstrapped with V(obs after the last step).
+        _, last_value = apply({"params": ms.params}, normalize(obs, obs_stats))
+        advantages, targets = gae(
+            traj.reward, traj.value, traj.done, last_value, cfg.gamma, cfg.gae_lambda
+        )
+
+        # 3. Learning: update_epochs passes of shuffled minibatches over the flattened batch.
+        frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
+        lr = hp["learning_rate"] * frac
+        batch = (traj, advantages, targets)
+        batch = jax.tree_util.tree_map(lambda x: x.reshape(cfg.batch_size, *x.shape[2:]), batch)
+
+        def loss_fn(params, mb):
+            t, adv, target = mb
+            pi, value = apply({"params": params}, t.obs)
+            logp = nets.log_prob(pi, t.action, spec.discrete)
+            log_ratio = logp - t.log_prob
+            ratio = jnp.exp(log_ratio)
+            if cfg.norm_adv:
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            clip = hp["clip_coef"]
+            pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
+            if cfg.clip_vloss:
+                v_clipped = t.value + jnp.clip(value - t.value, -clip, clip)
+                v_loss = 0.5 * jnp.maximum((value - target) ** 2, (v_clipped - target) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((value - target) ** 2).mean()
+            ent = nets.entropy(pi, spec.discrete).mean()
+            loss = pg_loss - hp["ent_coef"] * ent + cfg.vf_coef * v_loss
+            stats = dict(
+                policy_loss=pg_loss,
+                value_loss=v_loss,
+                entropy=ent,
+                approx_kl=((ratio - 1) - log_ratio).mean(),
+                clipfrac=(jnp.abs(ratio - 1) > clip).astype(jnp.float32).mean(),
+            )
+            return loss, stats
+
+        def minibatch_step(carry, mb):
+            params, opt_state = carry
+            grads, stats = jax.grad(loss_fn, has_aux=True)(params, mb)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), stats
+
+        def epoch(carry, _):
+            params, opt_state, key = carry
+            key, k_perm = jax.random.split(key)
+            perm = jax.random.permutation(k_perm, cfg.batch_size)
+            mbs = jax.tree_util.tree_map(
+                lambda x: x[perm].reshape(cfg.num_minibatches, cfg.minibatch_size, *x.shape[1:]),
+                batch,
+            )
+            (params, opt_state), stats = jax.lax.scan(minibatch_step, (params, opt_state), mbs)
+            return (params, opt_state, key), stats
+
+        opt_state = optax.tree_utils.tree_set(ms.opt_state, learning_rate=lr)
+        (params, opt_state, key), stats = jax.lax.scan(
+            epoch, (ms.params, opt_state, key), None, length=cfg.update_epochs
+        )
+
+        # 4. Metrics: scalars per member (the ensemble vmap makes them [n]).
+        fin_sum, fin_len, fin_count = fin
+        has = fin_count > 0
+        last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), ms.last_return)
+        last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), ms.last_length)
+        metrics = {name: jnp.mean(v) for name, v in stats.items()}
+        metrics.update(
+            returns=last_return, episode_length=last_length, episodes=fin_count, learning_rate=lr
+        )
+        new = MemberState(
+            params=params,
+            opt_state=opt_state,
+            env_state=env_state,
+            obs=obs,
+            obs_stats=obs_stats,
+            ret_stats=ret_stats,
+            disc_return=disc_ret,
+            ep_return=ep_ret,
+            ep_length=ep_len,
+            last_return=last_return,
+            last_length=last_length,
+            hparams=hp,
+            rng=jax.random.key_data(key),
+        )
+        return new, {name: jnp.asarray(metrics[name], jnp.float32) for name in METRIC_NAMES}
+
+    # ------------------------------------------------------------------ environments
+
+    def _make_env_step(self) -> Callable[..., Any]:
+        """The batched env step of one member: vmapped on device, or on host CPU cores."""
+        step = jax.vmap(self.env.step)
+        if self.config.env_on == "device":
+            return step
+        return _cpu_env_step(step)
+
+
+_HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
+
+
+def _adam_with_clip(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
+    # CleanRL: clip the global grad norm (of this member's gradients), then Adam with eps 1e-5.
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, eps=1e-5)
+    )
+
+
+def _cpu_env_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    from rollout import on_cpu
+
+    try:
+        return on_cpu(step, in_axes=0)
+    except NotImplementedError as e:  # the on_cpu stub before issue 3 lands
+        raise NotImplementedError(
+            "env_on='cpu' needs rollout.on_cpu, which is not available in this build; "
+            "use env_on='device'."
+        ) from e
+
+
+def to_host(metrics: dict) -> dict[str, np.ndarray]:
+    """Gathers the (small, per-member scalar) metrics to host numpy arrays."""
+    return {k: np.asarray(jax.device_get(v)) for k, v in metrics.items()}

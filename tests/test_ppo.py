@@ -1,0 +1,278 @@
+"""Ensemble PPO: GAE, config errors, placement of the train state, learning, resume, the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import ensemble
+from rollout.ppo import Learner, PPOConfig, gae, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- GAE
+
+
+def _gae_reference(rewards, values, dones, last_value, gamma, lam):
+    """GAE by hand, one step at a time, as in the paper (dones[t]: the episode ended at step t)."""
+    T = len(rewards)
+    adv = np.zeros_like(rewards)
+    next_adv = np.zeros_like(last_value)
+    for t in reversed(range(T)):
+        next_value = last_value if t == T - 1 else values[t + 1]
+        live = 1.0 - dones[t]
+        delta = rewards[t] + gamma * next_value * live - values[t]
+        next_adv = delta + gamma * lam * live * next_adv
+        adv[t] = next_adv
+    return adv, adv + values
+
+
+def test_gae_matches_hand_computed_reference():
+    rng = np.random.default_rng(0)
+    T, B = 9, 5
+    rewards = rng.normal(size=(T, B)).astype(np.float32)
+    values = rng.normal(size=(T, B)).astype(np.float32)
+    dones = (rng.random((T, B)) < 0.3).astype(np.float32)
+    dones[-1, 0] = 1.0  # an episode ending on the very last step: last_value must be ignored
+    last_value = rng.normal(size=(B,)).astype(np.float32)
+    adv, ret = jax.jit(gae, static_argnums=(4, 5))(rewards, values, dones, last_value, 0.99, 0.95)
+    ref_adv, ref_ret = _gae_reference(rewards, values, dones, last_value, 0.99, 0.95)
+    np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_small_case_by_hand():
+    # Rewards 1, episode ends after step 1, gamma = lam = 1: advantages count the steps left.
+    adv, ret = gae(
+        np.ones(3, np.float32),
+        np.zeros(3, np.float32),
+        np.array([0.0, 1.0, 0.0], np.float32),
+        np.float32(10.0),
+        1.0,
+        1.0,
+    )
+    np.testing.assert_allclose(adv, [2.0, 1.0, 11.0])
+    np.testing.assert_allclose(ret, adv)
+
+
+# ---------------------------------------------------------------------- config errors
+
+
+@contextlib.contextmanager
+def _count_compiles():
+    """Counts XLA compilations inside the block (JAX's monitoring events)."""
+    events: list[str] = []
+
+    def listener(name, *args, **kwargs):
+        if "compile" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(members=3), r"n=3 members on D=8 devices"),
+        (dict(members=0), r"members must be a positive integer"),
+        (dict(env="mountaincar"), r"unknown env 'mountaincar'"),
+        (dict(num_steps=0), r"num_steps must be a positive integer"),
+        (dict(total_steps=-5), r"total_steps must be a positive integer"),
+        (dict(total_steps=100), r"less than one update's batch"),
+        (dict(num_minibatches=3), r"num_minibatches=3 must divide"),
+        (dict(learning_rate=(1e-3, 2e-3)), r"learning_rate has 2 values but there are members=8"),
+        (dict(env_on="gpu"), r"env_on must be 'device' or 'cpu'"),
+    ],
+)
+def test_bad_config_fails_before_any_compile(overrides, match):
+    overrides = {"members": 8, **overrides}
+    cfg = PPOConfig.for_env(overrides.pop("env", "cartpole"), **overrides)
+    with _count_compiles() as compiles, pytest.raises(ValueError, match=match):
+        Learner(cfg)
+    assert compiles == []
+
+
+def test_per_member_hyperparameters_and_aliases():
+    cfg = PPOConfig.for_env("CartPole-v1", members=2, ent_coef=[0.0, 0.05])
+    assert cfg.env == "cartpole"
+    assert cfg.per_member("ent_coef") == (0.0, 0.05)
+    assert cfg.per_member("clip_coef") == (0.2, 0.2)
+    assert PPOConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+# ---------------------------------------------------------------------- placement
+
+
+def _tiny(env: str, members: int, **kw) -> PPOConfig:
+    base = dict(
+        members=members,
+        num_envs=2,
+        num_steps=16,
+        update_epochs=1,
+        num_minibatches=2,
+        total_steps=4 * 32,
+        updates_per_call=2,
+    )
+    base.update(kw)
+    return PPOConfig.for_env(env, **base)
+
+
+def _assert_member_sharded(tree, mesh, n):
+    """Every leaf: leading axis n, member axis on 'ensemble', each member's rows on its device."""
+    ensemble.assert_member_axis(tree, n)
+    ensemble.assert_member_placement(tree, mesh, n)
+    ensemble.assert_no_replicated_members(tree, n, mesh)
+    blocks = mesh.shape[ensemble.MEMBER_AXIS]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        assert leaf.sharding.spec[0] == ensemble.MEMBER_AXIS, jax.tree_util.keystr(path)
+        for shard in leaf.addressable_shards:
+            rows = shard.index[0]
+            chex.assert_shape(shard.data, (n // blocks, *leaf.shape[1:]))
+            # The device that holds member block e is the mesh's device at ensemble index e.
+            block = (rows.start or 0) // (n // blocks)
+            assert shard.device in set(mesh.devices[block].flat), jax.tree_util.keystr(path)
+
+
+# One member per device here; two members per device in the resume test (compiles are slow).
+@pytest.mark.parametrize("env, members, num_devices", [("pendulum", 8, 8)])
+def test_every_member_shaped_array_is_sharded_from_init_to_metrics(env, members, num_devices):
+    # Per-member learning rates (no annealing, so the metric shows them unchanged).
+    lrs = tuple(1e-3 / (i + 1) for i in range(members))
+    cfg = _tiny(env, members, learning_rate=lrs, anneal_lr=False)
+    learner = Learner(cfg, devices=jax.devices()[:num_devices])
+    mesh, n = learner.mesh, members
+    state = learner.init()
+    shapes = learner.state_shapes()
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, shapes)
+    _assert_member_sharded(state.members, mesh, n)
+    ms = state.members
+    obs_shape = learner.spec.obs_shape
+    chex.assert_shape(ms.obs, (n, cfg.num_envs, *obs_shape))
+    chex.assert_shape([ms.ep_return, ms.ep_length, ms.disc_return], (n, cfg.num_envs))
+    chex.assert_shape([ms.obs_stats.mean, ms.obs_stats.var], (n, *obs_shape))
+    chex.assert_shape([ms.last_return, ms.rng[:, 0], *ms.hparams.values()], (n,))
+    for leaf in jax.tree_util.tree_leaves(ms.env_state):
+        assert leaf.shape[:2] == (n, cfg.num_envs)
+    assert state.update.shape == () and state.update.sharding.is_fully_replicated
+
+    new_state, metrics = learner.update(state, 2)
+    assert state.members.obs.is_deleted(), "the train state must be donated"
+    _assert_member_sharded(new_state.members, mesh, n)
+    same = jax.tree_util.tree_map(
+        lambda x, s: x.sharding == s, new_state, learner.state_shardings()
+    )
+    assert all(jax.tree_util.tree_leaves(same)), "out_shardings must equal the in shardings"
+    _assert_member_sharded(metrics, mesh, n)
+    for name, m in metrics.items():
+        chex.assert_shape(m, (n, 2), custom_message=name)
+    assert int(new_state.update) == 2
+    host = jax.device_get(metrics)
+    assert np.all(np.isfinite(host["policy_loss"])) and np.all(np.isfinite(host["value_loss"]))
+    if env == "pendulum":  # observation normalisation is on for continuous control
+        assert np.all(np.asarray(new_state.members.obs_stats.count) > 1.0)
+    # Members differ by seed: different params and different trajectories.
+    w = np.asarray(new_state.members.params["actor0"]["kernel"])
+    assert not np.allclose(w[0], w[1])
+    # Each member trains with its own learning rate (in its own optimizer state).
+    np.testing.assert_allclose(host["learning_rate"][:, -1], lrs, rtol=1e-6)
+    lr_state = jax.device_get(new_state.members.opt_state.hyperparams["learning_rate"])
+    np.testing.assert_allclose(lr_state, lrs, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- learning
+
+
+def test_cartpole_return_rises_far_above_random():
+    # Random CartPole play lasts ~22 steps. CleanRL defaults, 2 members, 60k steps each.
+    cfg = PPOConfig.for_env("cartpole", members=2, total_steps=60_000, seed=1, updates_per_call=13)
+    _, rows = train(cfg, progress=False, devices=jax.devices()[:2])
+    late = np.array([r["returns"] for r in rows[-10:]], dtype=float)  # [10 updates, 2 members]
+    assert np.all(np.isfinite(late))
+    per_member = late.mean(axis=0)
+    assert np.all(per_member > 100), per_member
+    assert rows[-1]["env_steps"] == cfg.num_updates * cfg.batch_size
+
+
+# ---------------------------------------------------------------------- resume
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    # 4 members on 2 devices: two members per device.
+    cfg = _tiny("cartpole", 4, total_steps=6 * 32, updates_per_call=2)
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    full, full_rows = train(cfg, tmp_path / "full", progress=False, learner=learner)
+
+    def stop_at_5(row):  # crash in the third call: checkpoints after calls 1, 2 exist
+        if row["update"] == 5:
+            raise _Stop
+
+    run = tmp_path / "cut"
+    with pytest.raises(_Stop):
+        train(
+            cfg,
+            run,
+            progress=False,
+            checkpoint_every=1,
+            learner=learner,
+            on_update=stop_at_5,
+        )
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+    resumed, _ = train(cfg, run, resume=True, progress=False, learner=learner)
+
+    chex.assert_trees_all_equal(jax.device_get(resumed), jax.device_get(full))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rs]
+    assert strip(rows) == strip(full_rows)
+    _assert_member_sharded(resumed.members, learner.mesh, 4)
+
+    other = _tiny("cartpole", 4, total_steps=6 * 32, updates_per_call=2, gamma=0.9)
+    with pytest.raises(ValueError, match=r"different config; differences in \['gamma'\]"):
+        train(other, run, resume=True, progress=False, devices=jax.devices()[:2])
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
+    cmd += ["--total-steps", "1024", "--num-steps", "64", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    assert [r["env_steps"] for r in rows] == [256, 512, 768, 1024]
+    for r in rows:
+        assert len(r["returns"]) == 2
+    assert (out / "learning_curve.png").stat().st_size > 0
+    assert any(p.name.startswith("ckpt_") for p in out.iterdir())
+
+    bad = subprocess.run(
+        [*cmd[:6], "3", "--devices", "2", "--out", str(tmp_path / "bad"), "--no-progress"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "n=3 members on D=2 devices" in bad.stderr
