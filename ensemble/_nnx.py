@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ensemble._mesh import (
     DATA_AXIS,
     MEMBER_AXIS,
+    MODEL_AXIS,
     LogicalRules,
     _warn_on_unmapped_constraints,
     check_mesh,
@@ -158,15 +159,18 @@ class NNXEnsemble(nnx.Module):
         return self._map(fn, args, kwargs, self.in_axes)
 
     def member(self, i: int) -> nnx.Module:
-        """Returns member ``i`` as a plain module (a copy; same class as the factory's output).
+        """Returns member ``i`` as a plain module (same class as the factory's output).
 
-        Its output equals row ``i`` of the ensemble's output.
+        Its output equals row ``i`` of the ensemble's output. Its arrays stay on the device(s)
+        that already held member ``i`` (no gather, no copy to other devices); move them with
+        ``jax.device_put`` if needed. Variables are new objects: changing the member leaves the
+        ensemble untouched.
 
         Example:
-          >>> import jax.numpy as jnp, ensemble
+          >>> import numpy as np, jax.numpy as jnp, ensemble
           >>> from flax import nnx
           >>> ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=rngs), 4)
-          >>> bool(jnp.allclose(ens.member(1)(jnp.ones(3)), ens(jnp.ones(3))[1]))
+          >>> np.allclose(ens.member(1)(jnp.ones(3)), ens(jnp.ones(3))[1])
           True
         """
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not -self.n <= i < self.n:
@@ -174,7 +178,8 @@ class NNXEnsemble(nnx.Module):
         graphdef, state = nnx.split(self.members)
         # tree.map builds new Variables, so stripping the member axis from their sharding
         # metadata below leaves the ensemble's own Variables untouched.
-        state = jax.tree.map(lambda x: x[i], state)
+        i = int(i) % self.n
+        state = jax.tree.map(lambda x: _take_member(x, i, self.mesh, self.n), state)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         return nnx.merge(graphdef, state)
 
@@ -257,6 +262,36 @@ class NNXEnsemble(nnx.Module):
         return jax.lax.with_sharding_constraint(
             y, NamedSharding(self.mesh, PartitionSpec(MEMBER_AXIS, *rest))
         )
+
+
+def _take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
+    """Row ``i`` of a member-major array, assembled from the shards that already hold it.
+
+    Plain ``x[i]`` would broadcast the row to every device of the mesh (n times the memory for a
+    member that barely fits on its own devices). Here each device that holds member ``i`` keeps
+    its piece, and the result lives on a mesh of just those devices (``('data', 'model')``).
+    """
+    sharding = getattr(x, "sharding", None)
+    if (
+        not isinstance(x, jax.Array)
+        or not isinstance(sharding, NamedSharding)
+        or sharding.mesh != mesh
+        or tuple(sharding.spec)[:1] != (MEMBER_AXIS,)
+    ):
+        return x[i]
+    owner = i // (n // mesh.shape[MEMBER_AXIS])
+    devices = mesh.devices[owner]  # (data, model) block of this member
+    submesh = Mesh(devices, (DATA_AXIS, MODEL_AXIS), axis_types=mesh.axis_types[1:])
+    spec = PartitionSpec(*tuple(sharding.spec)[1:])
+    mine = set(devices.flat)
+    pieces = []
+    for shard in x.addressable_shards:
+        if shard.device in mine:
+            start = shard.index[0].start or 0
+            pieces.append(shard.data[i - start])
+    return jax.make_array_from_single_device_arrays(
+        x.shape[1:], NamedSharding(submesh, spec), pieces
+    )
 
 
 def _call_module(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:

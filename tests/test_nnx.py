@@ -130,7 +130,12 @@ def test_model_parallel_through_rules():
     assert {s.data.shape for s in kernel.addressable_shards} == {(1, 3, 8)}
     assert_on_member_axis(nnx.state(ens), ens.mesh, 4)
     x = jnp.ones((2, 3))
-    np.testing.assert_allclose(forward(ens, x)[2], ens.member(2)(x), rtol=1e-5, atol=1e-6)
+    member = ens.member(2)
+    kernel = member.l1.kernel[...]
+    assert kernel.devices() == set(ens.mesh.devices[2].flat)
+    assert {s.data.shape for s in kernel.addressable_shards} == {(3, 8)}
+    assert member.l1.kernel.get_metadata()["out_sharding"] == (None, "hidden")
+    np.testing.assert_allclose(forward(ens, x)[2], member(x), rtol=1e-5, atol=1e-6)
 
 
 def test_data_parallel_inside_member():
@@ -169,6 +174,9 @@ def test_member_i_equals_row_i(ens8):
         member = ens8.member(i)
         assert type(member) is MLP
         assert member.l1.kernel[...].shape == (3, 8)
+        # Taken from the shards that hold it: member i stays on device i, nowhere else.
+        for leaf in jax.tree.leaves(nnx.state(member)):
+            assert leaf.devices() == {jax.devices()[i]}
         np.testing.assert_allclose(member(x), y[i], rtol=1e-5, atol=1e-6)
 
 
@@ -251,7 +259,9 @@ def test_train_step_lowers_loss_and_donates():
     assert_on_member_axis(nnx.state(ens), ens.mesh, D)
     assert_on_member_axis([x for x in jax.tree.leaves(nnx.state(opt)) if x.ndim], ens.mesh, D)
     memory = step.lower(ens, opt, x, y).compile().memory_analysis()
+    # Every state buffer is aliased to its update; only the (undonated) batch is not.
     assert memory.alias_size_in_bytes > 0
+    assert memory.alias_size_in_bytes == memory.argument_size_in_bytes - x.nbytes - y.nbytes
     keep = nnx_train_step(mse, donate=False)
     kept = ens.members.kernel[...]
     keep(ens, opt, x, y)
