@@ -217,9 +217,10 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, metric, title in zip(axes, ("state", "step"), ("live state", "donated train step")):
-        for (api, per_d), style in zip(results.items(), ("o-", "s-")):
+        styles = ({"marker": "o", "ms": 9, "ls": "-"}, {"marker": "s", "ms": 5, "ls": ":"})
+        for (api, per_d), style in zip(results.items(), styles):
             ds = sorted(per_d)
-            ax.plot(ds, [per_d[d][metric] / MB for d in ds], style, label=api)
+            ax.plot(ds, [per_d[d][metric] / MB for d in ds], label=api, **style)
             base = per_d[ds[0]][metric] * ds[0]
             ax.plot(ds, [base / d / MB for d in ds], "--", color="gray", lw=1)
         ax.plot([], [], "--", color="gray", lw=1, label="ideal 1/D")
@@ -227,7 +228,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
         ax.set_yscale("log")
         ax.set_xticks(ds, [str(d) for d in ds])
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("devices D")
         ax.set_ylabel("MB per device")
         ax.set_title(title)

@@ -243,7 +243,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], ds: list[int], path: pa
         ax.set_yscale("log")
         ax.set_xticks(ds, [str(d) for d in ds])
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("devices D")
         ax.set_ylabel("MB per device")
         ax.set_title(title)
