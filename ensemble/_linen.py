@@ -14,7 +14,8 @@ mesh's ensemble axis. Consequences a user can rely on:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -28,6 +29,7 @@ from ensemble._mesh import (
     DATA_AXIS,
     MEMBER_AXIS,
     LogicalRules,
+    _warn_on_unmapped_constraints,
     check_mesh,
     layout,
     make_mesh,
@@ -158,7 +160,7 @@ class LinenEnsemble:
         jitted, _ = self._init_program(rng, args, kwargs)
         rngs = _normalize_rngs(rng, default="params")
         dynamic, _ = _split_kwargs(kwargs)
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jitted(rngs, args, dynamic)
 
     def init_shardings(self, rng: RngLike, *args: Any, **kwargs: Any) -> Any:
@@ -174,7 +176,7 @@ class LinenEnsemble:
         jitted, _ = self._init_program(rng, args, kwargs)
         rngs = _normalize_rngs(rng, default="params")
         dynamic, _ = _split_kwargs(kwargs)
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jitted.lower(rngs, args, dynamic)
 
     def _init_program(
@@ -208,7 +210,7 @@ class LinenEnsemble:
                 member_rngs, *args
             )
 
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             boxed = jax.eval_shape(lambda r, a, d: boxed_init(r, a, d, False), rngs, args, dynamic)
         shardings = jax.tree_util.tree_map(
             lambda leaf: self._leaf_sharding(leaf), boxed, is_leaf=_is_box
@@ -271,7 +273,7 @@ class LinenEnsemble:
         jitted = self._cache.get(key)
         if jitted is None:
             jitted = self._cache[key] = self._make_apply(static, mutable, method, tuple(rngs))
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jitted(variables, rngs, args, dynamic)
 
     def _make_apply(self, static, mutable, method, stream_names) -> Callable[..., Any]:
@@ -367,6 +369,45 @@ class LinenEnsemble:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def traced_partitioning(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
+    """:func:`ensemble.partitioning`, usable inside a user's ``jax.jit`` / ``jax.grad`` too.
+
+    ``jax.set_mesh`` refuses to run inside a trace, so there only the logical rules are set and
+    flax's logical constraints get the concrete mesh passed explicitly; either way no
+    ``with_logical_constraint`` in a member is a silent no-op.
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(partitioning(mesh, rules))
+        except ValueError as e:
+            if "set_mesh" not in str(e):
+                raise
+            stack.enter_context(nn.logical_axis_rules(rules))
+            stack.enter_context(_warn_on_unmapped_constraints(rules))
+        stack.enter_context(_constraints_on(mesh))
+        yield
+
+
+@contextlib.contextmanager
+def _constraints_on(default_mesh: Mesh) -> Iterator[None]:
+    """Makes flax's ``with_logical_constraint`` default to ``default_mesh`` (needs no mesh set)."""
+    from flax.linen import spmd
+
+    current = spmd.with_logical_constraint
+
+    def on_mesh(x, logical_axis_resources, rules=None, mesh=None, **kwargs):
+        mesh = default_mesh if mesh is None else mesh
+        return current(x, logical_axis_resources, rules=rules, mesh=mesh, **kwargs)
+
+    previous = (spmd.with_logical_constraint, nn.with_logical_constraint)
+    spmd.with_logical_constraint = nn.with_logical_constraint = on_mesh
+    try:
+        yield
+    finally:
+        spmd.with_logical_constraint, nn.with_logical_constraint = previous
 
 
 def constrain_inputs(

@@ -32,14 +32,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ensemble._linen import constrain_inputs, constrain_member_major
+from ensemble._linen import constrain_inputs, constrain_member_major, traced_partitioning
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
     check_mesh,
     member_sharding,
     merge_rules,
-    partitioning,
 )
 from ensemble._optim import per_member
 
@@ -110,7 +109,7 @@ class TrainStep:
         """
         self._check_member_major(params, "params")
         shardings = self._opt_shardings(params)
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jax.jit(self._tx.init, out_shardings=shardings)(params)
 
     def _opt_shardings(self, params: Any) -> Any:
@@ -137,13 +136,13 @@ class TrainStep:
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
         jitted = self._program(params, opt_state, batch)
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jitted(params, opt_state, *batch)
 
     def lower(self, params: Any, opt_state: Any, *batch: Any) -> jax.stages.Lowered:
         """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``."""
         jitted = self._program(params, opt_state, batch)
-        with partitioning(self._mesh, self._rules):
+        with traced_partitioning(self._mesh, self._rules):
             return jitted.lower(params, opt_state, *batch)
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
@@ -222,7 +221,7 @@ class TrainStep:
         # Keep a member-major array where it is; place anything else (host arrays) on the member
         # axis.
         sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh.shape == self._mesh.shape:
+        if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
             return sharding
         return member_sharding(self._mesh, len(np.shape(abstract)), None, self._rules)
 
@@ -270,7 +269,9 @@ def train_step(
         batch argument has a leading member axis n (bootstrapped batches, per-member keys); or one
         flag per batch argument.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back member-major.
-      donate: donate params and optimizer state (their buffers are reused for the outputs).
+      donate: donate params and optimizer state: their buffers are reused for the outputs, so
+        the arrays passed in (and any dict still holding them, e.g. the ``variables`` that
+        ``params`` came from) are deleted after the call; keep only the returned ones.
       hyperparams: per-member values (length n) for hyperparameters of a ``tx`` made with
         ``optax.inject_hyperparams``, e.g. ``{'learning_rate': [1e-3, 3e-4, ...]}``.
       data_parallel: split a batch over the ``'data'`` axis when a member spans several devices.

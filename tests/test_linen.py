@@ -184,8 +184,12 @@ def test_logical_constraint_inside_member_is_not_a_no_op():
     # batch there even with the default input hint turned off.
     ens = ensemble.build(Hidden(), D // 2, data_parallel=False)
     x = jnp.ones((6, 3))
-    y = ens.apply(ens.init(jax.random.key(0), x), x)
+    variables = ens.init(jax.random.key(0), x)
+    y = ens.apply(variables, x)
     assert y.sharding.spec[:2] == (MEMBER_AXIS, "data")
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 4)}
+    # Also when the user wraps apply in their own jit (jax.set_mesh is refused inside a trace).
+    y = jax.jit(ens.apply)(variables, x)
     assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 4)}
 
 
@@ -271,3 +275,33 @@ def test_build_dispatches_nnx_factories(monkeypatch):
     model, n, kwargs = calls[0]
     assert model is factory and n == D
     assert kwargs == dict(mesh=None, devices=None, model_parallel=1, rules=None, in_axes=0, extra=1)
+
+
+def test_variables_work_in_plain_jit_and_grad():
+    ens = ensemble.build(MLP(), D, rules=RULES)
+    x = jnp.ones((2, 5))
+    variables = ens.init(jax.random.key(0), x)
+    # No context needed by the user's own code (Auto mesh axes).
+    doubled = jax.jit(lambda v: jax.tree_util.tree_map(lambda a: 2 * a, v))(variables)
+    assert_placed(doubled, ens.mesh, D)
+    grads = jax.grad(lambda p: ens.apply({"params": p}, x).sum())(variables["params"])
+    assert_placed(grads, ens.mesh, D)
+
+
+class TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, x, bias):
+        return nn.Dense(2)(x) + bias
+
+
+def test_mixed_in_axes_per_argument():
+    ens = ensemble.build(TwoInputs(), D, in_axes=(0, None))
+    xs = jax.random.normal(jax.random.key(1), (D, 3, 4))
+    bias = jnp.arange(2.0)
+    variables = ens.init(jax.random.key(0), xs, bias)
+    y = ens.apply(variables, xs, bias)
+    np.testing.assert_allclose(
+        y[4], TwoInputs().apply(ens.member(variables, 4), xs[4], bias), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="one axis per positional input"):
+        ens.apply(variables, xs)
