@@ -91,6 +91,18 @@ def test_compiled_memory_plain_function_and_shape_structs():
     assert donated.alias == 4000 and donated.peak == 4000
 
 
+def test_compiled_memory_nnx_jit_and_lowered():
+    from flax import nnx
+
+    model = nnx.Linear(100, 100, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 100))
+    stats = ensemble.compiled_memory(nnx.jit(lambda m, x: m(x)), model, x)
+    assert stats.argument == (100 * 100 + 100 + 4 * 100) * 4
+    lowered = jax.jit(lambda a: a * 2).lower(x)
+    assert ensemble.compiled_memory(lowered).output == 1600
+    assert ensemble.compiled_memory(lowered.compile()).output == 1600
+
+
 def test_compiled_memory_says_what_to_pass():
     with pytest.raises(TypeError, match="compiled_memory could not lower"):
         ensemble.compiled_memory(lambda a, b: a + b, jnp.ones(3))
