@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import pickle
 import threading
@@ -31,12 +32,13 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollout._pool import ProcessPool, WorkerError, default_workers
+from rollout._pool import ProcessPool, WorkerError, default_workers, shared_pool
 
 __all__ = ["OnCpu", "WorkerError", "on_cpu"]
 
 Executor = Literal["auto", "inprocess", "process"]
 _EXECUTORS = ("auto", "inprocess", "process")
+_tokens = itertools.count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +173,7 @@ class OnCpu:
         self._inprocess: _InProcess | None = None
         self._exports: dict[Any, bytes] = {}
         self._lock = threading.Lock()
+        self._token = next(_tokens)  # names this wrapper's programs inside shared workers
         functools.update_wrapper(self, fn, updated=())
 
     # -------------------------------------------------------------- public helpers
@@ -180,7 +183,11 @@ class OnCpu:
         return self._pool.pids if self._pool is not None else []
 
     def close(self) -> None:
-        """Stop worker processes and drop compiled programs; a later call starts them again."""
+        """Stop the worker processes and drop compiled programs; a later call starts them again.
+
+        Wrappers with the same worker count share one pool of processes, so this also stops the
+        workers of those wrappers (their next call restarts the pool).
+        """
         with self._lock:
             if self._pool is not None:
                 self._pool.close()
@@ -224,7 +231,7 @@ class OnCpu:
         with self._lock:
             if kind == "process":
                 if self._pool is None:
-                    self._pool = ProcessPool(self.workers or default_workers())
+                    self._pool = shared_pool(self.workers or default_workers())
                 return self._pool
             if self._inprocess is None:
                 n = self.workers or len(jax.devices("cpu"))
@@ -306,7 +313,7 @@ class OnCpu:
         in_ndims = [x.ndim for x in (*batched, *shared)]
         # Programs are cached per structure and chunk shapes; constants that fn closes over are
         # frozen into the first export, which is why changing values must be arguments.
-        sig = (str(treedef), tuple(axes), tuple(map(str, keys)))
+        sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)))
         row_outs = [(o.shape[1:], o.dtype) for o in out_specs]
 
         def run_rows(b: list[np.ndarray], s: list[np.ndarray]) -> list[np.ndarray]:
@@ -413,8 +420,11 @@ def on_cpu(
         fed through shared memory; safe from any caller. ``'inprocess'``: ``jit(shard_map(fn))``
         over this process's CPU devices (see :func:`rollout.configure_cpu_devices`); no process
         hop, but it deadlocks when the caller itself spans several CPU devices, so it is refused
-        there with a ``RuntimeError``. ``'auto'`` (default): ``'inprocess'`` when the caller runs on
-        an accelerator and this process has several CPU devices, else ``'process'``.
+        there with a ``RuntimeError`` (the caller's devices are read at trace time from the
+        shardings of the inputs and from the ambient mesh; a multi-device CPU program whose
+        inputs to ``fn`` all sit on one device is not detected, so on CPU-only hosts prefer
+        ``'auto'``). ``'auto'`` (default): ``'inprocess'`` when the caller runs on an accelerator
+        and this process has several CPU devices, else ``'process'``.
       workers: how many CPU workers (default: the CPU cores this process may use for
         ``'process'``; the CPU devices for ``'inprocess'``).
       timeout: seconds a process-executor call may wait for its workers (default: no limit; a
@@ -423,6 +433,7 @@ def on_cpu(
     Returns:
       An :class:`OnCpu` callable with ``fn``'s signature. Worker processes start on the first
       call and stop at ``close()`` (or ``with on_cpu(...) as f:``) and at interpreter exit.
+      Wrappers with the same worker count share one pool of processes.
 
     Gradients: none flow through ``on_cpu`` — inputs are wrapped in ``lax.stop_gradient``, so
     differentiating a loss that uses its outputs treats them as constants (zero gradient with

@@ -298,6 +298,20 @@ class ProcessPool:
             raise WorkerError("; ".join(errors))
 
 
+_shared: dict[int, ProcessPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(workers: int) -> ProcessPool:
+    """The process-wide pool with this many workers: every ``on_cpu`` wrapper with the same worker
+    count shares it, so wrapping several functions (an env's reset and step) costs no extra
+    processes. Programs are cached per wrapper inside the workers."""
+    with _shared_lock:
+        if workers not in _shared:
+            _shared[workers] = ProcessPool(workers)
+        return _shared[workers]
+
+
 @atexit.register
 def _close_all() -> None:
     for pool in list(_live_pools):

@@ -154,25 +154,23 @@ def test_scan_with_parameters_in_the_carry(rollout_fn):
 
 
 @pytest.mark.timeout(120)
-def test_pytrees_in_axes_and_keys():
+def test_pytrees_in_axes_and_keys(rollout_fn):
     def fn(cfg, batch, keys):
         noise = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
         out = batch["a"].T * cfg["scale"] + noise  # batch["a"] has the batch on axis 1
         split = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
         return {"y": out, "n": batch["n"] + 1, "k": split}
 
+    # Same worker count as the fixture: the two wrappers share one pool (closed by the fixture).
     f = on_cpu(fn, in_axes=(None, {"a": 1, "n": 0}, 0), workers=W)
-    try:
-        cfg = {"scale": jnp.float32(2.0)}
-        batch = {"a": fresh(6, 3, 7), "n": jnp.arange(7, dtype=jnp.int32)}
-        keys = jax.random.split(jax.random.key(0), 7)
-        got, want = jax.jit(f)(cfg, batch, keys), fn(cfg, batch, keys)
-        close(got["y"], want["y"])
-        assert got["n"].dtype == jnp.int32 and (got["n"] == want["n"]).all()
-        assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
-        assert (jax.random.key_data(got["k"]) == jax.random.key_data(want["k"])).all()
-    finally:
-        f.close()
+    cfg = {"scale": jnp.float32(2.0)}
+    batch = {"a": fresh(6, 3, 7), "n": jnp.arange(7, dtype=jnp.int32)}
+    keys = jax.random.split(jax.random.key(0), 7)
+    got, want = jax.jit(f)(cfg, batch, keys), fn(cfg, batch, keys)
+    close(got["y"], want["y"])
+    assert got["n"].dtype == jnp.int32 and (got["n"] == want["n"]).all()
+    assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
+    assert (jax.random.key_data(got["k"]) == jax.random.key_data(want["k"])).all()
 
 
 @pytest.mark.timeout(60)
@@ -303,7 +301,7 @@ def test_naive_pattern_hangs_in_a_subprocess():
         [sys.executable, "-c", NAIVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
-        out, _ = proc.communicate(timeout=20)
+        out, _ = proc.communicate(timeout=15)
         hung = False
     except subprocess.TimeoutExpired:
         proc.kill()
