@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import gymnasium as gym
 import jax
 import jax.numpy as jnp
@@ -39,13 +41,19 @@ def _balance(state: np.ndarray) -> int:
     return int(10.0 * theta + theta_dot + 0.1 * x + 0.5 * x_dot > 0)
 
 
+@functools.cache
+def _jit_step(env: envs.Env):
+    """One compiled step per env config, shared by every test."""
+    return jax.jit(env.step)
+
+
 def _run_parity(env, gym_id, state_cls, to_gym, policy, seed, lockstep, max_steps=600):
     """Steps `env` and gymnasium side by side; compares everything; returns steps and flags."""
     genv = gym.make(gym_id)
     gobs, _ = genv.reset(seed=seed)
     state = _state_from_gym(state_cls, genv.unwrapped.state)
     np.testing.assert_allclose(np.asarray(env.observation(state)), gobs, **LOCKSTEP)
-    step = jax.jit(env.step)
+    step = _jit_step(env)
     rng = np.random.default_rng(seed)
     tol = LOCKSTEP if lockstep else FREE
     for i in range(max_steps):
@@ -327,7 +335,7 @@ def test_synthesize_is_a_flax_gru_cell_run_sample_by_sample():
         b_hn=jax.random.normal(jax.random.key(5), (hidden,)),
     )
     h0 = jax.random.normal(jax.random.key(6), (hidden,)) * 0.1
-    x = jax.random.normal(jax.random.key(7), (20,))
+    x = jax.random.normal(jax.random.key(7), (12,))
     h_last, audio = envs.synthesize(params, h0, x)
 
     sl = [slice(i * hidden, (i + 1) * hidden) for i in range(3)]
@@ -340,10 +348,10 @@ def test_synthesize_is_a_flax_gru_cell_run_sample_by_sample():
         "hz": {"kernel": params.w_h[:, sl[1]]},
         "hn": {"kernel": params.w_h[:, sl[2]], "bias": params.b_hn},
     }
-    cell = nn.GRUCell(hidden)
+    apply = jax.jit(nn.GRUCell(hidden).apply)
     h, expected = h0, []
     for xt in x:
-        h, _ = cell.apply({"params": flax_params}, h, xt[None])
+        h, _ = apply({"params": flax_params}, h, xt[None])
         expected.append(np.tanh(np.asarray(h) @ np.asarray(params.w_out) + float(params.b_out)))
     np.testing.assert_allclose(np.asarray(audio), np.array(expected), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(h_last), np.asarray(h), rtol=1e-5, atol=1e-6)
@@ -368,7 +376,7 @@ def test_audio_is_deterministic_and_depends_on_the_synth_params():
     env = envs.AudioSynth.light()
     p0 = envs.init_synth_params(jax.random.key(0), env.hidden_size)
     p1 = envs.init_synth_params(jax.random.key(1), env.hidden_size)
-    step = jax.jit(env.step)
+    step = _jit_step(env)
     state, obs0 = env.reset(KEY, p0)
     _, obs_reset_p1 = env.reset(KEY, p1)
     np.testing.assert_array_equal(np.asarray(obs0), np.asarray(obs_reset_p1))  # silence
@@ -382,9 +390,7 @@ def test_audio_is_deterministic_and_depends_on_the_synth_params():
     assert not np.allclose(np.asarray(a[1][:-1]), np.asarray(c[1][:-1]))
     assert float(a[2]) != float(c[2])
     assert float(a[1][-1]) == float(state.target)  # the target rides along in the obs
-    # eager equals jitted, and params=None means default_params()
-    eager = env.step(state, jnp.int32(2), KEY, p0)
-    np.testing.assert_allclose(np.asarray(eager[1]), np.asarray(a[1]), rtol=1e-5, atol=1e-6)
+    # params=None means default_params()
     d = step(state, jnp.int32(2), KEY)
     e = step(state, jnp.int32(2), KEY, env.default_params())
     np.testing.assert_allclose(np.asarray(d[1]), np.asarray(e[1]), rtol=1e-5, atol=1e-6)
@@ -414,8 +420,12 @@ def test_audio_actions_steer_the_level_toward_the_target():
         _, (reward, done) = jax.lax.scan(body, init, jax.random.split(KEY, steps))
         return reward, done
 
-    follow = jax.jit(lambda: episode(lambda lvl, tgt: jnp.where(lvl < tgt, 2, 0)))()
-    oppose = jax.jit(lambda: episode(lambda lvl, tgt: jnp.where(lvl < tgt, 0, 2)))()
+    follow, oppose = jax.jit(
+        lambda: (
+            episode(lambda lvl, tgt: jnp.where(lvl < tgt, 2, 0)),
+            episode(lambda lvl, tgt: jnp.where(lvl < tgt, 0, 2)),
+        )
+    )()
     assert float(follow[0][-4:].mean()) > float(oppose[0][-4:].mean()) + 0.05
     assert np.asarray(follow[1])[-1].all() and not np.asarray(follow[1])[:-1].any()
 
@@ -439,3 +449,76 @@ def test_audio_step_exports_with_jax_export():
     want = batched(state, actions, keys, params)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------
+# The same envs on CPU cores through rollout.on_cpu
+# ------------------------------------------------------------------------------------------
+
+
+def _assert_trees_close(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype
+        if x.dtype == np.bool_ or np.issubdtype(x.dtype, np.integer):
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def on_cpu():
+    """`rollout.on_cpu` with 2 workers; the (shared) worker pool stops after this module."""
+    from rollout import on_cpu as make
+
+    wrappers = []
+
+    def wrap(fn, in_axes):
+        wrappers.append(make(fn, in_axes=in_axes, workers=2))
+        return wrappers[-1]
+
+    yield wrap
+    for w in wrappers:
+        w.close()
+
+
+@pytest.mark.timeout(180)
+def test_cartpole_rollout_through_on_cpu_equals_vmapped_step(on_cpu):
+    env = envs.make("cartpole")
+    n, steps = 13, 30  # 13 envs: not a multiple of the 2 workers; 30 steps: episodes end
+    state, _ = jax.vmap(env.reset)(jax.random.split(KEY, n))
+    keys = jax.random.split(jax.random.key(1), (steps, n))
+    actions = jax.random.randint(jax.random.key(2), (steps, n), 0, 2)
+
+    def rollout(step_fn):
+        def body(state, xs):
+            action, key = xs
+            state, *out = step_fn(state, action, key)
+            return state, out
+
+        return jax.jit(lambda s: jax.lax.scan(body, s, (actions, keys)))(state)
+
+    want = rollout(jax.vmap(env.step))
+    # on_cpu takes the batched function and splits its rows over the CPU workers
+    got = rollout(on_cpu(jax.vmap(env.step), in_axes=0))
+    _assert_trees_close(got, want)
+    assert np.asarray(want[1][-1]["done"]).any()  # auto-reset happened on the way
+
+
+@pytest.mark.timeout(180)
+def test_audio_step_through_on_cpu_with_shared_synth_params(on_cpu):
+    env = envs.make("audio", light=True)
+    n = 5
+    keys = jax.random.split(KEY, n)
+    p0 = env.default_params()
+    p1 = envs.init_synth_params(jax.random.key(9), env.unwrapped.hidden_size)
+    state, _ = jax.vmap(env.reset, in_axes=(0, None))(keys, p0)
+    actions = jnp.array([0, 1, 2, 2, 0], jnp.int32)
+    batched = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+    direct = jax.jit(batched)
+    step_on_cpu = jax.jit(on_cpu(batched, in_axes=(0, 0, 0, None)))
+    for params in (p0, p1):  # new synth weights on every call, no recompile needed
+        _assert_trees_close(
+            step_on_cpu(state, actions, keys, params), direct(state, actions, keys, params)
+        )
