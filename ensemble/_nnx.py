@@ -139,7 +139,18 @@ class NNXEnsemble(nnx.Module):
         self.data_parallel = bool(data_parallel)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs every member on the inputs; outputs get a leading member axis of size n."""
+        """Runs every member on the inputs; outputs get a leading member axis of size n.
+
+        Called eagerly, the whole ensemble call is compiled once (``nnx.jit``; array inputs are
+        traced, other inputs are static) instead of dispatching every vmapped op on its own.
+        Inside ``nnx.jit`` / ``nnx.grad`` it simply traces. For op-by-op debugging use
+        ``ens.map(lambda m, *a: m(*a), *args)``.
+        """
+        if not _tracing():
+            split = _split_static(args, kwargs)
+            if split is not None:
+                dynamic, static = split
+                return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
 
     def map(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -296,6 +307,31 @@ def _take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
 
 def _call_module(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
+
+
+def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[list, Any] | None:
+    """Array leaves (traced) and a hashable rest (static); None when the inputs cannot be split
+    that way (graph nodes or unhashable non-array leaves), so the call stays eager."""
+    is_node = lambda x: isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs))
+    leaves, treedef = jax.tree_util.tree_flatten((args, dict(kwargs)), is_leaf=is_node)
+    dynamic_mask = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+    if any(is_node(x) for x in leaves):
+        return None
+    static = (treedef, dynamic_mask, tuple(None if d else x for x, d in zip(leaves, dynamic_mask)))
+    try:
+        hash(static)
+    except TypeError:
+        return None
+    return [x for x, d in zip(leaves, dynamic_mask) if d], static
+
+
+@functools.partial(nnx.jit, static_argnums=2)
+def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
+    treedef, dynamic_mask, fixed = static
+    it = iter(dynamic)
+    leaves = [next(it) if d else x for x, d in zip(fixed, dynamic_mask)]
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    return ens._map(_call_module, args, kwargs, ens.in_axes)
 
 
 def _check_in_axes(in_axes: Any) -> InAxes:
