@@ -380,6 +380,8 @@ def traced_partitioning(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
     ``with_logical_constraint`` in a member is a silent no-op.
     """
     with contextlib.ExitStack() as stack:
+        # Innermost patch first, so the unmapped-name warning still points at the user's model.
+        stack.enter_context(_constraints_on(mesh))
         try:
             stack.enter_context(partitioning(mesh, rules))
         except ValueError as e:
@@ -387,7 +389,6 @@ def traced_partitioning(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
                 raise
             stack.enter_context(nn.logical_axis_rules(rules))
             stack.enter_context(_warn_on_unmapped_constraints(rules))
-        stack.enter_context(_constraints_on(mesh))
         yield
 
 

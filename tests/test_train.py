@@ -221,7 +221,11 @@ def test_train_step_errors():
     with pytest.raises(ValueError, match="one flag per batch argument"):
         mixed(params, opt_state, x)
     vector = ensemble.train_step(
-        lambda p, x: MODEL.apply({"params": p}, x)[:, 0], optax.sgd(0.1), n=n, mesh=ens.mesh
+        lambda p, x: MODEL.apply({"params": p}, x)[:, 0],
+        optax.sgd(0.1),
+        n=n,
+        mesh=ens.mesh,
+        rules=ens.rules,
     )
     with pytest.raises(ValueError, match="scalar loss per member"):
         vector(params, opt_state, x)
