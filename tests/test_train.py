@@ -237,3 +237,31 @@ def test_train_step_errors():
             mesh=ens.mesh,
             hyperparams={"learning_rate": [0.1, 0.2]},
         )
+
+
+def test_step_peak_per_device_falls_with_devices():
+    x = jnp.ones((4, 64))
+    y = jnp.zeros((4, 1))
+
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.tanh(nn.Dense(512)(x)))
+
+    def loss_fn(p, x, y):
+        return jnp.mean((Wide().apply({"params": p}, x) - y) ** 2)
+
+    def peak(devices):
+        ens = ensemble.build(Wide(), D, devices=devices)
+        params = ens.init(jax.random.key(0), x)["params"]
+        step = ensemble.train_step(loss_fn, optax.adam(1e-3), n=D, mesh=ens.mesh)
+        m = step.lower(params, step.init(params), x, y).compile().memory_analysis()
+        assert m.alias_size_in_bytes > 0
+        return (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
+
+    assert peak(jax.devices()) <= 1.05 * peak(jax.devices()[:1]) / D
