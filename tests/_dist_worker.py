@@ -119,6 +119,7 @@ def main() -> int:
     parser.add_argument("--forever", action="store_true", help="keep stepping (failure tests)")
     parser.add_argument("--die-rank", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=2)
+    parser.add_argument("--die-how", choices=("kill", "raise"), default="kill")
     parser.add_argument("--heartbeat", type=int, default=10, help="heartbeat timeout, seconds")
     args = parser.parse_args()
 
@@ -180,6 +181,8 @@ def main() -> int:
         t += 1
         if args.die_rank == rank and t == args.die_after:
             print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
+            if args.die_how == "raise":
+                raise RuntimeError(f"rank {rank} fails on purpose")
             os.kill(os.getpid(), signal.SIGKILL)
         if args.forever:
             time.sleep(0.2)
