@@ -11,7 +11,7 @@ from flax import nnx
 
 import ensemble
 from ensemble import NNXEnsemble, nnx_optimizer, nnx_train_step
-from ensemble._nnx import build_nnx
+from ensemble._nnx import build_nnx, lower_build_nnx
 
 D = 8  # tests/conftest.py
 
@@ -120,6 +120,19 @@ def _bytes_per_device(tree):
         for s in leaf.addressable_shards:
             out[s.device] = out.get(s.device, 0) + s.data.nbytes
     return out
+
+
+def test_init_memory_is_per_device_share():
+    """Compiled memory of the creation: each device materialises only its own members."""
+    kwargs = dict(in_features=128, out_features=128)
+    one = lower_build_nnx(nnx.Linear, D, devices=jax.devices()[:1], **kwargs)
+    one = one.compile().memory_analysis()
+    spread = lower_build_nnx(nnx.Linear, D, **kwargs).compile().memory_analysis()
+    total = D * (128 * 128 + 128) * 4
+    assert total <= one.output_size_in_bytes < 1.01 * total
+    assert spread.output_size_in_bytes <= 1.01 * total / D
+    peak = spread.argument_size_in_bytes + spread.output_size_in_bytes + spread.temp_size_in_bytes
+    assert peak < total / 2, "no device may ever hold the whole ensemble during init"
 
 
 def test_model_parallel_through_rules():
