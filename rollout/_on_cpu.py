@@ -74,7 +74,7 @@ def _caller(leaves: Sequence[Any]) -> tuple[str, int, Any]:
         mesh = getattr(sharding, "mesh", None)
         n, plat, man = _mesh_info(mesh)
         devices, platform, manual = max(devices, n), platform or plat, manual or man
-        if n > 1 and not man and all(t == AxisType.Auto for t in mesh.axis_types):
+        if n > 1 and not man:
             auto_mesh = auto_mesh or mesh
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             devs = leaf.sharding.device_set
@@ -377,13 +377,21 @@ class OnCpu:
                 jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)]) if padded > n else x
                 for x in batched
             ]
+            specs = (P(names),) * nb + (P(),) * len(shared)
+            args_ = [*bb, *shared]
+            explicit = any(t == AxisType.Explicit for t in auto_mesh.axis_types)
+            if explicit:
+                # Explicit axes: shard_map wants inputs that already carry its in_specs.
+                args_ = [jax.reshard(x, s) for x, s in zip(args_, specs)]
             outs = jax.shard_map(
                 call,
                 mesh=auto_mesh,
-                in_specs=(P(names),) * nb + (P(),) * len(shared),
+                in_specs=specs,
                 out_specs=P(names),
                 check_vma=False,
-            )(*bb, *shared)
+            )(*args_)
+            if explicit and padded > n:  # explicit sharding cannot slice 13 rows out of 8 shards
+                outs = [jax.reshard(o, P()) for o in outs]
             outs = [o[:n] for o in outs]
         else:
             outs = call(*batched, *shared)

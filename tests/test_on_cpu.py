@@ -106,6 +106,15 @@ def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
     # A batch that does not divide by the 8 devices is padded and stripped.
     x = jax.device_put(fresh(2, 13, 24), NamedSharding(mesh, P()))
     close(jax.jit(rollout_fn)(p, x), synth(p, x))
+    # The same under a mesh with Explicit axes (jax.make_mesh's default).
+    emesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(emesh):
+        for rows, spec in ((16, P("d")), (13, P())):
+            x = jax.device_put(fresh(rows, rows, 24), NamedSharding(emesh, spec))
+            got = jax.jit(rollout_fn)(params_for(rows), x)
+            close(got, synth(params_for(rows), np.asarray(x)))  # reference on unsharded input
+    # An empty batch gives empty outputs without bothering the workers.
+    assert jax.jit(rollout_fn)(p, jnp.zeros((0, 24))).shape == (0, 24)
 
 
 @pytest.mark.timeout(120)
