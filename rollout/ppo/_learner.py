@@ -1,15 +1,19 @@
 """The ensemble PPO learner: n actor-critics, one jitted and donated update for all of them.
 
-Read :meth:`Learner._member_update` top to bottom: it is one member's whole PPO update (rollout,
-GAE, epochs of shuffled minibatches), written for a single agent. ``jax.vmap`` with
-``spmd_axis_name='ensemble'`` turns it into the ensemble's update, and the member-major train
-state, sharded on the mesh's ``'ensemble'`` axis, keeps each member on its own device(s): nothing
-member-shaped is ever gathered, and ``out_shardings`` equal the input shardings so the donated
-buffers are reused in place.
+Read :meth:`Learner._update` top to bottom: one PPO update of the whole ensemble (rollout, GAE,
+epochs of shuffled minibatches). The per-member pieces (:meth:`Learner._act`,
+:meth:`Learner._observe`, :meth:`Learner._learn`) are written for a single agent; ``jax.vmap``
+with ``spmd_axis_name='ensemble'`` runs them for every member. The env step sits between them at
+ensemble level, so it can run vmapped next to the members (``env_on='device'``) or on host CPU
+cores through ``rollout.on_cpu`` (``env_on='cpu'``) with the same code around it. The member-major
+train state, sharded on the mesh's ``'ensemble'`` axis, keeps each member on its own device(s):
+nothing member-shaped is ever gathered, and ``out_shardings`` equal the input shardings so the
+donated buffers are reused in place.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -76,6 +80,31 @@ class TrainState:
 
     members: MemberState
     update: jax.Array  # () int32, replicated: PPO updates done so far
+
+
+class Rollout(NamedTuple):
+    """What one member carries from env step to env step during the rollout."""
+
+    env_state: Any
+    obs: jax.Array
+    obs_stats: RunningStats
+    ret_stats: RunningStats
+    disc_return: jax.Array
+    ep_return: jax.Array
+    ep_length: jax.Array
+    finished: jax.Array  # [3]: sum of returns, sum of lengths, count of episodes finished
+    rng: jax.Array
+
+
+class Act(NamedTuple):
+    """One member's decision for its envs at one step."""
+
+    obs: jax.Array  # normalised observation the policy saw
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    env_action: jax.Array  # the action as the env takes it (clipped into the box)
+    env_keys: jax.Array  # one key per env
 
 
 class Transition(NamedTuple):
@@ -152,6 +181,7 @@ class Learner:
             learning_rate=config.per_member("learning_rate")[0],
             max_grad_norm=config.max_grad_norm,
         )
+        self._cpu_step: Any = None
         self._env_step = self._make_env_step()
         self._programs: dict[int, Callable[..., Any]] = {}
         self._state_shardings: Any = None
@@ -257,9 +287,7 @@ class Learner:
 
         def updates(state: TrainState) -> tuple[TrainState, dict]:
             def one(state: TrainState, _):
-                members, metrics = jax.vmap(
-                    self._member_update, in_axes=(0, None), spmd_axis_name=MEMBER_AXIS
-                )(state.members, state.update)
+                members, metrics = self._update(state.members, state.update)
                 return TrainState(members=members, update=state.update + 1), metrics
 
             state, metrics = jax.lax.scan(one, state, None, length=k)
@@ -273,87 +301,137 @@ class Learner:
             donate_argnums=0,
         )
 
-    def _member_update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
-        """One member's PPO update, written for a single agent (the ensemble vmaps it)."""
+    def _update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
+        """One PPO update of the whole ensemble, every array member-major.
+
+        1. Rollout: ``num_steps`` steps. Each step every member picks actions for its envs
+           (:meth:`_act`), all members' envs step together (:meth:`_step_envs`: vmapped next to
+           the members, or on host CPU cores), and each member books the outcome
+           (:meth:`_observe`).
+        2. Learning: each member runs GAE and its epochs of minibatches on its own trajectory
+           (:meth:`_learn`).
+
+        Per-member code is vmapped with ``spmd_axis_name='ensemble'``, so the member axis stays
+        sharded through every intermediate (no gather, no replicated trajectory).
+        """
+        per_member = functools.partial(jax.vmap, spmd_axis_name=MEMBER_AXIS)
+        carry = Rollout(
+            env_state=ms.env_state,
+            obs=ms.obs,
+            obs_stats=ms.obs_stats,
+            ret_stats=ms.ret_stats,
+            disc_return=ms.disc_return,
+            ep_return=ms.ep_return,
+            ep_length=ms.ep_length,
+            finished=jnp.zeros((self.config.members, 3), jnp.float32),
+            rng=ms.rng,
+        )
+
+        def step(carry: Rollout, _):
+            carry, act = per_member(self._act)(ms.params, carry)
+            out = self._step_envs(carry.env_state, act.env_action, act.env_keys)
+            return per_member(self._observe)(ms.params, carry, act, out)
+
+        carry, traj = jax.lax.scan(step, carry, None, length=self.config.num_steps)
+        # traj leaves are [num_steps, n, num_envs, ...]: the member axis is axis 1 there.
+        return per_member(self._learn, in_axes=(0, 0, 1, None))(ms, carry, traj, update)
+
+    # ---- one member's pieces (written for a single agent; the ensemble vmaps them) ----------
+
+    def _normalize(self, obs: jax.Array, stats: RunningStats) -> jax.Array:
+        if not self.normalize_obs:
+            return obs
+        return jnp.clip((obs - stats.mean) / jnp.sqrt(stats.var + 1e-8), -10.0, 10.0)
+
+    def _act(self, params: Any, carry: Rollout) -> tuple[Rollout, Act]:
+        """Sample actions for this member's envs from the current policy."""
+        key, k_act, k_env = jax.random.split(jax.random.wrap_key_data(carry.rng), 3)
+        obs = self._normalize(carry.obs, carry.obs_stats)
+        pi, value = self.network.apply({"params": params}, obs)
+        action = nets.sample(pi, k_act, self.spec.discrete)
+        act = Act(
+            obs=obs,
+            action=action,
+            log_prob=nets.log_prob(pi, action, self.spec.discrete),
+            value=value,
+            env_action=envlib.to_env_action(action, self.spec),
+            env_keys=jax.random.split(k_env, self.config.num_envs),
+        )
+        return carry._replace(rng=jax.random.key_data(key)), act
+
+    def _observe(
+        self, params: Any, carry: Rollout, act: Act, out: tuple
+    ) -> tuple[Rollout, Transition]:
+        """Book one env step: episode stats, reward scaling, truncation bootstrap, obs stats."""
+        cfg = self.config
+        env_state, next_obs, reward, term, trunc, info = out
+        next_obs = next_obs.astype(jnp.float32)
+        reward = reward.astype(jnp.float32)
+        term, trunc = term.astype(bool), trunc.astype(bool)
+        done = term | trunc
+
+        # Episode statistics on the true reward (what the metrics report).
+        ep_return, ep_length = carry.ep_return + reward, carry.ep_length + 1
+        finished = carry.finished + jnp.stack(
+            [
+                jnp.sum(jnp.where(done, ep_return, 0.0)),
+                jnp.sum(jnp.where(done, ep_length, 0.0)),
+                jnp.sum(done.astype(jnp.float32)),
+            ]
+        )
+        ep_return = jnp.where(done, 0.0, ep_return)
+        ep_length = jnp.where(done, 0.0, ep_length)
+
+        # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
+        train_reward, disc_return, ret_stats = reward, carry.disc_return, carry.ret_stats
+        if self.normalize_reward:
+            disc_return = disc_return * cfg.gamma + reward
+            ret_stats = ret_stats.update(disc_return)
+            disc_return = jnp.where(done, 0.0, disc_return)
+            train_reward = jnp.clip(reward / jnp.sqrt(ret_stats.var + 1e-8), -10.0, 10.0)
+        # A time-limit cut is not a terminal state: bootstrap it with V(true final obs).
+        obs_stats = carry.obs_stats
+        if cfg.bootstrap_truncation:
+            final = self._normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
+            final_value = self.network.apply({"params": params}, final, method="value")
+            cut = trunc & ~term
+            train_reward = train_reward + jnp.where(cut, cfg.gamma * final_value, 0.0)
+        if self.normalize_obs:
+            obs_stats = obs_stats.update(next_obs)
+
+        carry = Rollout(
+            env_state=env_state,
+            obs=next_obs,
+            obs_stats=obs_stats,
+            ret_stats=ret_stats,
+            disc_return=disc_return,
+            ep_return=ep_return,
+            ep_length=ep_length,
+            finished=finished,
+            rng=carry.rng,
+        )
+        step = Transition(
+            act.obs, act.action, act.log_prob, act.value, train_reward, done.astype(jnp.float32)
+        )
+        return carry, step
+
+    def _learn(
+        self, ms: MemberState, carry: Rollout, traj: Transition, update: jax.Array
+    ) -> tuple[MemberState, dict]:
+        """GAE, then ``update_epochs`` passes of shuffled minibatches; one member's update."""
         cfg, spec = self.config, self.spec
         apply = self.network.apply
         hp = ms.hparams
-        key = jax.random.wrap_key_data(ms.rng)
+        key = jax.random.wrap_key_data(carry.rng)
 
-        def normalize(obs, stats):
-            if not self.normalize_obs:
-                return obs
-            return jnp.clip((obs - stats.mean) / jnp.sqrt(stats.var + 1e-8), -10.0, 10.0)
-
-        # 1. Rollout: num_steps steps of num_envs envs with the current policy.
-        def env_step(carry, _):
-            (env_state, obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key) = carry
-            key, k_act, k_env = jax.random.split(key, 3)
-            nobs = normalize(obs, obs_stats)
-            pi, value = apply({"params": ms.params}, nobs)
-            action = nets.sample(pi, k_act, spec.discrete)
-            logp = nets.log_prob(pi, action, spec.discrete)
-            env_action = envlib.to_env_action(action, spec)
-            env_state, next_obs, reward, term, trunc, info = self._env_step(
-                env_state, env_action, jax.random.split(k_env, cfg.num_envs)
-            )
-            next_obs = next_obs.astype(jnp.float32)
-            reward = reward.astype(jnp.float32)
-            term, trunc = term.astype(bool), trunc.astype(bool)
-            done = term | trunc
-
-            # Episode bookkeeping on the true reward (what the metrics report).
-            ep_ret, ep_len = ep_ret + reward, ep_len + 1
-            fin_sum, fin_len, fin_count = fin
-            fin = (
-                fin_sum + jnp.sum(jnp.where(done, ep_ret, 0.0)),
-                fin_len + jnp.sum(jnp.where(done, ep_len, 0.0)),
-                fin_count + jnp.sum(done),
-            )
-            ep_ret, ep_len = jnp.where(done, 0.0, ep_ret), jnp.where(done, 0.0, ep_len)
-
-            # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
-            train_reward = reward
-            if self.normalize_reward:
-                disc_ret = disc_ret * cfg.gamma + reward
-                ret_stats = ret_stats.update(disc_ret)
-                disc_ret = jnp.where(done, 0.0, disc_ret)
-                train_reward = jnp.clip(reward / jnp.sqrt(ret_stats.var + 1e-8), -10.0, 10.0)
-            # A time-limit cut is not a terminal state: bootstrap it with V(true final obs).
-            if cfg.bootstrap_truncation:
-                last = normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
-                _, final_value = apply({"params": ms.params}, last)
-                cut = trunc & ~term
-                train_reward = train_reward + jnp.where(cut, cfg.gamma * final_value, 0.0)
-            if self.normalize_obs:
-                obs_stats = obs_stats.update(next_obs)
-
-            step = Transition(nobs, action, logp, value, train_reward, done.astype(jnp.float32))
-            carry = (env_state, next_obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key)
-            return carry, step
-
-        zero = jnp.zeros((), jnp.float32)
-        carry = (
-            ms.env_state,
-            ms.obs,
-            ms.obs_stats,
-            ms.ret_stats,
-            ms.disc_return,
-            ms.ep_return,
-            ms.ep_length,
-            (zero, zero, zero),
-            key,
-        )
-        carry, traj = jax.lax.scan(env_step, carry, None, length=cfg.num_steps)
-        (env_state, obs, obs_stats, ret_stats, disc_ret, ep_ret, ep_len, fin, key) = carry
-
-        # 2. Advantages: GAE over the trajectory, bootstrapped with V(obs after the last step).
-        _, last_value = apply({"params": ms.params}, normalize(obs, obs_stats))
+        # Advantages: GAE over the trajectory, bootstrapped with V(obs after the last step).
+        last_obs = self._normalize(carry.obs, carry.obs_stats)
+        last_value = apply({"params": ms.params}, last_obs, method="value")
         advantages, targets = gae(
             traj.reward, traj.value, traj.done, last_value, cfg.gamma, cfg.gae_lambda
         )
 
-        # 3. Learning: update_epochs passes of shuffled minibatches over the flattened batch.
+        # Linear learning-rate annealing to 0 over the run (CleanRL), per member.
         frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
         lr = hp["learning_rate"] * frac
         batch = (traj, advantages, targets)
@@ -365,7 +443,7 @@ class Learner:
             logp = nets.log_prob(pi, t.action, spec.discrete)
             log_ratio = logp - t.log_prob
             ratio = jnp.exp(log_ratio)
-            if cfg.norm_adv:
+            if cfg.norm_adv:  # per minibatch
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             clip = hp["clip_coef"]
             pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
@@ -388,6 +466,7 @@ class Learner:
         def minibatch_step(carry, mb):
             params, opt_state = carry
             grads, stats = jax.grad(loss_fn, has_aux=True)(params, mb)
+            # This member's optimizer: its global-norm clip sees only this member's gradients.
             updates, opt_state = self.tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), stats
 
@@ -407,8 +486,8 @@ class Learner:
             epoch, (ms.params, opt_state, key), None, length=cfg.update_epochs
         )
 
-        # 4. Metrics: scalars per member (the ensemble vmap makes them [n]).
-        fin_sum, fin_len, fin_count = fin
+        # Metrics: scalars per member (the ensemble vmap makes them [n]).
+        fin_sum, fin_len, fin_count = carry.finished
         has = fin_count > 0
         last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), ms.last_return)
         last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), ms.last_length)
@@ -419,13 +498,13 @@ class Learner:
         new = MemberState(
             params=params,
             opt_state=opt_state,
-            env_state=env_state,
-            obs=obs,
-            obs_stats=obs_stats,
-            ret_stats=ret_stats,
-            disc_return=disc_ret,
-            ep_return=ep_ret,
-            ep_length=ep_len,
+            env_state=carry.env_state,
+            obs=carry.obs,
+            obs_stats=carry.obs_stats,
+            ret_stats=carry.ret_stats,
+            disc_return=carry.disc_return,
+            ep_return=carry.ep_return,
+            ep_length=carry.ep_length,
             last_return=last_return,
             last_length=last_length,
             hparams=hp,
@@ -436,11 +515,29 @@ class Learner:
     # ------------------------------------------------------------------ environments
 
     def _make_env_step(self) -> Callable[..., Any]:
-        """The batched env step of one member: vmapped on device, or on host CPU cores."""
-        step = jax.vmap(self.env.step)
+        """All members' env steps at once: ``[n, num_envs, ...]`` in, the same out."""
+        step = jax.vmap(self.env.step)  # one member's num_envs envs
         if self.config.env_on == "device":
-            return step
-        return _cpu_env_step(step)
+            # Next to each member, on its device(s).
+            return jax.vmap(step, spmd_axis_name=MEMBER_AXIS)
+        cpu_step = self._cpu_step = _on_cpu(step)
+        n, e = self.config.members, self.config.num_envs
+
+        def on_host(env_state, action, keys):
+            # Members x envs become one batch of rows for the CPU workers (split over cores).
+            flat = lambda x: x.reshape(n * e, *x.shape[2:])
+            out = cpu_step(*jax.tree_util.tree_map(flat, (env_state, action, keys)))
+            return jax.tree_util.tree_map(lambda x: x.reshape(n, e, *x.shape[1:]), out)
+
+        return on_host
+
+    def _step_envs(self, env_state: Any, action: jax.Array, keys: jax.Array) -> tuple:
+        return self._env_step(env_state, action, keys)
+
+    def close(self) -> None:
+        """Stops the CPU env workers of ``env_on='cpu'`` (they also stop at interpreter exit)."""
+        if self._cpu_step is not None:
+            self._cpu_step.close()
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
@@ -453,16 +550,10 @@ def _adam_with_clip(learning_rate: float, max_grad_norm: float) -> optax.Gradien
     )
 
 
-def _cpu_env_step(step: Callable[..., Any]) -> Callable[..., Any]:
+def _on_cpu(step: Callable[..., Any]) -> Callable[..., Any]:
     from rollout import on_cpu
 
-    try:
-        return on_cpu(step, in_axes=0)
-    except NotImplementedError as e:  # the on_cpu stub before issue 3 lands
-        raise NotImplementedError(
-            "env_on='cpu' needs rollout.on_cpu, which is not available in this build; "
-            "use env_on='device'."
-        ) from e
+    return on_cpu(step, in_axes=0)
 
 
 def to_host(metrics: dict) -> dict[str, np.ndarray]:

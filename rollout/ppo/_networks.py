@@ -31,33 +31,35 @@ class ActorCritic(nn.Module):
     discrete: bool = True
     hidden: Sequence[int] = (64, 64)
 
-    @nn.compact
-    def __call__(self, obs: jax.Array):
-        hidden_init = nn.initializers.orthogonal(math.sqrt(2.0))
+    def setup(self) -> None:
         zeros = nn.initializers.zeros
-
-        def mlp(x, prefix):
-            for i, width in enumerate(self.hidden):
-                dense = nn.Dense(
-                    width, kernel_init=hidden_init, bias_init=zeros, name=f"{prefix}{i}"
-                )
-                x = nn.tanh(dense(x))
-            return x
-
+        dense = lambda w, scale: nn.Dense(
+            w, kernel_init=nn.initializers.orthogonal(scale), bias_init=zeros
+        )
+        self.actor = [dense(w, math.sqrt(2.0)) for w in self.hidden]
         # Small policy-head init keeps the first policy near uniform / near zero mean (CleanRL).
-        head = nn.Dense(
-            self.action_dim,
-            kernel_init=nn.initializers.orthogonal(0.01),
-            bias_init=zeros,
-            name="actor_out",
-        )(mlp(obs, "actor"))
-        value = nn.Dense(
-            1, kernel_init=nn.initializers.orthogonal(1.0), bias_init=zeros, name="critic_out"
-        )(mlp(obs, "critic"))[..., 0]
+        self.actor_out = dense(self.action_dim, 0.01)
+        self.critic = [dense(w, math.sqrt(2.0)) for w in self.hidden]
+        self.critic_out = dense(1, 1.0)
+        if not self.discrete:
+            self.log_std = self.param("log_std", zeros, (self.action_dim,))
+
+    def __call__(self, obs: jax.Array):
+        x = obs
+        for layer in self.actor:
+            x = nn.tanh(layer(x))
+        head = self.actor_out(x)
+        value = self.value(obs)
         if self.discrete:
             return head, value
-        log_std = self.param("log_std", zeros, (self.action_dim,))
-        return (head, jnp.broadcast_to(log_std, head.shape)), value
+        return (head, jnp.broadcast_to(self.log_std, head.shape)), value
+
+    def value(self, obs: jax.Array) -> jax.Array:
+        """The critic alone (cheaper when only V is needed, e.g. to bootstrap a truncation)."""
+        x = obs
+        for layer in self.critic:
+            x = nn.tanh(layer(x))
+        return self.critic_out(x)[..., 0]
 
 
 _LOG_2PI = float(np.log(2 * np.pi))
