@@ -9,12 +9,18 @@ runs the same ensemble of ``--members`` (default 8) members on D = 1, 2, 4, 8 de
   and no mesh in scope (so every ``with_logical_constraint`` is a silent no-op), plain
   ``optax.adam`` and a train step without donation. The input is placed on the mesh, so
   everything computed from it is *replicated* on all D devices: per-device memory stays flat.
+- ``advice``: the seed's code with the advice the thread gave applied by hand: rules and mesh
+  in scope, init jitted with ``out_shardings`` from the logical annotations, donation. The
+  parameters are sharded, but ``jax.jit(tx.init)`` puts Adam's moments on every device (and
+  donation cannot reuse them): per-device memory falls, far from 1/D.
 - ``ensemble``: ``ensemble.build`` (init jitted straight into member shards) and
   ``ensemble.train_step`` (per-member Adam, parameters and optimizer state donated).
 
 Per D it measures, per device (the largest over the D devices used):
 
-- ``state``: live bytes of parameters + optimizer state, from ``addressable_shards``;
+- ``state``: live bytes of parameters + optimizer state after initialisation, from
+  ``addressable_shards`` (``replicated``: ``ensemble.assert_no_replicated_members`` fails on
+  that state);
 - ``init``: the compiled init program's peak (argument + output + temp - alias);
 - ``step``: the compiled train step's peak, the same formula (donation makes alias > 0).
 
@@ -30,7 +36,8 @@ seed's logical-partitioning route gives them ``PartitionSpec()``: replicated on 
 even once the kernels are sharded; ``ensemble.build`` puts their member axis on the mesh too.
 The script prints both specs.
 
-Run: ``python examples/memory_reduction.py [--out out/memory_reduction]`` (< 1 minute on 2 cores).
+Run: ``python examples/memory_reduction.py [--out out/memory_reduction]`` (about a minute on 2
+cores).
 """
 
 from __future__ import annotations
@@ -94,20 +101,39 @@ def _data(args: argparse.Namespace) -> tuple[jax.Array, jax.Array]:
     return x, y
 
 
-def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
-    """The seed's code: nn.vmap ensemble, unsharded init, no rules/mesh in scope, no donation."""
-    n = args.members
-    mesh = Mesh(np.asarray(devices).reshape(len(devices), 1), ("model", "data"))
+def _seed_ensemble(args: argparse.Namespace) -> nn.Module:
+    """The seed's ``nn.vmap`` ensemble, verbatim (no ``spmd_axis_name``)."""
     ensemble_mlp = nn.vmap(
         MLP,
         in_axes=None,
         out_axes=0,
-        axis_size=n,
+        axis_size=args.members,
         variable_axes={"params": 0},
         metadata_params={nn.PARTITION_NAME: "ensemble"},
         split_rngs={"params": True},
     )
-    model = ensemble_mlp(features=args.hidden, use_bias=args.bias)
+    return ensemble_mlp(features=args.hidden, use_bias=args.bias)
+
+
+def _seed_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
+    """The seed user's natural train step: one loss over all members, one optax state."""
+
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
+    """The seed's code: nn.vmap ensemble, unsharded init, no rules/mesh in scope, no donation."""
+    n = args.members
+    mesh = Mesh(np.asarray(devices).reshape(len(devices), 1), ("model", "data"))
+    model = _seed_ensemble(args)
     x, y = _data(args)
     # As in the seed: the input goes onto the mesh ('data' has size 1, so: replicated).
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", None)))
@@ -120,23 +146,11 @@ def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, A
     tx = optax.adam(1e-3)
     opt_state = jax.jit(tx.init)(params)
 
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    jitted = jax.jit(step)  # no donate_argnums: old and new state coexist
+    jitted = jax.jit(_seed_step(model, tx))  # no donate_argnums: old and new state coexist
     step_stats = ensemble.compiled_memory(jitted, params, opt_state, x, y)
     state_bytes = _per_device(ensemble.live_memory((params, opt_state)), devices)
+    replicated = _replicated((params, opt_state), n, devices)
     params, opt_state, loss = jitted(params, opt_state, x, y)
-    try:
-        ensemble.assert_no_replicated_members(params, n, ensemble.make_mesh(n, devices=devices))
-        replicated = False
-    except AssertionError:
-        replicated = True
     return {
         "state": state_bytes,
         "init": init_stats.peak,
@@ -145,6 +159,62 @@ def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, A
         "replicated": replicated,
         "loss": float(loss),
     }
+
+
+def advice_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
+    """The seed's model with the thread's advice applied by hand.
+
+    Logical rules and the mesh in scope (``jax.set_mesh`` + ``nn.logical_axis_rules``), init
+    jitted with ``out_shardings`` from the logical annotations, donated train step. What is
+    still missing compared with ``ensemble.build``:
+
+    - ``jax.jit(tx.init)(params)`` does not inherit the parameters' sharding: Adam's moments
+      (``zeros_like``) come out replicated, two thirds of the state on every device;
+    - so the donated step cannot reuse those replicated buffers for its (sharded) outputs:
+      only the parameters alias;
+    - unannotated leaves (biases, with ``--bias``) get ``P()`` and stay replicated.
+
+    (Activations are fine here: the seed's constraints only name 'batch', mapped to a 'data'
+    axis of size 1; the step's temp bytes equal ``ensemble.train_step``'s.)
+    """
+    n = args.members
+    mesh = Mesh(np.asarray(devices).reshape(len(devices), 1), ("model", "data"))
+    rules = (("ensemble", "model"), ("batch", "data"), *RULES)
+    model = _seed_ensemble(args)
+    x, y = _data(args)
+    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", None)))
+    y = jax.device_put(y, NamedSharding(mesh, PartitionSpec("data")))
+    rng = jax.random.PRNGKey(0)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        specs = nn.get_partition_spec(jax.eval_shape(model.init, rng, x))
+        shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+        init = jax.jit(lambda r, x: nn.meta.unbox(model.init(r, x)), out_shardings=shardings)
+        init_stats = ensemble.compiled_memory(init, rng, x)
+        params = init(rng, x)["params"]
+        tx = optax.adam(1e-3)
+        opt_state = jax.jit(tx.init)(params)
+        jitted = jax.jit(_seed_step(model, tx), donate_argnums=(0, 1))
+        step_stats = ensemble.compiled_memory(jitted, params, opt_state, x, y)
+        state_bytes = _per_device(ensemble.live_memory((params, opt_state)), devices)
+        replicated = _replicated((params, opt_state), n, devices)
+        params, opt_state, loss = jitted(params, opt_state, x, y)
+    return {
+        "state": state_bytes,
+        "init": init_stats.peak,
+        "step": step_stats.peak,
+        "step_alias": step_stats.alias,
+        "replicated": replicated,
+        "loss": float(loss),
+    }
+
+
+def _replicated(state: Any, n: int, devices: list[jax.Device]) -> bool:
+    """Whether some member-shaped leaf of the state is held whole by one device."""
+    try:
+        ensemble.assert_no_replicated_members(state, n, ensemble.make_mesh(n, devices=devices))
+    except AssertionError:
+        return True
+    return False
 
 
 def ensemble_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
@@ -235,7 +305,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], ds: list[int], path: pa
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, metric, title in zip(axes, ("state", "step"), ("live state", "train step peak")):
-        for way, style in (("seed", "o-"), ("ensemble", "s-")):
+        for way, style in (("seed", "o-"), ("advice", "^-"), ("ensemble", "s-")):
             ax.plot(ds, [results[way][d][metric] / MB for d in ds], style, label=way)
         base = results["ensemble"][ds[0]][metric] * ds[0]
         ax.plot(ds, [base / d / MB for d in ds], "k--", label="ideal 1/D")
@@ -288,10 +358,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
-    results: dict[str, dict[int, dict[str, Any]]] = {"seed": {}, "ensemble": {}}
+    results: dict[str, dict[int, dict[str, Any]]] = {"seed": {}, "advice": {}, "ensemble": {}}
     for d in ds:
         devices = available[:d]
         results["seed"][d] = seed_way(args, devices)
+        results["advice"][d] = advice_way(args, devices)
         results["ensemble"][d] = ensemble_way(args, devices)
         print(f"D={d} done ({time.perf_counter() - start:.1f} s)", flush=True)
 
