@@ -92,8 +92,11 @@ class LinenEnsemble:
         if mesh is None:
             mesh = make_mesh(n, devices=devices, model_parallel=model_parallel)
         else:
-            if devices is not None:
-                raise ValueError("pass mesh= or devices=, not both.")
+            if devices is not None or model_parallel != 1:
+                raise ValueError(
+                    "mesh= fixes the devices and the model-parallel split; pass mesh= alone, or "
+                    "devices=/model_parallel= without it."
+                )
             layout(n, 1)  # n must be a positive integer
             check_mesh(mesh, n)
         _check_in_axes(in_axes)
