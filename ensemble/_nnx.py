@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ensemble._mesh import (
     DATA_AXIS,
     MEMBER_AXIS,
-    MODEL_AXIS,
     LogicalRules,
     _warn_on_unmapped_constraints,
     check_mesh,
@@ -253,7 +252,7 @@ class NNXEnsemble(nnx.Module):
                 )
             spec = [MEMBER_AXIS] if axis == 0 else []
             inner = shape[len(spec) :]
-            data = self.mesh.shape[DATA_AXIS]
+            data = self.mesh.shape.get(DATA_AXIS, 1)
             if self.data_parallel and data > 1 and inner and inner[0] % data == 0:
                 # A member spanning several devices splits its batch over them (data parallel).
                 spec.append(DATA_AXIS)
@@ -280,7 +279,8 @@ def _take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
 
     Plain ``x[i]`` would broadcast the row to every device of the mesh (n times the memory for a
     member that barely fits on its own devices). Here each device that holds member ``i`` keeps
-    its piece, and the result lives on a mesh of just those devices (``('data', 'model')``).
+    its piece, and the result lives on a mesh of just those devices (the mesh minus its member
+    axis, e.g. ``('data', 'model')``).
     """
     sharding = getattr(x, "sharding", None)
     if (
@@ -290,9 +290,12 @@ def _take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
         or tuple(sharding.spec)[:1] != (MEMBER_AXIS,)
     ):
         return x[i]
+    axis = mesh.axis_names.index(MEMBER_AXIS)
     owner = i // (n // mesh.shape[MEMBER_AXIS])
-    devices = mesh.devices[owner]  # (data, model) block of this member
-    submesh = Mesh(devices, (DATA_AXIS, MODEL_AXIS), axis_types=mesh.axis_types[1:])
+    devices = np.take(mesh.devices, owner, axis=axis)  # e.g. the (data, model) block of member i
+    names = mesh.axis_names[:axis] + mesh.axis_names[axis + 1 :]
+    types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
+    submesh = Mesh(devices, names, axis_types=types)
     spec = PartitionSpec(*tuple(sharding.spec)[1:])
     mine = set(devices.flat)
     pieces = []
@@ -634,7 +637,7 @@ class NNXTrainStep:
     def __init__(
         self,
         loss_fn: Callable[..., Any],
-        per_member_batch: bool,
+        per_member_batch: bool | tuple[bool, ...],
         has_aux: bool,
         donate: bool,
     ):
@@ -668,7 +671,10 @@ class NNXTrainStep:
     def _step(self, ens_def, opt_def, ens_state, opt_state, batch):
         ens = nnx.merge(ens_def, ens_state)
         optimizer = nnx.merge(opt_def, opt_state)
-        in_axes = 0 if self.per_member_batch else None
+        if isinstance(self.per_member_batch, tuple):
+            in_axes = tuple(0 if b else None for b in self.per_member_batch)
+        else:
+            in_axes = 0 if self.per_member_batch else None
 
         def total(ens: NNXEnsemble):
             out = ens._map(self.loss_fn, batch, {}, in_axes)
@@ -701,7 +707,7 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
 def nnx_train_step(
     loss_fn: Callable[..., Any],
     *,
-    per_member_batch: bool = False,
+    per_member_batch: bool | Sequence[bool] = False,
     has_aux: bool = False,
     donate: bool = True,
 ) -> NNXTrainStep:
@@ -717,7 +723,8 @@ def nnx_train_step(
     Args:
       loss_fn: ``(member_module, *batch) -> scalar`` (or ``(scalar, aux)``).
       per_member_batch: batch leaves have a leading member axis n (e.g. bootstrapped data);
-        default: one batch shared by all members.
+        default: one batch shared by all members. A sequence of bools decides per batch argument
+        (e.g. ``(True, False)``: per-member inputs, shared targets).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the ensemble's and the optimizer's state buffers.
 
@@ -732,4 +739,8 @@ def nnx_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (member, *batch) -> scalar, got {loss_fn!r}.")
-    return NNXTrainStep(loss_fn, bool(per_member_batch), bool(has_aux), bool(donate))
+    if isinstance(per_member_batch, (list, tuple)):
+        per_member_batch = tuple(bool(b) for b in per_member_batch)
+    else:
+        per_member_batch = bool(per_member_batch)
+    return NNXTrainStep(loss_fn, per_member_batch, bool(has_aux), bool(donate))

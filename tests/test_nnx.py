@@ -288,11 +288,11 @@ def test_train_step_lowers_loss_and_donates():
 def test_per_member_clip_and_batches_are_independent():
     """A huge gradient on member 0 must not change the other members' (clipped) updates."""
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    x = jax.random.normal(jax.random.key(6), (D, 8, 3))
+    x = jax.random.normal(jax.random.key(6), (8, 3))  # shared inputs, per-member targets
     y = jnp.zeros((D, 8, 1))
     ens = build_nnx(linear, D, rngs=7)
     opt = nnx_optimizer(ens, tx)
-    step = nnx_train_step(mse, per_member_batch=True, donate=False)
+    step = nnx_train_step(mse, per_member_batch=(False, True), donate=False)
     results = []
     for scale in (1.0, 1e6):
         e, o = nnx.clone(ens), nnx.clone(opt)
@@ -325,12 +325,16 @@ def test_train_step_with_aux_and_dropout_batchnorm(ens8):
         out = m(x)
         return (out**2).mean(), out.mean()
 
-    step = nnx_train_step(loss_fn, has_aux=True)
+    step = nnx_train_step(loss_fn, has_aux=True, per_member_batch=True)
     stats = np.asarray(ens8.members.bn.mean[...])  # a copy: the step donates the old buffer
-    losses, aux = step(ens8, opt, jax.random.normal(jax.random.key(9), (8, 3)))
+    x = jax.random.normal(jax.random.key(9), (D, 8, 3))
+    losses, aux = step(ens8, opt, x)
     assert losses.shape == (D,) and aux.shape == (D,)
-    assert not np.allclose(stats, ens8.members.bn.mean[...])
+    new_stats = np.asarray(ens8.members.bn.mean[...])
+    assert len({r.tobytes() for r in new_stats - stats}) == D, "each member saw its own batch"
     assert int(opt.step[...]) == 1
+    with pytest.raises(ValueError, match="leading member axis of size n=8"):
+        step(ens8, opt, x[:3])
 
 
 # -- errors ----------------------------------------------------------------------------------------
