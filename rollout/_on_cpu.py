@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rollout._pool import ProcessPool, WorkerError, default_workers, shared_pool
+from rollout._pool import _shared as _shared_pools
 
 __all__ = ["OnCpu", "WorkerError", "on_cpu"]
 
@@ -189,8 +190,10 @@ class OnCpu:
         workers of those wrappers (their next call restarts the pool).
         """
         with self._lock:
-            if self._pool is not None:
-                self._pool.close()
+            # The shared pool this wrapper uses (or would use), even if another wrapper started it.
+            pool = self._pool or _shared_pools.get(self.workers or default_workers())
+            if pool is not None:
+                pool.close()
             if self._inprocess is not None:
                 self._inprocess.close()
 

@@ -345,3 +345,45 @@ def test_workers_stop_at_interpreter_exit():
     time.sleep(0.5)
     for pid in map(int, pids.split()):
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived its parent"
+
+
+@pytest.mark.timeout(120)
+def test_seed_scenario_with_nnx_jit_and_shard_map(rollout_fn):
+    """The seed's train step: nnx.jit + nnx.shard_map, an nnx.RNN rollout model whose weights
+    change every step (an argument), the rollout on CPU workers, a model trained on its output."""
+    import optax
+    from flax import nnx
+
+    mesh = mesh8()
+    graphdef, rnn_state = nnx.split(
+        nnx.RNN(nnx.GRUCell(in_features=1, hidden_features=4, rngs=nnx.Rngs(0)))
+    )
+
+    def run_rnn(state, x):  # x[B, T, 1] -> h[B, T, 4]
+        return nnx.merge(graphdef, state)(x)
+
+    rnn_cpu = on_cpu(run_rnn, in_axes=(None, 0), workers=W)  # shares the fixture's pool
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P(), P("d"), P("d")), out_specs=(P(), P("d")))
+    def train_step(model, optimizer, rnn_state, x, y):
+        def loss_fn(model):
+            h = rnn_cpu(rnn_state, x * x)
+            return jnp.mean((model(h) - y) ** 2), h
+
+        (loss, h), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        loss, grads = jax.lax.pmean((loss, grads), "d")
+        optimizer.update(model, grads)
+        return loss, h
+
+    for step in range(2):
+        rnn_state = jax.tree.map(
+            lambda a: a * 1.1 if jnp.issubdtype(a.dtype, jnp.floating) else a, rnn_state
+        )
+        x = jax.device_put(fresh(40 + step, 16, 10, 1), NamedSharding(mesh, P("d")))
+        loss, h = train_step(model, optimizer, rnn_state, x, x + 0.1)
+        close(h, run_rnn(rnn_state, np.asarray(x) ** 2))
+        assert np.isfinite(float(loss))
+    assert rnn_cpu.last_executor == "process"
