@@ -150,6 +150,9 @@ def main() -> int:
     variables = ens.init(jax.random.key(0), jnp.zeros((BATCH, FEATURES)))
     params = variables["params"]
     local = distributed.process_local_members(mesh, N_MEMBERS)
+    # The library's own placement checks read this process's shards only.
+    ensemble.assert_member_placement(params, mesh)
+    ensemble.assert_no_replicated_members(params, N_MEMBERS, mesh)
 
     def loss_fn(p, x, y):
         return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
@@ -200,6 +203,7 @@ def main() -> int:
         diff = jax.tree_util.tree_map(lambda a, b: jnp.max(jnp.abs(a - b)), theirs, params)
         other = float(max(distributed.gather_metrics_to_host(jax.tree_util.tree_leaves(diff))))
 
+    ensemble.assert_member_placement((params, opt_state), mesh, N_MEMBERS)
     nnx_params, nnx_shards = train_nnx(args.steps, local)
     host_params = distributed.gather_metrics_to_host(params)
     report = {
