@@ -8,7 +8,7 @@ How the pieces fit::
                 ├─ 'inprocess': jit(shard_map(fn)) over W CPU devices of this process
                 └─ 'process':   W worker processes (rollout/_worker.py), one CPU device and one
                                 thread each, inputs/outputs in one shared-memory block, fn shipped
-                                once per chunk signature as a serialized jax.export
+                                once per chunk signature as a pickled jax.export.Exported
 
 A callback that runs JAX on CPU devices hangs forever when the calling program itself spans several
 CPU devices (shared/FIELD-NOTES.md), so ``'auto'`` only picks ``'inprocess'`` for callers on an
