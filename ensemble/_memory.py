@@ -34,7 +34,12 @@ import jax
 
 MB = 1e6  # tables use decimal megabytes: 1 MB = 10**6 bytes
 
-_GPU_STAT_KEYS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+# Device.memory_stats() keys shown (GPU/TPU), with their column names in the table.
+_GPU_STAT_KEYS = {
+    "bytes_in_use": "in_use",
+    "peak_bytes_in_use": "peak_in_use",
+    "bytes_limit": "limit",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,15 +224,18 @@ def _format_live(mem: Mapping[jax.Device, int], title: str) -> str:
 
 def _format_compiled(stats: CompiledMemory, title: str) -> str:
     cols = ["device", "argument", "output", "temp", "alias", "peak", "code"]
-    gpu_keys = sorted({k for s in stats.device_stats.values() for k in s})
-    cols += [f"{k} (now)" for k in gpu_keys]
+    present = {k for s in stats.device_stats.values() for k in s}
+    gpu_keys = [k for k in _GPU_STAT_KEYS if k in present]
+    cols += [_GPU_STAT_KEYS[k] for k in gpu_keys]  # what the device holds now, not this program
     rows = []
     for d in stats.devices:
         values = [stats.argument, stats.output, stats.temp, stats.alias, stats.peak]
         values.append(stats.generated_code)
         values += [stats.device_stats.get(d, {}).get(k, 0) for k in gpu_keys]
         rows.append((str(d), *(f"{v / MB:10.3f}" for v in values)))
-    return _table(title + " (MB per device; peak = argument + output + temp - alias)", cols, rows)
+    note = "; in_use/peak_in_use: device memory_stats() now" if gpu_keys else ""
+    title += f" (MB per device; peak = argument + output + temp - alias{note})"
+    return _table(title, cols, rows)
 
 
 def _table(title: str, header: tuple[str, ...] | list[str], rows: list[tuple[str, ...]]) -> str:

@@ -172,3 +172,26 @@ def test_memory_benchmark_runs(tmp_path, monkeypatch):
     two = report["results"]["linen"]["2"]
     assert two["state"] == pytest.approx(3 * two["param_bytes_total"] / 2, rel=0.01)  # + Adam
     assert two["step_alias"] >= two["state"]
+
+
+def test_gpu_memory_stats_columns_when_present():
+    """GPU/TPU devices report memory_stats(); CPU gives None. A stand-in device shows both paths."""
+    from ensemble._memory import _device_stats
+
+    class FakeGpu:
+        id, platform = 0, "gpu"
+
+        def memory_stats(self):
+            return {"bytes_in_use": 2_000_000, "peak_bytes_in_use": 3_000_000, "other": 1}
+
+        def __str__(self):
+            return "gpu:0"
+
+    gpu = FakeGpu()
+    stats = _device_stats((gpu, jax.devices()[0]))
+    assert stats == {gpu: {"bytes_in_use": 2_000_000, "peak_bytes_in_use": 3_000_000}}
+    table = ensemble.print_memory(
+        CompiledMemory(1_000_000, 0, 0, 0, devices=(gpu,), device_stats=stats)
+    )
+    assert table.splitlines()[1].split()[-2:] == ["in_use", "peak_in_use"]
+    assert table.splitlines()[3].split()[-2:] == ["2.000", "3.000"]
