@@ -147,6 +147,15 @@ def initialize(
         return _info()  # a plain single-process run: nothing to join
     if num_processes == 1 and (process_id or 0) == 0 and not _cluster_detected():
         return _info()
+    if None in explicit and not _cluster_detected():
+        raise ValueError(
+            f"a multi-process run needs the coordinator address, the number of processes and "
+            f"this process's id; got coordinator_address={coordinator_address!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}. Pass them to "
+            f"initialize(), set ${ENV_COORDINATOR_ADDRESS}, ${ENV_NUM_PROCESSES} and "
+            f"${ENV_PROCESS_ID} on every process, or start the processes with "
+            "python -m ensemble.launch -n N -- <command>."
+        )
     if None not in explicit and not 0 <= process_id < num_processes:
         raise ValueError(
             f"process_id={process_id} must be in 0..num_processes-1 (num_processes="

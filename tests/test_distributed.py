@@ -189,6 +189,17 @@ def test_initialize_too_late_says_what_to_do():
         distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
 
 
+@pytest.mark.timeout(60)
+def test_initialize_with_half_the_settings_says_what_is_missing():
+    script = "from ensemble import _distributed as d; d.initialize()"
+    env = clean_env(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", ENSEMBLE_NUM_PROCESSES="2")
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert res.returncode != 0
+    assert "process_id=None" in res.stderr and "ENSEMBLE_PROCESS_ID" in res.stderr
+
+
 def test_loopback_detection():
     assert distributed._is_loopback("127.0.0.1:1234") and distributed._is_loopback("[::1]:1")
     assert distributed._is_loopback("localhost:80")
