@@ -146,6 +146,75 @@ class _InProcess:
 
 
 # ---------------------------------------------------------------------------------------------
+# Coalescing: shard_map calls the callback once per device, all at once (one thread per device).
+# Run separately, each call would give every worker 1/D of a chunk, and a sequential rollout's time
+# hardly depends on its rows; merged, the workers get full chunks.
+
+_COALESCE_S = 0.05  # longest wait for the other devices' calls of the same step
+
+
+class _Request:
+    def __init__(self, sig: Any, b: list[np.ndarray], s: list[np.ndarray]):
+        self.sig, self.b, self.s = sig, b, s
+        self.outs: list[np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+    def joins(self, other: _Request) -> bool:
+        """Same program, same per-row shapes, same shared arguments (values included)."""
+        return (
+            self.sig == other.sig
+            and all(
+                x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(self.b, other.b)
+            )
+            and all(
+                x is y or (x.shape == y.shape and np.array_equal(x, y))
+                for x, y in zip(self.s, other.s)
+            )
+        )
+
+
+class _Coalescer:
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list[_Request] = []
+        self._leader = threading.Lock()
+        self._leftover = False  # the last merge left requests of the same burst behind
+
+    def submit(self, req: _Request, expected: int, run: Callable) -> list[np.ndarray]:
+        with self._cv:
+            self._queue.append(req)
+            self._cv.notify_all()
+        with self._leader:  # one merged call at a time; later arrivals queue for the next one
+            if not req.done:
+                with self._cv:
+                    if expected > 1 and not self._leftover:
+                        # Wait for the burst: every device's call of this step (or a timeout).
+                        self._cv.wait_for(lambda: len(self._queue) >= expected, timeout=_COALESCE_S)
+                    group = [r for r in self._queue if r.joins(req)]
+                    self._queue = [r for r in self._queue if not r.joins(req)]
+                    # Calls that could not join (other shared values) arrived with this burst:
+                    # their leaders should not wait for a burst again.
+                    self._leftover = bool(self._queue)
+                try:
+                    rows = [r.b[0].shape[0] for r in group]
+                    merged = [np.concatenate(xs) for xs in zip(*(r.b for r in group))]
+                    outs = run(merged if len(group) > 1 else req.b, req.s)
+                    ends = np.cumsum(rows)
+                    for r, end, n in zip(group, ends, rows):
+                        r.outs = [o[end - n : end] for o in outs]
+                except BaseException as e:
+                    for r in group:
+                        r.error = e
+                for r in group:
+                    r.done = True
+        if req.error is not None:
+            raise req.error
+        assert req.outs is not None
+        return req.outs
+
+
+# ---------------------------------------------------------------------------------------------
 # The wrapper
 
 
@@ -175,6 +244,7 @@ class OnCpu:
         self._exports: dict[Any, bytes] = {}
         self._lock = threading.Lock()
         self._token = next(_tokens)  # names this wrapper's programs inside shared workers
+        self._coalescer = _Coalescer()
         functools.update_wrapper(self, fn, updated=())
 
     # -------------------------------------------------------------- public helpers
@@ -309,6 +379,13 @@ class OnCpu:
                 )
 
         platform, devices, auto_mesh = _caller(leaves)
+        # How many calls of the callback one execution makes at once: one per device in a
+        # shard_map (the user's, or ours for inputs sharded over an Auto/Explicit mesh).
+        ambient = jax.sharding.get_abstract_mesh()
+        sizes, types = getattr(ambient, "axis_sizes", ()), getattr(ambient, "axis_types", ())
+        expected = math.prod(n for n, t in zip(sizes, types) if t == AxisType.Manual)
+        if auto_mesh is not None:
+            expected = auto_mesh.size
         kind = self._choose(platform, devices)
         self.last_executor = kind
         executor = self._executor(kind)
@@ -345,7 +422,8 @@ class OnCpu:
             lead_shapes = [x.shape[: x.ndim - d] for x, d in zip(flat, in_ndims)]
             lead = np.broadcast_shapes(*lead_shapes)
             if not lead:
-                return run_rows(flat[:nb], flat[nb:])
+                req = _Request(sig, flat[:nb], flat[nb:])
+                return self._coalescer.submit(req, expected, run_rows)
             k, m = len(lead), math.prod(lead)
             b = [np.broadcast_to(x, lead + x.shape[k:]) for x in flat[:nb]]
             b_rows = b[0].shape[k]
@@ -353,7 +431,7 @@ class OnCpu:
             if all(math.prod(x.shape[:k]) == 1 for x in s):
                 b = [x.reshape(m * b_rows, *x.shape[k + 1 :]) for x in b]
                 s = [x.reshape(x.shape[k:]) for x in s]
-                outs = run_rows(b, s)
+                outs = self._coalescer.submit(_Request(sig, b, s), expected, run_rows)
                 return [o.reshape(*lead, b_rows, *o.shape[1:]) for o in outs]
             # Shared arguments differ along the vmapped axes: one call per vmapped element.
             s = [np.broadcast_to(x, lead + x.shape[k:]) for x in s]

@@ -118,7 +118,20 @@ def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
 
 
 @pytest.mark.timeout(120)
-def test_shard_map_over_8_devices_then_psum(rollout_fn):
+def test_shard_map_over_8_devices_then_psum(rollout_fn, monkeypatch):
+    import rollout._on_cpu as impl
+    import rollout._pool as pool
+
+    # The 8 per-device calls of one step are merged into one pool call (full chunks per worker).
+    # A generous wait makes the merge deterministic here; 50 ms suffices in practice.
+    monkeypatch.setattr(impl, "_COALESCE_S", 10.0)
+    rows: list[int] = []
+    run = pool.ProcessPool.run
+    monkeypatch.setattr(
+        pool.ProcessPool,
+        "run",
+        lambda self, k, p, b, *a: rows.append(len(b[0])) or run(self, k, p, b, *a),
+    )
     mesh = mesh8()
     x = jax.device_put(fresh(3, 8 * 3, 24), NamedSharding(mesh, P("d")))
     p = params_for(3)
@@ -131,6 +144,7 @@ def test_shard_map_over_8_devices_then_psum(rollout_fn):
 
     y, total = step(p, x)
     close(y, synth(p, x))
+    assert rows == [24]
     np.testing.assert_allclose(float(total), float(synth(p, x).sum()), rtol=1e-4)
     assert rollout_fn.last_executor == "process"
 
