@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -96,8 +96,8 @@ def launch(
     timeout: float | None = None,
     grace: float = 5.0,
     env: Mapping[str, str] | None = None,
-    stdout: IO[bytes] | None = None,
-    stderr: IO[bytes] | None = None,
+    stdout: IO[bytes] | IO[str] | None = None,
+    stderr: IO[bytes] | IO[str] | None = None,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes of one JAX run; returns the exit code.
 
@@ -106,9 +106,13 @@ def launch(
     ``timeout`` seconds passed; 128 + signum when the launcher itself got SIGINT / SIGTERM.
 
     Example:
-      >>> import sys
-      >>> launch([sys.executable, "-c", "import os; print(os.environ['ENSEMBLE_PROCESS_ID'])"], 2)
+      >>> import io, sys
+      >>> out = io.BytesIO()
+      >>> command = [sys.executable, "-c", "import os; print(os.environ['ENSEMBLE_PROCESS_ID'])"]
+      >>> launch(command, 2, stdout=out)
       0
+      >>> sorted(out.getvalue().decode().splitlines())
+      ['[rank 0] 0', '[rank 1] 1']
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
@@ -119,8 +123,8 @@ def launch(
         raise ValueError("no command given: python -m ensemble.launch -n 2 -- python train.py")
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
-    out = stdout or sys.stdout.buffer
-    err = stderr or sys.stderr.buffer
+    out = _binary(stdout or sys.stdout)
+    err = _binary(stderr or sys.stderr)
     port = port or free_port()
     lock = threading.Lock()
 
@@ -142,7 +146,7 @@ def launch(
                 # Own process group: we can stop a rank's whole tree (a shell, its children), and a
                 # terminal's Ctrl-C reaches only us, so we decide how to pass it on.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent if _fork_is_safe() else None,
             )
         )
     for rank, proc in enumerate(procs):
@@ -252,6 +256,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- internals -------------------------------------------------------------------------------
 
 
+class _TextSink:
+    """Lets the pumps write bytes to a text stream (e.g. a captured sys.stdout)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, data: bytes) -> None:
+        self._stream.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _binary(stream: Any) -> Any:
+    """A bytes-accepting view of ``stream`` (binary as is, a text stream's buffer or a sink)."""
+    if hasattr(stream, "buffer"):
+        return stream.buffer
+    try:
+        stream.write(b"")
+        return stream
+    except TypeError:
+        return _TextSink(stream)
+
+
 def _pump(src: IO[bytes], dst: IO[bytes], prefix: str, lock: threading.Lock) -> None:
     head = prefix.encode()
     for line in iter(src.readline, b""):
@@ -289,6 +317,15 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _fork_is_safe() -> bool:
+    """preexec_fn makes Python fork; unsafe once a JAX backend runs threads in this process."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    try:
+        return bridge is None or not bridge.backends_are_initialized()
+    except Exception:
+        return False
 
 
 def _die_with_parent() -> None:
