@@ -170,6 +170,9 @@ def main() -> int:
     memory = {
         "live": {str(d): b for d, b in ensemble.live_memory((params, opt_state)).items()},
         "compiled_peak": ensemble.compiled_memory(step, params, opt_state, x, y).peak,
+        "table": ensemble.print_memory(
+            (params, opt_state), title=f"process {rank}", file=sys.stderr
+        ),
     }
     t = 0
     losses = None

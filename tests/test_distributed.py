@@ -265,6 +265,10 @@ def test_two_processes_train_like_one(tmp_path):
         # The memory report: each device holds one member, as in the 1-process run.
         assert set(rep["memory"]["live"].values()) == set(single["memory"]["live"].values())
         assert rep["memory"]["compiled_peak"] == single["memory"]["compiled_peak"]
+        rows = [line.split()[0] for line in rep["memory"]["table"].splitlines()]
+        assert sorted(r for r in rows if r.startswith("cpu:")) == [  # its own devices only
+            f"cpu:{d}" for d in sorted(rep["local_devices"])
+        ]
         # Nothing listens beyond loopback (coordinator on rank 0, gloo on both).
         assert rep["listening"] and all(is_loopback(a) for a in rep["listening"]), rep["listening"]
     assert "[rank 0] done" in res.stdout
