@@ -270,7 +270,9 @@ def test_two_processes_train_like_one(tmp_path):
             f"cpu:{d}" for d in sorted(rep["local_devices"])
         ]
         # Nothing listens beyond loopback (coordinator on rank 0, gloo on both).
-        assert rep["listening"] and all(is_loopback(a) for a in rep["listening"]), rep["listening"]
+        if sys.platform.startswith("linux"):  # read off /proc/net/tcp*
+            assert rep["listening"], "found no listening socket to check"
+        assert all(is_loopback(a) for a in rep["listening"]), rep["listening"]
     assert "[rank 0] done" in res.stdout
 
     # The checkpoint the 2 processes wrote together restores on another topology: here, 4 of
