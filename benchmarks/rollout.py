@@ -85,15 +85,19 @@ def make_render(samples: int, hidden: int):
     return render
 
 
-def timeit(fn, args, reps: int) -> float:
-    for _ in range(2):  # compile, start workers, warm caches
-        jax.block_until_ready(fn(*args))
-    times = []
+def timeit(configs, reps: int) -> list[float]:
+    """Median seconds per call of each (fn, args). Configurations are timed in turns, one call
+    each per round, so that load from other processes spreads evenly over them."""
+    for fn, args in configs:
+        for _ in range(2):  # compile, start workers, warm caches
+            jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in configs]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for (fn, args), ts in zip(configs, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv=None) -> None:
@@ -101,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--samples", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
 
@@ -133,7 +137,8 @@ def main(argv=None) -> None:
         x = jax.device_put(gf, dev0)
         print(f"batch {batch}:", flush=True)
         ref = np.asarray(jax.jit(render)(params, x))
-        record(batch, "naive", 1, timeit(jax.jit(render), (params, x), args.reps))
+        configs = [("naive", 1, jax.jit(render), (params, x))]
+        wrappers = []
         for k in range(1, cores + 1):
             mesh = jax.sharding.Mesh(np.array(cpus[:k]), ("w",))
             direct = jax.jit(
@@ -145,13 +150,18 @@ def main(argv=None) -> None:
             xk = np.concatenate([gf, gf[: pad - batch]])
             xk = jax.device_put(xk, NamedSharding(mesh, P("w")))
             pk = jax.device_put(params, NamedSharding(mesh, P()))
-            record(batch, "direct", k, timeit(direct, (pk, xk), args.reps))
+            configs.append(("direct", k, direct, (pk, xk)))
             for executor in ("inprocess", "process"):
                 f = rollout.on_cpu(render, in_axes=(None, 0), executor=executor, workers=k)
                 step = jax.jit(f)
                 np.testing.assert_allclose(np.asarray(step(params, x)), ref, atol=1e-5)
-                record(batch, executor, k, timeit(step, (params, x), args.reps))
-                f.close()
+                configs.append((executor, k, step, (params, x)))
+                wrappers.append(f)
+        seconds = timeit([(fn, a) for _, _, fn, a in configs], args.reps)
+        for (mode, k, _, _), sec in zip(configs, seconds):
+            record(batch, mode, k, sec)
+        for f in wrappers:
+            f.close()
 
     base = {r["batch"]: r["seconds"] for r in rows if r["mode"] == "naive"}
     direct = {(r["batch"], r["cores"]): r["seconds"] for r in rows if r["mode"] == "direct"}

@@ -123,6 +123,7 @@ class ProcessPool:
         self.startup_timeout = startup_timeout
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
+        self._owner = os.getpid()
         self._shm: shared_memory.SharedMemory | None = None
         self._ids = itertools.count()
         _live_pools.add(self)
@@ -137,6 +138,7 @@ class ProcessPool:
         import jax
 
         env = _worker_env(bool(jax.config.jax_enable_x64))
+        self._owner = os.getpid()
         self._workers = [_Worker(i, env) for i in range(self.num_workers)]
         deadline = time.monotonic() + self.startup_timeout
         pending = {w.conn: w for w in self._workers}
@@ -165,6 +167,8 @@ class ProcessPool:
 
     def _shutdown(self) -> None:
         workers, self._workers = self._workers, []
+        if workers and os.getpid() != self._owner:
+            return  # a forked child: the workers belong to the parent, leave them alone
         for w in workers:
             try:
                 w.conn.send(("close",))
@@ -273,7 +277,10 @@ class ProcessPool:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    w.proc.wait(timeout=5.0)
+                    try:
+                        w.proc.wait(timeout=5.0)
+                    except subprocess.TimeoutExpired:
+                        pass
                     errors.append(w.dead_message() or f"on_cpu worker {w.index} closed its socket")
                     continue
                 if msg[0] == "err":
