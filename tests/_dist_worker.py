@@ -120,6 +120,9 @@ def main() -> int:
     parser.add_argument("--die-rank", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=2)
     parser.add_argument("--die-how", choices=("kill", "raise"), default="kill")
+    parser.add_argument(
+        "--idle-rank", type=int, default=None, help="this rank sleeps (no collective) after"
+    )
     parser.add_argument("--heartbeat", type=int, default=10, help="heartbeat timeout, seconds")
     args = parser.parse_args()
 
@@ -190,6 +193,10 @@ def main() -> int:
             if args.die_how == "raise":
                 raise RuntimeError(f"rank {rank} fails on purpose")
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.idle_rank == rank and t == args.die_after:
+            # Far from any collective: only JAX's heartbeat check can notice a dead peer.
+            print(f"rank {rank} idle from {time.time():.3f}", flush=True)
+            time.sleep(120)
         if args.forever:
             time.sleep(0.2)
 
