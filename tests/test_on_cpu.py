@@ -150,10 +150,20 @@ def test_shard_map_over_8_devices_then_psum(rollout_fn, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_vmap_folds_into_batch(rollout_fn):
+def test_vmap_folds_into_batch(rollout_fn, monkeypatch):
+    import rollout._pool as pool
+
+    rows: list[int] = []
+    run = pool.ProcessPool.run
+    monkeypatch.setattr(
+        pool.ProcessPool,
+        "run",
+        lambda self, k, p, b, *a: rows.append(len(b[0])) or run(self, k, p, b, *a),
+    )
     x = fresh(4, 3, 5, 24)
     p = params_for(4)
     close(jax.jit(jax.vmap(rollout_fn, in_axes=(None, 0)))(p, x), jax.vmap(synth, (None, 0))(p, x))
+    assert rows == [16]  # 3 vmapped x 5 rows in one call, padded to 2 workers x 8
     # Parameters vmapped too: each vmapped element keeps its own parameters.
     ps = {"w": jnp.arange(3.0) / 3, "u": -jnp.arange(3.0) / 4}
     close(jax.jit(jax.vmap(rollout_fn))(ps, x), jax.vmap(synth)(ps, x))
