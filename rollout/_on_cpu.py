@@ -383,7 +383,7 @@ class OnCpu:
         # shard_map (the user's, or ours for inputs sharded over an Auto/Explicit mesh).
         ambient = jax.sharding.get_abstract_mesh()
         sizes, types = getattr(ambient, "axis_sizes", ()), getattr(ambient, "axis_types", ())
-        expected = math.prod(n for n, t in zip(sizes, types) if t == AxisType.Manual)
+        expected = math.prod(size for size, t in zip(sizes, types) if t == AxisType.Manual)
         if auto_mesh is not None:
             expected = auto_mesh.size
         kind = self._choose(platform, devices)
