@@ -111,6 +111,42 @@ def train_nnx(steps: int, local: list[int]):
     return flat, shards
 
 
+def train_other_layouts(steps: int) -> tuple[dict, dict]:
+    """n = 2 (each member spans 2 devices, on one process) and n = 8 (2 members per device)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import ensemble
+
+    model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(1)])
+    flat, members = {}, {}
+    for n in (2, 8):
+        ens = ensemble.build(model, n)
+        params = ens.init(jax.random.key(1), jnp.zeros((BATCH, FEATURES)))["params"]
+        step = ensemble.train_step(
+            lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y) ** 2),
+            optax.adam(1e-2),
+            n=n,
+            mesh=ens.mesh,
+            per_member_batch=True,
+        )
+        opt_state = step.init(params)
+        local = distributed.process_local_members(ens.mesh, n)
+        for t in range(steps):
+            xs, ys = zip(*(member_data(i, t) for i in local))
+            x, y = distributed.member_batch_from_local((np.stack(xs), np.stack(ys)), ens.mesh, n)
+            params, opt_state, _ = step(params, opt_state, x, y)
+        ensemble.assert_member_placement((params, opt_state), ens.mesh, n)
+        host = distributed.gather_metrics_to_host(params)
+        for path, v in jax.tree_util.tree_leaves_with_path(host):
+            flat[f"n{n}{jax.tree_util.keystr(path)}"] = v
+        members[n] = local
+    return flat, members
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -215,6 +251,7 @@ def main() -> int:
 
     ensemble.assert_member_placement((params, opt_state), mesh, N_MEMBERS)
     nnx_params, nnx_shards = train_nnx(args.steps, local)
+    other_params, other_members = train_other_layouts(args.steps)
     host_params = distributed.gather_metrics_to_host(params)
     report = {
         "rank": rank,
@@ -230,6 +267,7 @@ def main() -> int:
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)
         },
         "nnx_shards": nnx_shards,
+        "other_layout_members": {str(k): v for k, v in other_members.items()},
         "fully_addressable": [
             leaf.is_fully_addressable for leaf in jax.tree_util.tree_leaves(params)
         ],
@@ -247,6 +285,7 @@ def main() -> int:
             jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host_params)
         }
         flat.update({f"nnx{k}": v for k, v in nnx_params.items()})
+        flat.update(other_params)
         np.savez(os.path.join(args.out, "params.npz"), **flat)
         print("done", flush=True)
     return 0

@@ -211,7 +211,11 @@ def test_loopback_detection():
 
 @pytest.mark.timeout(300)
 def test_two_processes_train_like_one(tmp_path):
-    """4 members on 2 processes x 2 CPU devices == the same 4 members on 1 process x 4 devices."""
+    """4 members on 2 processes x 2 CPU devices == the same 4 members on 1 process x 4 devices.
+
+    Linen and NNX, and the other layouts too (n = 2: a member spans 2 devices; n = 8: 2 members
+    per device).
+    """
     two, one = tmp_path / "two", tmp_path / "one"
     # Both runs at once: they share nothing but the seeds.
     ref = subprocess.Popen(
@@ -237,7 +241,8 @@ def test_two_processes_train_like_one(tmp_path):
 
     # Same seeds, same data: the same parameters (per-member math is the same program).
     a, b = np.load(two / "params.npz"), np.load(one / "params.npz")
-    assert sorted(a) == sorted(b) and any(k.startswith("nnx") for k in a)
+    assert sorted(a) == sorted(b)
+    assert {k[:3] for k in a} >= {"nnx", "n2[", "n8["}, sorted(a)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
@@ -260,6 +265,8 @@ def test_two_processes_train_like_one(tmp_path):
         for leaf, shards in rep["nnx_shards"].items():  # the NNX ensemble: the same placement
             assert [s[1:] for s in shards] == [[2 * r, 2 * r + 1], [2 * r + 1, 2 * r + 2]], leaf
             assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
+        # n = 2: one member per process (over its 2 devices); n = 8: four per process.
+        assert rep["other_layout_members"] == {"2": [r], "8": list(range(4 * r, 4 * r + 4))}
         assert rep["donated"] and rep["checkpoint_roundtrip"]
         np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
         # The memory report: each device holds one member, as in the 1-process run.
