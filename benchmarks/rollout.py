@@ -10,7 +10,8 @@ Rows of the table, for each batch size:
   from a jitted caller on one device (the only caller for which ``'inprocess'`` is safe on a
   CPU-only host; the process executor is safe from any caller).
 
-speed-up = samples/s over naive; overhead = time / direct time at the same k, minus 1.
+speed-up = samples/s over naive; overhead = time / direct time at the same k, minus 1; both from
+the best of ``--reps`` rounds (the median is printed too).
 Goals (issue 3): speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
 
     python benchmarks/rollout.py                 # ~2 min on 2 cores
@@ -85,9 +86,10 @@ def make_render(samples: int, hidden: int):
     return render
 
 
-def timeit(configs, reps: int) -> list[float]:
-    """Median seconds per call of each (fn, args). Configurations are timed in turns, one call
-    each per round, so that load from other processes spreads evenly over them."""
+def timeit(configs, reps: int) -> list[tuple[float, float]]:
+    """(best, median) seconds per call of each (fn, args). Configurations are timed in turns,
+    one call each per round, so that load from other processes spreads evenly over them; the
+    best of the rounds is the least disturbed one, and what the figures below are computed from."""
     for fn, args in configs:
         for _ in range(2):  # compile, start workers, warm caches
             jax.block_until_ready(fn(*args))
@@ -97,7 +99,7 @@ def timeit(configs, reps: int) -> list[float]:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+    return [(min(ts), statistics.median(ts)) for ts in times]
 
 
 def main(argv=None) -> None:
@@ -117,17 +119,19 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()
     rows = []
 
-    def record(batch, mode, k, seconds):
+    def record(batch, mode, k, times):
+        seconds, median = times
         rows.append(
             dict(
                 batch=batch,
                 mode=mode,
                 cores=k,
                 seconds=seconds,
+                median_seconds=median,
                 samples_per_s=batch * args.samples / seconds,
             )
         )
-        print(f"  {mode:9s} k={k}  {seconds * 1e3:8.1f} ms/call", flush=True)
+        print(f"  {mode:9s} k={k}  {seconds * 1e3:8.1f} ms/call (median {median * 1e3:.1f})")
 
     for batch in args.batches:
         rng = np.random.default_rng(batch)
@@ -170,13 +174,14 @@ def main(argv=None) -> None:
         r["overhead"] = r["seconds"] / direct[r["batch"], r["cores"]] - 1.0
     load_after = os.getloadavg()
 
-    header = f"{'batch':>6} {'mode':>10} {'cores':>5} {'ms/call':>9} {'Msamples/s':>11} "
-    header += f"{'speed-up':>9} {'overhead':>9}"
+    header = f"{'batch':>6} {'mode':>10} {'cores':>5} {'ms/call':>9} {'median':>8} "
+    header += f"{'Msamples/s':>11} {'speed-up':>9} {'overhead':>9}"
     print("\n" + header)
     for r in rows:
         print(
             f"{r['batch']:>6} {r['mode']:>10} {r['cores']:>5} {r['seconds'] * 1e3:>9.1f} "
-            f"{r['samples_per_s'] / 1e6:>11.2f} {r['speedup']:>8.2f}x {100 * r['overhead']:>8.1f}%"
+            f"{r['median_seconds'] * 1e3:>8.1f} {r['samples_per_s'] / 1e6:>11.2f} "
+            f"{r['speedup']:>8.2f}x {100 * r['overhead']:>8.1f}%"
         )
     print(f"load average before {load_before}, after {load_after} on {os.cpu_count()} cores")
 
