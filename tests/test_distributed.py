@@ -118,12 +118,14 @@ def test_launcher_timeout_stops_everything():
 
 
 @pytest.mark.timeout(90)
-def test_launcher_forwards_sigterm_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
     pids = tmp_path / "pids"
     # Like a process of a JAX distributed run, whose preemption service swallows SIGTERM.
     script = (
         "import os, signal, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         f"open({str(pids)!r} + os.environ['ENSEMBLE_PROCESS_ID'], 'w').write(str(os.getpid()))\n"
         "time.sleep(600)\n"
     )
@@ -142,8 +144,8 @@ def test_launcher_forwards_sigterm_and_leaves_no_process(tmp_path):
             assert time.monotonic() < deadline, "the launched processes never started"
             time.sleep(0.1)
         children = [int(f.read_text()) for f in files]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig
     finally:
         if proc.poll() is None:
             proc.kill()
