@@ -356,3 +356,55 @@ def test_dead_peer_is_detected_without_the_launcher(tmp_path):
     print(f"survivor exited {ended - died:.1f} s after its peer died (heartbeat timeout 5 s)")
     assert ended - died < 60, f"survivor took {ended - died:.1f} s"
     assert "another task died" in err0, err0[-3000:]
+
+
+# -------------------------------------------------------------------- ensemble PPO, 2 processes
+
+
+def _ppo_cli_is_multiprocess() -> bool:
+    try:
+        from rollout.ppo._cli import build_parser
+    except ImportError:
+        return False
+    return "--num-processes" in build_parser().format_help()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not _ppo_cli_is_multiprocess(), reason="python -m rollout.ppo has no --num-processes yet"
+)
+def test_ppo_cli_on_two_processes_learns_exactly_like_one(tmp_path):
+    """4 PPO members on 2 processes x 2 devices: the same metrics.jsonl as 1 process x 4."""
+    args = ["-m", "rollout.ppo", "--env", "cartpole", "--members", "4", "--total-steps",
+            "1024", "--num-envs", "4", "--num-steps", "64", "--updates-per-call", "2",
+            "--no-progress"]  # fmt: skip
+    ref = subprocess.Popen(
+        [sys.executable, *args, "--devices", "4", "--out", str(tmp_path / "one")],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        res = run_launcher(
+            ["-n", "2", "--devices-per-process", "2", "--timeout", "240", "--",
+             sys.executable, *args, "--devices", "2", "--out", str(tmp_path / "two")]
+        )  # fmt: skip
+        ref_out, ref_err = ref.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert ref.returncode == 0, ref_out[-3000:] + ref_err[-3000:]
+
+    def rows(path):
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "env_steps_per_s"} for x in lines]
+
+    two, one = rows(tmp_path / "two"), rows(tmp_path / "one")
+    assert len(two) == len(one) > 0
+    assert two == one
+    assert "[rank 0] final returns per member" in res.stdout
+    assert "[rank 1] final returns" not in res.stdout  # printing on process 0 only
