@@ -125,8 +125,39 @@ class _InProcess:
         self.num_workers = workers
         self._lock = threading.Lock()
         self._compiled: dict[Any, Callable] = {}
+        self._stuck: str | None = None
 
-    def run(self, flat_fn, key, nb, batched, shared, chunk):
+    def run(self, flat_fn, key, nb, batched, shared, chunk, guard_s: float | None = None):
+        """Run on the CPU devices. ``guard_s``: for CPU callers, the seconds after which a call
+        that has not finished is taken for the callback deadlock and raised as an error (the
+        stuck thread is abandoned; this executor refuses further calls)."""
+        if self._stuck is not None:
+            raise RuntimeError(self._stuck)
+        if guard_s is None:
+            return self._run(flat_fn, key, nb, batched, shared, chunk)
+        box: dict[str, Any] = {}
+
+        def target():
+            try:
+                box["outs"] = self._run(flat_fn, key, nb, batched, shared, chunk)
+            except BaseException as e:
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name="on_cpu-inprocess", daemon=True)
+        thread.start()
+        thread.join(guard_s)
+        if thread.is_alive():
+            self._stuck = (
+                f"on_cpu(executor='inprocess') did not finish within {guard_s:g} s: most likely "
+                "the deadlock of a callback into JAX from a program on several CPU devices. Use "
+                "executor='process' (or 'auto'); pass timeout= if the work is really that long."
+            )
+            raise RuntimeError(self._stuck)
+        if "error" in box:
+            raise box["error"]
+        return box["outs"]
+
+    def _run(self, flat_fn, key, nb, batched, shared, chunk):
         active = batched[0].shape[0] // chunk
         with self._lock:
             if (key, active) not in self._compiled:
@@ -151,6 +182,7 @@ class _InProcess:
 # hardly depends on its rows; merged, the workers get full chunks.
 
 _COALESCE_S = 0.05  # longest wait for the other devices' calls of the same step
+_INPROCESS_GUARD_S = 300.0  # in-process calls from CPU callers: longer is taken for the deadlock
 
 
 class _Request:
@@ -412,7 +444,9 @@ class OnCpu:
                 program = self._exported(flat_fn, key, chunk_specs)
                 outs = executor.run(key, program, b, s, row_outs, chunk, self.timeout)
             else:
-                outs = executor.run(flat_fn, key, nb, b, s, chunk)
+                # A CPU caller that looked single-device at trace time may not be: guard it.
+                guard = (self.timeout or _INPROCESS_GUARD_S) if platform == "cpu" else None
+                outs = executor.run(flat_fn, key, nb, b, s, chunk, guard)
             return [o[:rows] for o in outs]
 
         def host(*flat: Any) -> list[np.ndarray]:
@@ -509,15 +543,19 @@ def on_cpu(
         fed through shared memory; safe from any caller. ``'inprocess'``: ``jit(shard_map(fn))``
         over this process's CPU devices (see :func:`rollout.configure_cpu_devices`); no process
         hop, but it deadlocks when the caller itself spans several CPU devices, so it is refused
-        there with a ``RuntimeError`` (the caller's devices are read at trace time from the
+        there with a ``RuntimeError``. The caller's devices are read at trace time from the
         shardings of the inputs and from the ambient mesh; a multi-device CPU program whose
-        inputs to ``fn`` all sit on one device is not detected, so on CPU-only hosts prefer
-        ``'auto'``). ``'auto'`` (default): ``'inprocess'`` when the caller runs on an accelerator
-        and this process has several CPU devices, else ``'process'``.
+        inputs to ``fn`` all sit on one device is not detected. For CPU callers an in-process
+        call that takes longer than ``timeout`` (default 300 s) is then reported as that
+        deadlock (a ``RuntimeError`` and a log line), but the program's other devices may stay
+        blocked in a collective, so on CPU-only hosts prefer ``'auto'``.
+        ``'auto'`` (default): ``'inprocess'`` when the caller runs on an accelerator and this
+        process has several CPU devices, else ``'process'``.
       workers: how many CPU workers (default: the CPU cores this process may use for
         ``'process'``; the CPU devices for ``'inprocess'``).
-      timeout: seconds a process-executor call may wait for its workers (default: no limit; a
-        dead worker is always detected within 0.2 s whatever the timeout).
+      timeout: seconds a call may wait for its workers (default: no limit for the process
+        executor, where a dead worker is detected within 0.2 s anyway; 300 s for in-process
+        calls from CPU callers, see above).
 
     Returns:
       An :class:`OnCpu` callable with ``fn``'s signature. Worker processes start on the first

@@ -344,6 +344,39 @@ def test_naive_pattern_hangs_in_a_subprocess():
     assert hung and "done" not in out, f"no hang (rc {proc.returncode}): FIELD-NOTES is outdated"
 
 
+UNDETECTED = """
+import jax, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import NamedSharding, PartitionSpec as P
+from rollout import on_cpu
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+f = on_cpu(lambda a: a * 3.0, executor="inprocess", workers=2, timeout=2)
+x = jax.device_put(jnp.ones(64), NamedSharding(mesh, P("d")))
+# f's only input sits on one device: nothing at trace time shows the 8-device program.
+print(jax.jit(lambda x, c: x.sum() + f(c).sum())(x, jnp.ones((4, 2))), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_undetected_inprocess_deadlock_is_reported():
+    """An explicit 'inprocess' that trace time cannot refuse: the guard names the deadlock."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNDETECTED], stderr=subprocess.PIPE, text=True, env=env
+    )
+    seen, deadline = "", time.monotonic() + 40
+    try:
+        while time.monotonic() < deadline and "did not finish within 2 s" not in seen:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen += line
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "did not finish within 2 s: most likely the deadlock" in seen, seen[-3000:]
+
+
 # ------------------------------------------------------------------------------ lifecycle
 
 
