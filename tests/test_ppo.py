@@ -65,6 +65,17 @@ def test_gae_small_case_by_hand():
     np.testing.assert_allclose(ret, adv)
 
 
+def test_orthogonal_init_matches_flax_without_lapack():
+    import flax.linen as nn
+
+    from rollout.ppo._networks import orthogonal
+
+    for shape in [(4, 64), (64, 64), (64, 2), (3, 64)]:
+        key = jax.random.key(sum(shape))
+        mine = orthogonal(1.5)(key, shape)
+        np.testing.assert_allclose(mine, nn.initializers.orthogonal(1.5)(key, shape), atol=2e-6)
+
+
 # ---------------------------------------------------------------------- config errors
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -33,9 +34,7 @@ class ActorCritic(nn.Module):
 
     def setup(self) -> None:
         zeros = nn.initializers.zeros
-        dense = lambda w, scale: nn.Dense(
-            w, kernel_init=nn.initializers.orthogonal(scale), bias_init=zeros
-        )
+        dense = lambda w, scale: nn.Dense(w, kernel_init=orthogonal(scale), bias_init=zeros)
         self.actor = [dense(w, math.sqrt(2.0)) for w in self.hidden]
         # Small policy-head init keeps the first policy near uniform / near zero mean (CleanRL).
         self.actor_out = dense(self.action_dim, 0.01)
@@ -60,6 +59,45 @@ class ActorCritic(nn.Module):
         for layer in self.critic:
             x = nn.tanh(layer(x))
         return self.critic_out(x)[..., 0]
+
+
+def orthogonal(scale: float = 1.0) -> nn.initializers.Initializer:
+    """``nn.initializers.orthogonal`` without LAPACK: QR by Gram-Schmidt in plain jnp ops.
+
+    Same matrices as flax's (QR of a Gaussian matrix, signs fixed so diag(R) > 0) up to float
+    rounding. Why: jax's QR is a LAPACK custom call, and a sharded init that runs it on
+    several CPU devices at once with more than one member per device was seen to hang here
+    (jax 0.10.2, 2 CPU devices, OpenBLAS); plain jnp ops do not.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> w = orthogonal()(jax.random.key(0), (8, 4))
+      >>> bool(jnp.allclose(w.T @ w, jnp.eye(4), atol=1e-5))
+      True
+    """
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+        n_rows, n_cols = math.prod(shape) // shape[-1], shape[-1]
+        tall = (n_cols, n_rows) if n_rows < n_cols else (n_rows, n_cols)
+        q = _gram_schmidt(jax.random.normal(key, tall, jnp.float32))
+        if n_rows < n_cols:
+            q = q.T
+        return (scale * q.reshape(shape)).astype(dtype)
+
+    return init
+
+
+def _gram_schmidt(a: jax.Array) -> jax.Array:
+    """Q of the thin QR of a tall matrix, diag(R) > 0 (classical Gram-Schmidt, twice)."""
+    _, k = a.shape
+
+    def column(j, q):
+        v = a[:, j]
+        for _ in range(2):  # re-orthogonalise once: CGS2 is as accurate as Householder here
+            v = v - q @ (q.T @ v)  # columns >= j of q are still zero
+        return q.at[:, j].set(v / jnp.linalg.norm(v))
+
+    return jax.lax.fori_loop(0, k, column, jnp.zeros_like(a))
 
 
 _LOG_2PI = float(np.log(2 * np.pi))
