@@ -87,6 +87,7 @@ def train(
     from rollout.ppo import _checkpoint as ckpt
     from rollout.ppo._learner import METRIC_NAMES, Learner, to_host
 
+    owned = learner is None  # close what we open (env_on='cpu' worker processes)
     if learner is None:
         learner = Learner(config, devices=devices)
     elif learner.config != config:
@@ -155,6 +156,8 @@ def train(
     finally:
         if bar is not None:
             bar.close()
+        if owned:
+            learner.close()
     if out is not None and rows:
         plot_curves(_read_rows(out / "metrics.jsonl"), out / "learning_curve.png", cfg.env)
     return state, rows

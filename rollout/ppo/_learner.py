@@ -107,6 +107,13 @@ class Act(NamedTuple):
     env_keys: jax.Array  # one key per env
 
 
+class Cut(NamedTuple):
+    """Per step: the true final observation (normalised) and whether time ran out there."""
+
+    final_obs: jax.Array
+    cut: jax.Array  # 1.0 where the episode was truncated (not terminated) at this step
+
+
 class Transition(NamedTuple):
     obs: jax.Array
     action: jax.Array
@@ -330,7 +337,7 @@ class Learner:
         def step(carry: Rollout, _):
             carry, act = per_member(self._act)(ms.params, carry)
             out = self._step_envs(carry.env_state, act.env_action, act.env_keys)
-            return per_member(self._observe)(ms.params, carry, act, out)
+            return per_member(self._observe)(carry, act, out)
 
         carry, traj = jax.lax.scan(step, carry, None, length=self.config.num_steps)
         # traj leaves are [num_steps, n, num_envs, ...]: the member axis is axis 1 there.
@@ -360,8 +367,8 @@ class Learner:
         return carry._replace(rng=jax.random.key_data(key)), act
 
     def _observe(
-        self, params: Any, carry: Rollout, act: Act, out: tuple
-    ) -> tuple[Rollout, Transition]:
+        self, carry: Rollout, act: Act, out: tuple
+    ) -> tuple[Rollout, tuple[Transition, Cut]]:
         """Book one env step: episode stats, reward scaling, truncation bootstrap, obs stats."""
         cfg = self.config
         env_state, next_obs, reward, term, trunc, info = out
@@ -389,13 +396,12 @@ class Learner:
             ret_stats = ret_stats.update(disc_return)
             disc_return = jnp.where(done, 0.0, disc_return)
             train_reward = jnp.clip(reward / jnp.sqrt(ret_stats.var + 1e-8), -10.0, 10.0)
-        # A time-limit cut is not a terminal state: bootstrap it with V(true final obs).
+        # A time-limit cut is not a terminal state: it is bootstrapped with V(true final obs).
+        # The values are computed after the rollout in one batched critic call (_learn), so
+        # here only the (normalised) final observation is kept.
         obs_stats = carry.obs_stats
-        if cfg.bootstrap_truncation:
-            final = self._normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
-            final_value = self.network.apply({"params": params}, final, method="value")
-            cut = trunc & ~term
-            train_reward = train_reward + jnp.where(cut, cfg.gamma * final_value, 0.0)
+        final = self._normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
+        cut = (trunc & ~term).astype(jnp.float32)
         if self.normalize_obs:
             obs_stats = obs_stats.update(next_obs)
 
@@ -413,16 +419,20 @@ class Learner:
         step = Transition(
             act.obs, act.action, act.log_prob, act.value, train_reward, done.astype(jnp.float32)
         )
-        return carry, step
+        return carry, (step, Cut(final, cut))
 
     def _learn(
-        self, ms: MemberState, carry: Rollout, traj: Transition, update: jax.Array
+        self, ms: MemberState, carry: Rollout, steps: tuple[Transition, Cut], update: jax.Array
     ) -> tuple[MemberState, dict]:
         """GAE, then ``update_epochs`` passes of shuffled minibatches; one member's update."""
         cfg, spec = self.config, self.spec
         apply = self.network.apply
         hp = ms.hparams
         key = jax.random.wrap_key_data(carry.rng)
+        traj, cuts = steps
+        if cfg.bootstrap_truncation:  # reward += gamma * V(final obs) where time ran out
+            final_value = apply({"params": ms.params}, cuts.final_obs, method="value")
+            traj = traj._replace(reward=traj.reward + cuts.cut * cfg.gamma * final_value)
 
         # Advantages: GAE over the trajectory, bootstrapped with V(obs after the last step).
         last_obs = self._normalize(carry.obs, carry.obs_stats)
