@@ -208,20 +208,21 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "ppo.json"
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["machine"] = {
+    data["machine"] = data.get("machine", {}) | {
         "cpu_count": os.cpu_count(),
         "jax_devices": devices,
         "backend": jax.default_backend(),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "load_avg_at_start": os.getloadavg(),
         "note": "shared, noisy 2-core machine (other jobs running); figures are indicative",
     }
     if args.part in ("all", "speed"):
+        data["machine"]["load_avg_before_speed"] = os.getloadavg()
         print("speed: CartPole PPO, CleanRL config, env steps/s of all members together")
         data["speed"] = speed(env_on_cpu=not args.no_cpu_env)
         _plot_speed(data["speed"])
     if args.part in ("all", "learn"):
+        data["machine"]["load_avg_before_learning"] = os.getloadavg()
         print(f"learning: n={args.members}")
         learned = learn(tuple(args.envs), args.members)
         data.setdefault("learning", {})

@@ -158,8 +158,9 @@ def _assert_member_sharded(tree, mesh, n):
             assert shard.device in set(mesh.devices[block].flat), jax.tree_util.keystr(path)
 
 
-# One member per device here; two members per device in the resume test (compiles are slow).
-@pytest.mark.parametrize("env, members, num_devices", [("pendulum", 8, 8)])
+# One member per device, and each member over two devices; two members per device in the
+# resume test (compiles are slow).
+@pytest.mark.parametrize("env, members, num_devices", [("pendulum", 8, 8), ("cartpole", 4, 8)])
 def test_every_member_shaped_array_is_sharded_from_init_to_metrics(env, members, num_devices):
     # Per-member learning rates (no annealing, so the metric shows them unchanged).
     lrs = tuple(1e-3 / (i + 1) for i in range(members))

@@ -258,11 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--env", default="cartpole", help="cartpole (CartPole-v1) or pendulum")
     p.add_argument("--members", type=int, default=4, help="number of agents (default 4)")
-    p.add_argument("--total-steps", type=int, default=None, help="env steps per member")
+    p.add_argument(
+        "--total-steps",
+        type=int,
+        default=None,
+        help="env steps per member (default: 500k CartPole, 1M Pendulum)",
+    )
     p.add_argument("--out", default="runs/ppo", help="output dir: metrics.jsonl, PNG, checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--env-on", choices=("device", "cpu"), default="device")
+    p.add_argument("--seed", type=int, default=0, help="root seed; members get split keys")
+    p.add_argument(
+        "--env-on",
+        choices=("device", "cpu"),
+        default="device",
+        help="envs vmapped next to each member, or on host CPU cores via rollout.on_cpu",
+    )
     p.add_argument("--lr", type=_floats, default=None, help="learning rate, or one per member")
     p.add_argument("--ent-coef", type=_floats, default=None, help="entropy coef, or one per member")
     p.add_argument("--clip-coef", type=_floats, default=None, help="clip range, or one per member")
