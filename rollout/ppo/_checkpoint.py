@@ -50,6 +50,9 @@ def save(directory: str | os.PathLike, state: Any, config: PPOConfig, keep: int 
     tmp.rename(final)
     for old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".tmp_ckpt_*"):  # left by a run killed while saving
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
