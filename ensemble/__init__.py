@@ -15,7 +15,7 @@ from ensemble._checks import (
     assert_no_replicated_members,
 )
 from ensemble._linen import LinenEnsemble
-from ensemble._memory import compiled_memory, live_memory, print_memory
+from ensemble._memory import CompiledMemory, compiled_memory, live_memory, print_memory
 from ensemble._mesh import (
     DATA_AXIS,
     DEFAULT_RULES,
@@ -27,18 +27,27 @@ from ensemble._mesh import (
     partitioning,
     shard_members,
 )
-from ensemble._nnx import NNXEnsemble, nnx_optimizer, nnx_train_step
+from ensemble._nnx import (
+    NNXEnsemble,
+    NNXTrainStep,
+    lower_build_nnx,
+    nnx_optimizer,
+    nnx_train_step,
+)
 from ensemble._optim import per_member
 from ensemble._reduce import disagreement, log_mean_exp, mean, member, variance
-from ensemble._train import train_step
+from ensemble._train import TrainStep, train_step
 
 __all__ = [
     "DATA_AXIS",
     "DEFAULT_RULES",
     "MEMBER_AXIS",
     "MODEL_AXIS",
+    "CompiledMemory",
     "LinenEnsemble",
     "NNXEnsemble",
+    "NNXTrainStep",
+    "TrainStep",
     "assert_member_axis",
     "assert_member_placement",
     "assert_no_replicated_members",
@@ -48,6 +57,7 @@ __all__ = [
     "layout",
     "live_memory",
     "log_mean_exp",
+    "lower_build_nnx",
     "make_mesh",
     "mean",
     "member",
