@@ -313,15 +313,6 @@ def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:
         return checkpointer.restore(path, jax.tree_util.tree_map(abstract, like))
 
 
-def local_shard_devices(tree: Any) -> dict[str, list[int]]:
-    """Leaf path -> ids of this process's devices that hold a shard of it (for checks and logs)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array):
-            out[jax.tree_util.keystr(path)] = sorted(s.device.id for s in leaf.addressable_shards)
-    return out
-
-
 # -- internals -------------------------------------------------------------------------------
 
 
