@@ -31,7 +31,16 @@ def save(directory: str | os.PathLike, state: Any, config: PPOConfig, keep: int 
     directory.mkdir(parents=True, exist_ok=True)
     update = int(jax.device_get(state.update))
     leaves = jax.tree_util.tree_leaves_with_path(state)
-    arrays = {f"leaf_{i:04d}": np.asarray(jax.device_get(x)) for i, (_, x) in enumerate(leaves)}
+    # Collective: with several processes every one calls save(); members on other processes'
+    # devices come over once (process_allgather), and only process 0 writes.
+    from ensemble.distributed import gather_metrics_to_host
+
+    host = gather_metrics_to_host([x for _, x in leaves])
+    arrays = {f"leaf_{i:04d}": np.asarray(a) for i, a in enumerate(host)}
+    final = directory / f"{_PREFIX}{update:08d}"
+    if jax.process_index() != 0:
+        _wait_for_writer(update)
+        return final
     meta = {
         "update": update,
         "config": config.to_dict(),
@@ -44,7 +53,6 @@ def save(directory: str | os.PathLike, state: Any, config: PPOConfig, keep: int 
     tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=directory))
     np.savez(tmp / "state.npz", **arrays)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    final = directory / f"{_PREFIX}{update:08d}"
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -53,7 +61,16 @@ def save(directory: str | os.PathLike, state: Any, config: PPOConfig, keep: int 
     for stale in directory.glob(".tmp_ckpt_*"):  # left by a run killed while saving
         if stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
+    _wait_for_writer(update)
     return final
+
+
+def _wait_for_writer(update: int) -> None:
+    """No process reads (resume) or moves on before process 0 has written the checkpoint."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"rollout.ppo checkpoint {update}")
 
 
 def checkpoints(directory: str | os.PathLike) -> list[Path]:

@@ -113,11 +113,13 @@ def train(
             state = ckpt.restore(path, learner.state_shapes(), learner.state_shardings())
     if state is None:
         state = learner.init()
-    done = int(jax.device_get(state.update))
+    done = int(jax.device_get(state.update))  # replicated: every process has it
+    main = jax.process_index() == 0  # the one process that writes metrics and the plot
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         rows = _read_rows(out / "metrics.jsonl", upto=done) if done else []
-        _write_rows(out / "metrics.jsonl", rows)
+        if main:
+            _write_rows(out / "metrics.jsonl", rows)
 
     bar = _progress(cfg, done, enabled=progress)
     calls = 0
@@ -147,9 +149,10 @@ def train(
                     on_update(row)
             rows.extend(new_rows)
             if out is not None:
-                _append_rows(out / "metrics.jsonl", new_rows)
+                if main:
+                    _append_rows(out / "metrics.jsonl", new_rows)
                 if calls % checkpoint_every == 0 or done >= cfg.num_updates:
-                    ckpt.save(out, state, cfg)
+                    ckpt.save(out, state, cfg)  # collective: every process calls it
             if bar is not None:
                 bar.update(k * cfg.batch_size)
                 bar.set_postfix_str(_postfix(new_rows[-1]["returns"], sps), refresh=False)
@@ -158,7 +161,7 @@ def train(
             bar.close()
         if owned:
             learner.close()
-    if out is not None and rows:
+    if out is not None and rows and main:
         plot_curves(_read_rows(out / "metrics.jsonl"), out / "learning_curve.png", cfg.env)
     return state, rows
 
@@ -287,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU-only hosts: simulated devices for the members (default: cpu_devices_for)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group(
+        "several processes / hosts",
+        "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
+        "by python -m ensemble.launch), else SLURM / Open MPI / Kubernetes detection, else one "
+        "process",
+    )
+    g.add_argument("--coordinator", default=None, help="host:port of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
     return p
 
 
@@ -297,8 +309,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --members must be positive, got {args.members}", file=sys.stderr)
         return 2
     cores = os.cpu_count() or 1
-    learner_devices = args.devices or cpu_devices_for(args.members, cores)
+    from ensemble import _distributed as distributed
+
+    procs = args.num_processes or int(os.environ.get(distributed.ENV_NUM_PROCESSES) or 1)
+    if args.members % procs:
+        print(
+            f"error: --members {args.members} must be a multiple of the number of processes "
+            f"({procs}): every process holds the same number of members.",
+            file=sys.stderr,
+        )
+        return 2
+    # Devices per process for this process's members (on CPU-only hosts).
+    learner_devices = args.devices or cpu_devices_for(args.members // procs, cores)
     configure_devices(max(learner_devices, cores))
+    # Joins the other processes (if any) before JAX starts; a no-op for a single process.
+    info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
     import jax
 
@@ -322,7 +347,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = PPOConfig.for_env(args.env, **overrides)
         # On a CPU-only host the members use the first `learner_devices` CPU devices; on an
         # accelerator host, all accelerators.
-        devices = jax.devices()[:learner_devices] if jax.default_backend() == "cpu" else None
+        # Each process contributes its first `learner_devices` devices, in process order, so
+        # every process holds members (jax.devices() lists all processes' devices).
+        devices = (
+            [
+                d
+                for p in range(info.num_processes)
+                for d in [d for d in jax.devices() if d.process_index == p][:learner_devices]
+            ]
+            if jax.default_backend() == "cpu"
+            else None
+        )
         n_dev = len(devices) if devices is not None else jax.device_count()
         from rollout.ppo._env import known_envs
 
@@ -331,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"ensemble PPO: env={config.env} members={config.members} "
+        f"ensemble PPO: env={config.env} members={config.members} processes={info.num_processes} "
         f"devices={n_dev}x{jax.default_backend()} env_on={config.env_on} "
         f"total_steps/member={config.num_updates * config.batch_size} out={args.out}",
         file=sys.stderr,
@@ -340,11 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config,
         args.out,
         resume=args.resume,
-        progress=not args.no_progress,
+        progress=not args.no_progress and info.is_main,
         checkpoint_every=args.checkpoint_every,
         devices=devices,
     )
-    if rows:
+    if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0

@@ -574,4 +574,7 @@ def _on_cpu(step: Callable[..., Any]) -> Callable[..., Any]:
 
 def to_host(metrics: dict) -> dict[str, np.ndarray]:
     """Gathers the (small, per-member scalar) metrics to host numpy arrays."""
-    return {k: np.asarray(jax.device_get(v)) for k, v in metrics.items()}
+    # Collective across processes (members on other hosts' devices); plain device_get otherwise.
+    from ensemble.distributed import gather_metrics_to_host
+
+    return gather_metrics_to_host(dict(metrics))
