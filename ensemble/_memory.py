@@ -198,8 +198,10 @@ def _compiled_devices(compiled: Any) -> tuple[jax.Device, ...]:
     found: set[jax.Device] = set()
     for s in shardings:
         found.update(getattr(s, "device_set", ()))
+    # Across processes a program spans every process's devices; each reports its own.
+    found = {d for d in found if d.process_index == jax.process_index()}
     if not found:  # a function of no arrays still runs on the default device
-        found = {jax.devices()[0]}
+        found = {jax.local_devices()[0]}
     return tuple(sorted(found, key=lambda d: (d.platform, d.id)))
 
 
@@ -258,6 +260,7 @@ def print_memory(
 
     - a :class:`CompiledMemory` (from :func:`compiled_memory`): argument / output / temp /
       alias / peak / code per device, plus GPU ``memory_stats`` columns when present;
+    - a lowered or compiled program (``ens.lower_init(key, x)``, ``jax.jit(f).lower(x)``);
     - a jitted function followed by its arguments: ``print_memory(step, params, opt, batch)``
       compiles it (without running) and prints the same table;
     - a dict ``{device: bytes}`` (from :func:`live_memory`);
@@ -270,6 +273,8 @@ def print_memory(
     """
     if isinstance(what, CompiledMemory):
         text = _format_compiled(what, title or "compiled memory")
+    elif isinstance(what, jax.stages.Lowered | jax.stages.Compiled):  # e.g. ens.lower_init(k, x)
+        text = _format_compiled(compiled_memory(what), title or "compiled program")
     elif _is_function(what) and (args or kwargs or hasattr(what, "lower")):
         name = getattr(what, "__name__", type(what).__name__)
         text = _format_compiled(compiled_memory(what, *args, **kwargs), title or name)

@@ -195,3 +195,18 @@ def test_gpu_memory_stats_columns_when_present():
     )
     assert table.splitlines()[1].split()[-2:] == ["in_use", "peak_in_use"]
     assert table.splitlines()[3].split()[-2:] == ["2.000", "3.000"]
+
+
+def test_print_memory_of_a_lowered_init_shows_compiled_table():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import ensemble
+
+    ens = ensemble.build(nn.Dense(256), 8)
+    text = ensemble.print_memory(ens.lower_init(jax.random.key(0), jnp.ones((2, 128))), file=None)
+    assert "compiled program" in text
+    # one member's kernel + bias per device: (128 * 256 + 256) * 4 bytes = 0.13 MB
+    per_device = ensemble.compiled_memory(ens.lower_init(jax.random.key(0), jnp.ones((2, 128))))
+    assert per_device.output == (128 * 256 + 256) * 4
