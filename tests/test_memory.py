@@ -207,6 +207,7 @@ def test_print_memory_of_a_lowered_init_shows_compiled_table():
     ens = ensemble.build(nn.Dense(256), 8)
     text = ensemble.print_memory(ens.lower_init(jax.random.key(0), jnp.ones((2, 128))), file=None)
     assert "compiled program" in text
-    # one member's kernel + bias per device: (128 * 256 + 256) * 4 bytes = 0.13 MB
+    # one member's kernel + bias per device: (128 * 256 + 256) * 4 bytes = 0.13 MB (+ a few
+    # bytes of XLA's output tuple)
     per_device = ensemble.compiled_memory(ens.lower_init(jax.random.key(0), jnp.ones((2, 128))))
-    assert per_device.output == (128 * 256 + 256) * 4
+    assert abs(per_device.output - (128 * 256 + 256) * 4) <= 64
