@@ -137,6 +137,9 @@ def measure_nnx(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str
             return self.head(x)
 
     ens = ensemble.build(lambda rngs: NNXMLP(rngs), n, devices=devices)
+    init = ensemble.compiled_memory(
+        ensemble.lower_build_nnx(lambda rngs: NNXMLP(rngs), n, devices=devices)
+    )
     x, y = _batch(args)
     optimizer = ensemble.nnx_optimizer(ens, optax.adam(1e-3))
 
@@ -150,7 +153,7 @@ def measure_nnx(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str
     stats = ensemble.compiled_memory(step, ens, optimizer, x, y)
     live = _per_device(ensemble.live_memory(state), devices)
     param_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(nnx.state(ens, nnx.Param)))
-    return _row(live, None, stats, param_bytes)
+    return _row(live, init, stats, param_bytes)
 
 
 def _row(state: int, init: Any, step: Any, param_bytes: int) -> dict[str, Any]:
