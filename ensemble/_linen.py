@@ -36,6 +36,8 @@ from ensemble._mesh import (
     member_pspec,
     merge_rules,
     partitioning,
+    take_member,
+    vmap_members,
 )
 
 InAxes = int | None | Sequence[int | None]
@@ -209,9 +211,9 @@ class LinenEnsemble:
 
             args = self._constrain_inputs(args)
             in_axes = (rng_axes, *self._arg_axes(len(args)))
-            return jax.vmap(one, in_axes=in_axes, axis_size=n, spmd_axis_name=MEMBER_AXIS)(
-                member_rngs, *args
-            )
+            # Not a plain vmap: members sharing a device are initialised one after another, as a
+            # batched LAPACK call per device (orthogonal init's QR) can hang on CPU devices.
+            return vmap_members(one, n, self._mesh, in_axes)(member_rngs, *args)
 
         with traced_partitioning(self._mesh, self._rules):
             boxed = jax.eval_shape(lambda r, a, d: boxed_init(r, a, d, False), rngs, args, dynamic)
@@ -314,6 +316,9 @@ class LinenEnsemble:
     def member(self, variables: Mapping[str, Any], i: int) -> dict[str, Any]:
         """Member i's variables as plain variables: ``ens.model.apply(ens.member(v, i), x)``.
 
+        The arrays stay on the device(s) that already held member i (assembled from its shards:
+        no gather, no copy to the other devices); move them with ``jax.device_put`` if needed.
+
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn
           >>> ens = LinenEnsemble(nn.Dense(3), n=8)
@@ -324,7 +329,9 @@ class LinenEnsemble:
         self._check_variables(variables)
         if not isinstance(i, int | np.integer) or not -self._n <= i < self._n:
             raise IndexError(f"member index {i!r} out of range for n={self._n} members.")
-        return jax.tree_util.tree_map(lambda a: a[i], dict(variables))
+        return jax.tree_util.tree_map(
+            lambda a: take_member(a, int(i), self._mesh, self._n), dict(variables)
+        )
 
     # ------------------------------------------------------------------ checks
 

@@ -257,3 +257,95 @@ def _names_in(spec: Any) -> Iterator[str]:
 def devices_per_member(mesh: Mesh, n: int) -> float:
     """How many devices one member spans (a fraction when several members share a device)."""
     return math.prod(mesh.devices.shape) / n
+
+
+def vmap_members(fn: Any, n: int, mesh: Mesh, in_axes: Any = 0) -> Any:
+    """``jax.vmap(fn, in_axes, axis_size=n, spmd_axis_name='ensemble')`` that never batches
+    members sharing a device: members on one device run one after another (``lax.map``).
+
+    Used for initialisation. On CPU devices, a program where every device runs a *batched*
+    LAPACK custom call (QR, SVD, eigh, LU: e.g. ``nn.initializers.orthogonal``) next to the
+    threefry RNG loops hangs forever in XLA's CPU runtime (jax 0.10.2; seen with 2 members per
+    device on 2 or 4 CPU devices, with or without the one-thread-per-device XLA flags). With one
+    member per device program (batch 1) it does not. So the member axis is split into
+    ``(groups, per_device)``: the groups are vmapped onto the mesh's member axis as before, the
+    members of a group are a ``lax.map``. Member i still gets exactly its own slice of the
+    inputs, so it equals the plain function on them. With one member per device (or members
+    spanning several devices), or with all members on one device, this is the plain vmap.
+    """
+    groups = mesh.shape[MEMBER_AXIS]
+    per_device = n // groups
+    # One device program (groups == 1) never hung: keep its single batched vmap there.
+    if groups <= 1 or per_device <= 1 or n % groups:
+        return jax.vmap(fn, in_axes=in_axes, axis_size=n, spmd_axis_name=MEMBER_AXIS)
+
+    def mapped(*args: Any) -> Any:
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        # Broadcast each argument's axis spec (0 or None, a prefix of its tree) to its leaves.
+        flags = [
+            jax.tree_util.tree_map(
+                lambda ax, sub: jax.tree_util.tree_map(lambda _: ax == 0, sub),
+                ax,
+                arg,
+                is_leaf=lambda x: x is None,
+            )
+            for ax, arg in zip(axes, args)
+        ]
+        flat, treedef = jax.tree_util.tree_flatten(tuple(args))
+        is_mapped = jax.tree_util.tree_leaves(flags)
+        if len(is_mapped) != len(flat):
+            raise ValueError(f"in_axes {in_axes!r} do not match the arguments' structure.")
+        grouped = [
+            x.reshape(groups, per_device, *x.shape[1:]) if m else x for x, m in zip(flat, is_mapped)
+        ]
+        group_axes = [0 if m else None for m in is_mapped]
+
+        def one_group(*leaves: Any) -> Any:
+            def one_member(j: jax.Array) -> Any:
+                picked = [x[j] if m else x for x, m in zip(leaves, is_mapped)]
+                return fn(*jax.tree_util.tree_unflatten(treedef, picked))
+
+            return jax.lax.map(one_member, jax.numpy.arange(per_device))
+
+        out = jax.vmap(one_group, in_axes=group_axes, axis_size=groups, spmd_axis_name=MEMBER_AXIS)(
+            *grouped
+        )
+        return jax.tree_util.tree_map(lambda y: y.reshape(n, *y.shape[2:]), out)
+
+    return mapped
+
+
+def take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
+    """Row ``i`` of a member-major array, assembled from the shards that already hold it.
+
+    Plain ``x[i]`` would broadcast the row to every device of the mesh (n times the memory for a
+    member that barely fits on its own devices). Here each device that holds member ``i`` keeps
+    its piece, and the result lives on a mesh of just those devices (the mesh minus its member
+    axis, e.g. ``('data', 'model')``). Arrays not split on ``mesh``'s member axis fall back to
+    ``x[i]``.
+    """
+    sharding = getattr(x, "sharding", None)
+    if (
+        not isinstance(x, jax.Array)
+        or not isinstance(sharding, NamedSharding)
+        or sharding.mesh != mesh
+        or tuple(sharding.spec)[:1] != (MEMBER_AXIS,)
+    ):
+        return x[i]
+    i = int(i) % n
+    axis = mesh.axis_names.index(MEMBER_AXIS)
+    owner = i // (n // mesh.shape[MEMBER_AXIS])
+    devices = np.take(mesh.devices, owner, axis=axis)  # e.g. the (data, model) block of member i
+    names = mesh.axis_names[:axis] + mesh.axis_names[axis + 1 :]
+    types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
+    submesh = Mesh(devices, names, axis_types=types)
+    spec = PartitionSpec(*tuple(sharding.spec)[1:])
+    mine = set(devices.flat)
+    pieces = []
+    for shard in x.addressable_shards:
+        if shard.device in mine:
+            start = shard.index[0].start or 0
+            pieces.append(shard.data[i - start])
+    return jax.make_array_from_single_device_arrays(
+        x.shape[1:], NamedSharding(submesh, spec), pieces
+    )

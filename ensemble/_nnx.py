@@ -39,6 +39,8 @@ from ensemble._mesh import (
     member_sharding,
     merge_rules,
     partitioning,
+    take_member,
+    vmap_members,
 )
 from ensemble._optim import per_member
 
@@ -189,7 +191,7 @@ class NNXEnsemble(nnx.Module):
         # tree.map builds new Variables, so stripping the member axis from their sharding
         # metadata below leaves the ensemble's own Variables untouched.
         i = int(i) % self.n
-        state = jax.tree.map(lambda x: _take_member(x, i, self.mesh, self.n), state)
+        state = jax.tree.map(lambda x: take_member(x, i, self.mesh, self.n), state)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         return nnx.merge(graphdef, state)
 
@@ -272,40 +274,6 @@ class NNXEnsemble(nnx.Module):
         return jax.lax.with_sharding_constraint(
             y, NamedSharding(self.mesh, PartitionSpec(MEMBER_AXIS, *rest))
         )
-
-
-def _take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
-    """Row ``i`` of a member-major array, assembled from the shards that already hold it.
-
-    Plain ``x[i]`` would broadcast the row to every device of the mesh (n times the memory for a
-    member that barely fits on its own devices). Here each device that holds member ``i`` keeps
-    its piece, and the result lives on a mesh of just those devices (the mesh minus its member
-    axis, e.g. ``('data', 'model')``).
-    """
-    sharding = getattr(x, "sharding", None)
-    if (
-        not isinstance(x, jax.Array)
-        or not isinstance(sharding, NamedSharding)
-        or sharding.mesh != mesh
-        or tuple(sharding.spec)[:1] != (MEMBER_AXIS,)
-    ):
-        return x[i]
-    axis = mesh.axis_names.index(MEMBER_AXIS)
-    owner = i // (n // mesh.shape[MEMBER_AXIS])
-    devices = np.take(mesh.devices, owner, axis=axis)  # e.g. the (data, model) block of member i
-    names = mesh.axis_names[:axis] + mesh.axis_names[axis + 1 :]
-    types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
-    submesh = Mesh(devices, names, axis_types=types)
-    spec = PartitionSpec(*tuple(sharding.spec)[1:])
-    mine = set(devices.flat)
-    pieces = []
-    for shard in x.addressable_shards:
-        if shard.device in mine:
-            start = shard.index[0].start or 0
-            pieces.append(shard.data[i - start])
-    return jax.make_array_from_single_device_arrays(
-        x.shape[1:], NamedSharding(submesh, spec), pieces
-    )
 
 
 def _call_module(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
@@ -502,8 +470,21 @@ def _plan(
     with partitioning(mesh, rules):
         graphdef, abstract = nnx.split(nnx.eval_shape(create, keys))
         shardings = _member_shardings(abstract, mesh, n, rules)
+    treedef = jax.tree.structure(abstract)
+
+    def member_leaves(member_keys: dict[str, jax.Array]) -> list[jax.Array]:
+        return jax.tree.leaves(nnx.state(make_member(nnx.Rngs(**member_keys))))
+
+    def create_state(keys: dict[str, jax.Array]) -> Any:
+        # The arrays come from the plain factory, one member at a time on each device
+        # (vmap_members: a batched LAPACK call per device, e.g. orthogonal init, can hang on CPU);
+        # the Variables and their member-axis metadata are those of the vmapped creation above.
+        per_member = {k: jax.random.split(v, n) for k, v in keys.items()}
+        leaves = vmap_members(member_leaves, n, mesh)(per_member)
+        return jax.tree.unflatten(treedef, leaves)
+
     # Every leaf comes out of this jit already in its shard: no full copy on any device.
-    init = jax.jit(lambda k: nnx.state(create(k)), out_shardings=shardings)
+    init = jax.jit(create_state, out_shardings=shardings)
     return _Plan(mesh, rules, keys, graphdef, init)
 
 

@@ -11,6 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ensemble._mesh import MEMBER_AXIS, take_member
 
 
 def mean(y: jax.Array) -> jax.Array:
@@ -80,6 +83,9 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
 
     For linen variables this gives plain variables for ``model.apply``; for an NNX ensemble
     (anything with a ``member(i)`` method) it defers to that method, which returns a plain module.
+    Leaves split over an ensemble mesh's ``'ensemble'`` axis (what ``ens.init`` returns) are
+    assembled from the shards that hold member i: the result lives on member i's device(s) only,
+    nothing is copied to the other devices.
 
     Example:
       >>> import jax.numpy as jnp
@@ -111,7 +117,17 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
             )
     if not -n <= i < n:
         raise IndexError(f"member index {i} out of range for n={n} members.")
-    return jax.tree_util.tree_map(lambda a: a[i], tree_or_ensemble)
+    return jax.tree_util.tree_map(lambda a: _take(a, int(i), n), tree_or_ensemble)
+
+
+def _take(a: Any, i: int, n: int) -> Any:
+    """``a[i]``; a leaf split over an ensemble mesh's member axis keeps member i on its devices."""
+    sharding = getattr(a, "sharding", None)
+    if isinstance(a, jax.Array) and isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        if isinstance(mesh, Mesh) and MEMBER_AXIS in mesh.axis_names:
+            return take_member(a, i, mesh, n)
+    return a[i]
 
 
 def _member_major(y: Any, what: str) -> jax.Array:

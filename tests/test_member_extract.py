@@ -1,0 +1,66 @@
+"""Taking member i out of linen variables keeps it on member i's device(s): no copy elsewhere."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ensemble
+from ensemble._mesh import MEMBER_AXIS
+
+D = 8
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(16)(x))
+        return nn.Dense(3)(x)
+
+
+def _owners(mesh, n, i):
+    """The devices that hold member i on ``mesh``."""
+    axis = mesh.axis_names.index(MEMBER_AXIS)
+    owner = i // (n // mesh.shape[MEMBER_AXIS])
+    return set(np.take(mesh.devices, owner, axis=axis).flat)
+
+
+def _check_member(got, variables, i, owners):
+    for a, full in zip(jax.tree.leaves(got), jax.tree.leaves(variables), strict=True):
+        assert a.sharding.device_set == owners
+        assert {s.device for s in a.addressable_shards} <= owners
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(full)[i])
+
+
+@pytest.mark.parametrize("n", [16, 8, 4], ids=["2-per-device", "1-per-device", "2-devices-each"])
+def test_linen_member_stays_on_its_devices(n):
+    ens = ensemble.build(MLP(), n)
+    x = jnp.ones((2, 5))
+    variables = ens.init(jax.random.key(0), x)
+    y = ens.apply(variables, x)
+    for i in (0, n // 2 + 1, n - 1):
+        owners = _owners(ens.mesh, n, i)
+        assert len(owners) == max(1, D // n)
+        got = ens.member(variables, i)
+        _check_member(got, variables, i, owners)
+        # The extracted member is a plain model's variables and reproduces row i.
+        np.testing.assert_allclose(ens.model.apply(got, x), y[i], rtol=1e-5, atol=1e-6)
+        _check_member(ensemble.member(variables, i), variables, i, owners)
+    # Negative indices count from the end, as with a[i].
+    _check_member(ens.member(variables, -1), variables, n - 1, _owners(ens.mesh, n, n - 1))
+
+
+def test_member_of_a_plain_tree_infers_the_mesh_from_the_sharding():
+    n = 16
+    mesh = ensemble.make_mesh(n)
+    tree = {"w": jnp.arange(n * 6.0).reshape(n, 2, 3), "b": jnp.arange(n * 1.0)}
+    placed = ensemble.shard_members(tree, mesh, n)
+    for i in (3, 12):
+        _check_member(ensemble.member(placed, i), placed, i, _owners(mesh, n, i))
+
+
+def test_member_of_an_unsharded_tree_is_the_slice():
+    tree = {"w": jnp.arange(12).reshape(4, 3)}
+    np.testing.assert_array_equal(ensemble.member(tree, 2)["w"], jnp.array([6, 7, 8]))
+    np.testing.assert_array_equal(ensemble.member({"w": np.ones((3, 2))}, 1)["w"], np.ones(2))
