@@ -40,33 +40,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-try:  # the audio env's synthesiser, when rollout.envs provides it
-    from rollout.envs import init_synth_params, synthesize
-except ImportError:  # a self-contained GRU synthesiser with the same signature
-
-    def init_synth_params(key, hidden_size=32):
-        k1, k2, k3 = jax.random.split(key, 3)
-        h = hidden_size
-        return {
-            "w_in": 0.5 * jax.random.normal(k1, (3 * h,)),
-            "w_h": jax.random.normal(k2, (h, 3 * h)) / np.sqrt(h),
-            "w_out": 2.0 * jax.random.normal(k3, (h,)) / np.sqrt(h),
-        }
-
-    def synthesize(params, h, excitation):
-        hidden = h.shape[-1]
-        x_proj = excitation[:, None] * params["w_in"]
-
-        def cell(h, xp):
-            hp = h @ params["w_h"]
-            r = jax.nn.sigmoid(xp[:hidden] + hp[:hidden])
-            z = jax.nn.sigmoid(xp[hidden : 2 * hidden] + hp[hidden : 2 * hidden])
-            n = jnp.tanh(xp[2 * hidden :] + r * hp[2 * hidden :])
-            h = (1.0 - z) * n + z * h
-            return h, jnp.tanh(h @ params["w_out"])
-
-        return jax.lax.scan(cell, h, x_proj)
-
+from rollout.envs import init_synth_params, synthesize  # noqa: E402
 
 SAMPLE_RATE = 16000.0
 
