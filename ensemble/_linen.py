@@ -30,12 +30,10 @@ from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
     _warn_on_unmapped_constraints,
-    check_mesh,
-    layout,
-    make_mesh,
     member_pspec,
     merge_rules,
     partitioning,
+    resolve_mesh,
     take_member,
     vmap_members,
 )
@@ -91,16 +89,7 @@ class LinenEnsemble:
             raise TypeError(
                 f"LinenEnsemble needs a linen nn.Module instance, got {type(model).__name__}."
             )
-        if mesh is None:
-            mesh = make_mesh(n, devices=devices, model_parallel=model_parallel)
-        else:
-            if devices is not None or model_parallel != 1:
-                raise ValueError(
-                    "mesh= fixes the devices and the model-parallel split; pass mesh= alone, or "
-                    "devices=/model_parallel= without it."
-                )
-            layout(n, 1)  # n must be a positive integer
-            check_mesh(mesh, n)
+        mesh = resolve_mesh(n, mesh, devices, model_parallel)
         _check_in_axes(in_axes)
         if isinstance(shared_rngs, str):
             shared_rngs = (shared_rngs,)

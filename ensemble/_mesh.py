@@ -125,6 +125,24 @@ def check_mesh(mesh: Mesh, n: int) -> Mesh:
     return mesh
 
 
+def resolve_mesh(
+    n: int,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    model_parallel: int = 1,
+) -> Mesh:
+    """The ensemble's mesh: ``mesh`` validated for n members, or one made from ``devices``."""
+    if mesh is None:
+        return make_mesh(n, devices=devices, model_parallel=model_parallel)
+    if devices is not None or model_parallel != 1:
+        raise ValueError(
+            "mesh= fixes the devices and the model-parallel split; pass mesh= alone, or "
+            "devices=/model_parallel= without it."
+        )
+    layout(n, 1)  # n must be a positive integer
+    return check_mesh(mesh, n)
+
+
 def merge_rules(rules: Sequence[tuple[str, Any]] | None) -> LogicalRules:
     """User rules first (they win), then the defaults for names the user did not map."""
     rules = tuple((str(k), v) for k, v in (rules or ()))

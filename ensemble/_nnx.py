@@ -34,11 +34,10 @@ from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
     _warn_on_unmapped_constraints,
-    check_mesh,
-    make_mesh,
     member_sharding,
     merge_rules,
     partitioning,
+    resolve_mesh,
     take_member,
     vmap_members,
 )
@@ -435,12 +434,7 @@ def _plan(
 ) -> _Plan:
     """Validates the arguments, traces the creation abstractly and jits it with out_shardings."""
     make_member = _as_factory(factory, module_kwargs)
-    if mesh is None:
-        mesh = make_mesh(n, devices=devices, model_parallel=model_parallel)
-    else:
-        if devices is not None:
-            raise ValueError("pass either mesh= or devices=, not both (a mesh names its devices).")
-        check_mesh(mesh, n)
+    mesh = resolve_mesh(n, mesh, devices, model_parallel)
     rules = merge_rules(rules)
     keys = _stream_keys(rngs)
 
