@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -99,6 +98,12 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices= is empty; pass at least one device.")
+    if len(set(devices)) != len(devices):
+        repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
+        raise ValueError(
+            f"devices= lists {repeated} more than once; each device can hold one place in the "
+            "mesh. Pass distinct devices (e.g. jax.devices()[:k])."
+        )
     shape = layout(n, len(devices), model_parallel)
     return Mesh(
         np.asarray(devices, dtype=object).reshape(shape),
@@ -155,20 +160,37 @@ def member_pspec(
 ) -> PartitionSpec:
     """PartitionSpec for a member-major array: axis 0 on the member axis, the rest by rules.
 
-    ``logical`` are the array's logical axis names (from ``nn.with_logical_partitioning`` /
-    ``nnx.with_partitioning``) with or without the leading ``'ensemble'``; unannotated leaves
-    (``logical=None``) still get their member axis sharded.
+    ``logical`` are the logical names of the member's own array (from
+    ``nn.with_logical_partitioning`` / ``nnx.with_partitioning``), with or without a leading
+    ``'ensemble'``. They resolve through Flax's ``logical_to_mesh_axes`` exactly as for the plain
+    model: names cover the leading axes, any axes after them are not split (so an annotation with
+    fewer names than the array has axes keeps the split Flax gives it). Unannotated leaves
+    (``logical=None``) still get their member axis split.
     """
     if ndim == 0:
         raise ValueError("a member-major array needs a leading member axis; got a scalar.")
     names = list(logical) if logical is not None else []
-    if len(names) == ndim - 1:
-        names = [MEMBER_AXIS, *names]
-    elif len(names) != ndim:
-        names = [MEMBER_AXIS] + [None] * (ndim - 1)
-    names[0] = MEMBER_AXIS
-    mesh_axes = nn.logical_to_mesh_axes(tuple(names), rules)
-    return PartitionSpec(MEMBER_AXIS, *tuple(mesh_axes)[1:])
+    if names[:1] == [MEMBER_AXIS]:
+        names = names[1:]
+    if len(names) > ndim - 1:
+        raise ValueError(
+            f"logical names {tuple(names)} have more entries than the member's array has axes "
+            f"({ndim - 1})."
+        )
+    inner = tuple(nn.logical_to_mesh_axes(tuple(names), rules)) if names else ()
+    return PartitionSpec(MEMBER_AXIS, *inner, *([None] * (ndim - 1 - len(inner))))
+
+
+def unmapped_names(names: Sequence[Sequence[Any] | None], rules: LogicalRules) -> list[str]:
+    """Logical names used in ``names`` (one tuple per array) that no rule maps."""
+    mapped = {k for k, _ in rules}
+    found = {
+        name
+        for spec in names
+        for name in (spec or ())
+        if isinstance(name, str) and name not in mapped
+    }
+    return sorted(found)
 
 
 def member_sharding(
@@ -203,9 +225,9 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
 def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Iterator[Mesh]:
     """Sets the JAX mesh and the Flax logical axis rules (linen and NNX) together.
 
-    Inside it, ``nn.with_logical_constraint`` / NNX sharding annotations resolve against ``rules``
-    (merged over :data:`DEFAULT_RULES`) on ``mesh``, so no constraint is a silent no-op. A logical
-    name a constraint uses that no rule maps warns once (it would be replicated).
+    Inside it, ``nn.with_logical_constraint`` / NNX sharding annotations in your own code resolve
+    against ``rules`` (merged over :data:`DEFAULT_RULES`) on ``mesh``, so no constraint is a silent
+    no-op. Ensemble calls do not need it: they set the rules for the members themselves.
 
     Example:
       >>> mesh = make_mesh(4)
@@ -221,7 +243,6 @@ def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> 
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.set_mesh(mesh))
         stack.enter_context(nn.logical_axis_rules(merged))
-        stack.enter_context(_warn_on_unmapped_constraints(merged))
         yield mesh
 
 
@@ -230,107 +251,9 @@ def _axes_in_mesh(value: Any, mesh: Mesh) -> bool:
     return all(a in mesh.axis_names for a in axes)
 
 
-_WARNED: set[str] = set()
-
-
-@contextlib.contextmanager
-def _warn_on_unmapped_constraints(rules: LogicalRules) -> Iterator[None]:
-    """Wraps flax's logical-constraint entry point so an unmapped logical name is never silent."""
-    from flax.linen import spmd
-
-    original = spmd.with_logical_constraint
-    mapped = {k for k, _ in rules}
-
-    def checked(x, logical_axis_resources, *args, **kwargs):
-        for name in _names_in(logical_axis_resources):
-            if name not in mapped and name not in _WARNED:
-                _WARNED.add(name)
-                warnings.warn(
-                    f"with_logical_constraint uses logical axis {name!r}, which no rule maps to a "
-                    f"mesh axis (rules: {rules}); that dimension will be replicated. Add "
-                    f"({name!r}, <mesh axis or None>) to the rules to make the choice explicit.",
-                    stacklevel=2,
-                )
-        return original(x, logical_axis_resources, *args, **kwargs)
-
-    spmd.with_logical_constraint = checked
-    nn.with_logical_constraint = checked
-    try:
-        yield
-    finally:
-        spmd.with_logical_constraint = original
-        nn.with_logical_constraint = original
-
-
-def _names_in(spec: Any) -> Iterator[str]:
-    is_spec = lambda s: isinstance(s, (tuple, PartitionSpec))
-    leaves = jax.tree_util.tree_leaves(spec, is_leaf=is_spec)
-    for leaf in leaves:
-        items = leaf if isinstance(leaf, (tuple, list, PartitionSpec)) else (leaf,)
-        for item in items:
-            if isinstance(item, str):
-                yield item
-
-
 def devices_per_member(mesh: Mesh, n: int) -> float:
     """How many devices one member spans (a fraction when several members share a device)."""
     return math.prod(mesh.devices.shape) / n
-
-
-def vmap_members(fn: Any, n: int, mesh: Mesh, in_axes: Any = 0) -> Any:
-    """``jax.vmap(fn, in_axes, axis_size=n, spmd_axis_name='ensemble')`` that never batches
-    members sharing a device: members on one device run one after another (``lax.map``).
-
-    Used for initialisation. On CPU devices, a program where every device runs a *batched*
-    LAPACK custom call (QR, SVD, eigh, LU: e.g. ``nn.initializers.orthogonal``) next to the
-    threefry RNG loops hangs forever in XLA's CPU runtime (jax 0.10.2; seen with 2 members per
-    device on 2 or 4 CPU devices, with or without the one-thread-per-device XLA flags). With one
-    member per device program (batch 1) it does not. So the member axis is split into
-    ``(groups, per_device)``: the groups are vmapped onto the mesh's member axis as before, the
-    members of a group are a ``lax.map``. Member i still gets exactly its own slice of the
-    inputs, so it equals the plain function on them. With one member per device (or members
-    spanning several devices), or with all members on one device, this is the plain vmap.
-    """
-    groups = mesh.shape[MEMBER_AXIS]
-    per_device = n // groups
-    # One device program (groups == 1) never hung: keep its single batched vmap there.
-    if groups <= 1 or per_device <= 1 or n % groups:
-        return jax.vmap(fn, in_axes=in_axes, axis_size=n, spmd_axis_name=MEMBER_AXIS)
-
-    def mapped(*args: Any) -> Any:
-        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-        # Broadcast each argument's axis spec (0 or None, a prefix of its tree) to its leaves.
-        flags = [
-            jax.tree_util.tree_map(
-                lambda ax, sub: jax.tree_util.tree_map(lambda _: ax == 0, sub),
-                ax,
-                arg,
-                is_leaf=lambda x: x is None,
-            )
-            for ax, arg in zip(axes, args)
-        ]
-        flat, treedef = jax.tree_util.tree_flatten(tuple(args))
-        is_mapped = jax.tree_util.tree_leaves(flags)
-        if len(is_mapped) != len(flat):
-            raise ValueError(f"in_axes {in_axes!r} do not match the arguments' structure.")
-        grouped = [
-            x.reshape(groups, per_device, *x.shape[1:]) if m else x for x, m in zip(flat, is_mapped)
-        ]
-        group_axes = [0 if m else None for m in is_mapped]
-
-        def one_group(*leaves: Any) -> Any:
-            def one_member(j: jax.Array) -> Any:
-                picked = [x[j] if m else x for x, m in zip(leaves, is_mapped)]
-                return fn(*jax.tree_util.tree_unflatten(treedef, picked))
-
-            return jax.lax.map(one_member, jax.numpy.arange(per_device))
-
-        out = jax.vmap(one_group, in_axes=group_axes, axis_size=groups, spmd_axis_name=MEMBER_AXIS)(
-            *grouped
-        )
-        return jax.tree_util.tree_map(lambda y: y.reshape(n, *y.shape[2:]), out)
-
-    return mapped
 
 
 def take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:

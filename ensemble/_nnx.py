@@ -2,22 +2,24 @@
 
 The ensemble is a module holding ONE member-major copy of the user's module: every Variable
 (params, batch stats, rng keys and counts, anything) has a leading member axis of size n that is
-split over the mesh's ``'ensemble'`` axis. Calling it vmaps the plain module over that axis.
+split over the mesh's ``'ensemble'`` axis. Calling it runs the plain module once per member
+through the member runner (``ensemble._core``), a thin adapter like the linen one: the module's
+state goes in as member-major arrays, each member merges its slice into the plain module, runs
+it, and its updated state (batch statistics, rng counts) comes back and is written in place.
 
 Why the creation is jitted with ``out_shardings``: ``nnx.vmap(...,
 transform_metadata={nnx.PARTITION_NAME: 'ensemble'})`` only writes ``'ensemble'`` into the
 Variables' sharding *metadata*; the arrays themselves stay wherever they were computed (replicated
-on every device, see FIELD-NOTES.md). Placement has to be asked for on the arrays: the creation is
-traced once abstractly (``nnx.eval_shape``), every leaf gets a member-axis sharding, and the real
-creation runs under ``jax.jit(..., out_shardings=...)`` so each device only ever materialises its
-own members.
+on every device). Placement has to be asked for on the arrays: the creation is traced once
+abstractly (``nnx.eval_shape``), every leaf gets a member-axis sharding, and the real creation
+runs under ``jax.jit(..., out_shardings=...)`` so each device only ever materialises its own
+members.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,61 +31,36 @@ from flax import nnx
 from flax.nnx import spmd as nnx_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ensemble._core import InAxes, Members, arg_axes, as_key, check_in_axes, check_live
+from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
-    DATA_AXIS,
     MEMBER_AXIS,
     LogicalRules,
-    _warn_on_unmapped_constraints,
     member_sharding,
     merge_rules,
     partitioning,
     resolve_mesh,
     take_member,
-    vmap_members,
 )
 from ensemble._optim import per_member
 
 __all__ = ["NNXEnsemble", "build_nnx", "lower_build_nnx", "nnx_optimizer", "nnx_train_step"]
 
-InAxes = int | None | tuple[int | None, ...]
 RngsLike = int | jax.Array | nnx.Rngs | Mapping[str, Any]
 
 _TRANSFORM_METADATA = {nnx.PARTITION_NAME: MEMBER_AXIS}
 
 
-# ------------------------------------------------------------------------------------------------
-# Partitioning scope that also works while tracing
-# ------------------------------------------------------------------------------------------------
-
-
 def _tracing() -> bool:
-    """True inside a JAX trace (jit, vmap, grad), where ``jax.set_mesh`` is refused."""
-    try:
-        jax.sharding.get_mesh()
-    except ValueError:
-        return True
-    return False
+    """True inside a JAX trace (jit, vmap, grad)."""
+    return isinstance(jnp.zeros(()) + 0, jax.core.Tracer)
 
 
-@contextlib.contextmanager
-def _scope(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
-    """:func:`ensemble.partitioning` where allowed; inside a trace, its abstract equivalent.
+class _MemberKeys(NamedTuple):
+    """An ``nnx.Rngs`` argument turned into one key per stream, split per member on the way in
+    and rebuilt as the member's own ``nnx.Rngs``."""
 
-    ``jax.set_mesh`` raises inside ``jax.jit``, but NNX sharding annotations and
-    ``with_logical_constraint`` only need the abstract mesh and the logical rules, which can be
-    set at any trace level. Without this, constraints inside a user's ``nnx.jit`` would be silent
-    no-ops.
-    """
-    if not _tracing():
-        with partitioning(mesh, rules):
-            yield
-        return
-    with contextlib.ExitStack() as stack:
-        if jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
-            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
-        stack.enter_context(nn.logical_axis_rules(rules))
-        stack.enter_context(_warn_on_unmapped_constraints(rules))
-        yield
+    keys: dict[str, jax.Array]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,18 +76,21 @@ class NNXEnsemble(nnx.Module):
 
     Calling the ensemble runs every member and returns outputs with a leading axis of size n,
     sharded on the member axis. It is an ordinary ``nnx.Module``: ``nnx.jit``, ``nnx.grad``,
-    ``nnx.Optimizer``, ``.train()`` / ``.eval()`` and ``nnx.state`` all work on it.
+    ``nnx.Optimizer``, ``.train()`` / ``.eval()`` and ``nnx.state`` all work on it. An
+    ``nnx.Rngs`` passed to a call (``ens(x, rngs=nnx.Rngs(0))``, as the Flax tutorials write
+    Dropout) gives member i the streams ``jax.random.split(rngs[stream](), n)[i]``.
 
     Attributes:
       members: the member-major module (same class as the factory's output; every Variable has a
         leading member axis).
       n: number of members.
       mesh: the ``('ensemble', 'data', 'model')`` mesh the state lives on.
-      rules: logical axis rules (merged over :data:`ensemble.DEFAULT_RULES`).
+      rules: logical axis rules (merged over :data:`ensemble.sharding.DEFAULT_RULES`).
       in_axes: default input axes: ``None`` shared inputs, ``0`` per-member inputs (leading n), or
         one of those per positional argument.
       data_parallel: when a member spans several devices (``'data'`` axis > 1), split the axis
         after the member axis of array inputs (the batch) over them.
+      axis_name: name bound inside each member to its data-parallel axis (``pmap``-style models).
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -130,22 +110,28 @@ class NNXEnsemble(nnx.Module):
         rules: LogicalRules,
         in_axes: InAxes = None,
         data_parallel: bool = True,
+        axis_name: str | None = None,
     ):
         self.members = members
         self.n = int(n)
         self.mesh = mesh
         self.rules = merge_rules(rules)
-        self.in_axes = _check_in_axes(in_axes)
+        self.in_axes = check_in_axes(in_axes)
         self.data_parallel = bool(data_parallel)
+        self.axis_name = axis_name
+
+    @property
+    def runner(self) -> Members:
+        """The member runner every computation of this ensemble goes through."""
+        return Members(self.n, self.mesh, self.rules, self.axis_name, self.data_parallel)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every member on the inputs; outputs get a leading member axis of size n.
 
         Called eagerly, the whole ensemble call is compiled once (``nnx.jit``; array inputs are
-        traced, other inputs are static) instead of dispatching every vmapped op on its own.
-        Inside ``nnx.jit`` / ``nnx.grad`` it simply traces. For op-by-op debugging use
-        ``ens.map(lambda m, *a: m(*a), *args)``.
+        traced, other inputs are static). Inside ``nnx.jit`` / ``nnx.grad`` it simply traces.
         """
+        args, kwargs = _take_rngs((args, kwargs))
         if not _tracing():
             split = _split_static(args, kwargs)
             if split is not None:
@@ -167,6 +153,7 @@ class NNXEnsemble(nnx.Module):
           >>> ens.map(lambda m, x: (m(x) ** 2).mean(), jnp.ones((5, 3))).shape
           (4,)
         """
+        args, kwargs = _take_rngs((args, kwargs))
         return self._map(fn, args, kwargs, self.in_axes)
 
     def member(self, i: int) -> nnx.Module:
@@ -194,6 +181,29 @@ class NNXEnsemble(nnx.Module):
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         return nnx.merge(graphdef, state)
 
+    def train_step(
+        self, loss_fn: Callable[..., Any], tx: optax.GradientTransformation, **options: Any
+    ) -> NNXTrainStep:
+        """A train step shaped like the linen one: ``step.init()`` makes the per-member optimizer,
+        ``step(ens, optimizer, *batch) -> losses[n]`` updates both in place.
+
+        ``options``: ``per_member_batch``, ``has_aux``, ``donate``, and per-member
+        ``hyperparams={'learning_rate': [...]}`` for a ``tx`` made with
+        ``optax.inject_hyperparams``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, ensemble
+          >>> from flax import nnx
+          >>> ens = ensemble.build(lambda rngs: nnx.Linear(3, 1, rngs=rngs), 4)
+          >>> step = ens.train_step(lambda m, x: (m(x) ** 2).mean(), optax.sgd(0.1))
+          >>> step(ens, step.init(), jnp.ones((8, 3))).shape
+          (4,)
+        """
+        hyperparams = dict(options.pop("hyperparams", None) or {})
+        step = nnx_train_step(loss_fn, **options)
+        step.make_optimizer = functools.partial(nnx_optimizer, self, tx, **hyperparams)
+        return step
+
     # -- internals -------------------------------------------------------------------------------
 
     def _map(
@@ -203,80 +213,90 @@ class NNXEnsemble(nnx.Module):
         kwargs: Mapping[str, Any],
         in_axes: InAxes,
     ) -> Any:
-        axes = _arg_axes(in_axes, len(args))
+        axes = arg_axes(in_axes, len(args))
         kw_axis = in_axes if isinstance(in_axes, int) else None
-        with _scope(self.mesh, self.rules):
-            args = tuple(
-                self._place_input(a, ax, f"args[{j}]") for j, (a, ax) in enumerate(zip(args, axes))
-            )
-            kwargs = {k: self._place_input(v, kw_axis, f"{k}=") for k, v in kwargs.items()}
+        kw_names = sorted(kwargs)
+        inputs = (*args, *(kwargs[k] for k in kw_names))
+        input_axes = (*axes, *(kw_axis for _ in kw_names))
+        traced, rebuild, traced_axes = _split_inputs(inputs, input_axes, self.n)
+        graphdef, state = nnx.split(self.members)
+        check_live(state, "ensemble state ")
+        member_def = _member_treedef(state)
 
-            mapped = [a for a, ax in zip(args, axes) if ax == 0]
-            mapped_kw = {k: v for k, v in kwargs.items() if kw_axis == 0}
-            shared_kw = {k: v for k, v in kwargs.items() if kw_axis != 0}
+        def one(state_leaves, *traced_inputs):
+            with nnx.use_eager_sharding(False):  # as in the creation: no partly manual mesh
+                module = nnx.merge(graphdef, jax.tree.unflatten(member_def, state_leaves))
+                full = rebuild(traced_inputs)
+                out = fn(module, *full[: len(args)], **dict(zip(kw_names, full[len(args) :])))
+                return out, jax.tree.leaves(nnx.state(module))
 
-            def one_member(members, mapped, mapped_kw):
-                it = iter(mapped)
-                full = [next(it) if ax == 0 else a for a, ax in zip(args, axes)]
-                return fn(members, *full, **shared_kw, **mapped_kw)
-
-            # spmd_axis_name: sharding constraints inside a member keep the member axis sharded
-            # (without it, a constraint on a member-local array would gather all members).
-            out = nnx.vmap(
-                one_member,
-                in_axes=(0, 0, 0),
-                out_axes=0,
-                axis_size=self.n,
-                spmd_axis_name=MEMBER_AXIS,
-                transform_metadata=_TRANSFORM_METADATA,
-            )(self.members, mapped, mapped_kw)
-            return jax.tree.map(self._place_output, out)
-
-    def _place_input(self, x: Any, axis: int | None, where: str) -> Any:
-        """Shared inputs: data parallel inside a member; per-member inputs: on the member axis."""
-
-        def place(path, leaf):
-            if not isinstance(leaf, (jax.Array, np.ndarray)):
-                if axis == 0:
-                    raise TypeError(
-                        f"per-member input {where}{jax.tree_util.keystr(path)} is a "
-                        f"{type(leaf).__name__}; per-member inputs (in_axes=0) must be arrays "
-                        f"with a leading member axis of size n={self.n}."
-                    )
-                return leaf
-            shape = np.shape(leaf)
-            if axis == 0 and (not shape or shape[0] != self.n):
-                raise ValueError(
-                    f"per-member input {where}{jax.tree_util.keystr(path)} has shape {shape}; "
-                    f"in_axes=0 needs a leading member axis of size n={self.n}. Pass shared "
-                    "inputs with in_axes=None."
-                )
-            spec = [MEMBER_AXIS] if axis == 0 else []
-            inner = shape[len(spec) :]
-            data = self.mesh.shape.get(DATA_AXIS, 1)
-            if self.data_parallel and data > 1 and inner and inner[0] % data == 0:
-                # A member spanning several devices splits its batch over them (data parallel).
-                spec.append(DATA_AXIS)
-            if not spec:
-                return leaf
-            return jax.lax.with_sharding_constraint(
-                leaf, NamedSharding(self.mesh, PartitionSpec(*spec))
-            )
-
-        return jax.tree_util.tree_map_with_path(place, x)
-
-    def _place_output(self, y: Any) -> Any:
-        shape = np.shape(y)
-        if not isinstance(y, jax.Array) or not shape or shape[0] != self.n:
-            return y
-        rest = (PartitionSpec.UNCONSTRAINED,) * (len(shape) - 1) if _tracing() else ()
-        return jax.lax.with_sharding_constraint(
-            y, NamedSharding(self.mesh, PartitionSpec(MEMBER_AXIS, *rest))
+        out, new_leaves = self.runner.map(
+            one,
+            (jax.tree.leaves(state), *traced),
+            (0, *traced_axes),
+            batched=(False, *(not isinstance(t, _MemberKeys) for t in traced)),
         )
+        nnx.update(self.members, jax.tree.unflatten(jax.tree.structure(state), new_leaves))
+        return out
 
 
 def _call_module(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
+
+
+def _member_treedef(state: Any) -> Any:
+    """The tree structure of ONE member's state: the member axis gone from sharding metadata."""
+    one = jax.tree.map(lambda x: x, state)  # new Variables: the ensemble's stay untouched
+    return jax.tree.structure(nnx_spmd.remove_axis(one, 0, _TRANSFORM_METADATA))
+
+
+def _take_rngs(tree: Any) -> Any:
+    """Replaces every ``nnx.Rngs`` in the inputs by one fresh key per stream (advancing it)."""
+    is_rngs = lambda x: isinstance(x, nnx.Rngs)
+
+    def take(x: Any) -> Any:
+        if not is_rngs(x):
+            return x
+        return _MemberKeys({name: x[name]() for name in x})
+
+    return jax.tree.map(take, tree, is_leaf=is_rngs)
+
+
+def _split_inputs(
+    inputs: tuple[Any, ...], axes: tuple[int | None, ...], n: int
+) -> tuple[list[Any], Callable[[tuple[Any, ...]], list[Any]], list[int | None]]:
+    """Array inputs (traced through the runner, with their axes) and a function that puts the
+    static rest back around them inside a member; ``_MemberKeys`` become per-member ``Rngs``."""
+    traced, traced_axes, slots = [], [], []
+    for x, ax in zip(inputs, axes):
+        if isinstance(x, _MemberKeys):
+            slots.append(("rngs", len(traced)))
+            traced.append(_MemberKeys({k: jax.random.split(v, n) for k, v in x.keys.items()}))
+            traced_axes.append(0)
+        elif _is_array_tree(x):
+            slots.append(("array", len(traced)))
+            traced.append(x)
+            traced_axes.append(ax)
+        else:
+            slots.append(("static", x))
+
+    def rebuild(values: tuple[Any, ...]) -> list[Any]:
+        out = []
+        for kind, v in slots:
+            if kind == "static":
+                out.append(v)
+            elif kind == "rngs":
+                out.append(nnx.Rngs(**values[v].keys))
+            else:
+                out.append(values[v])
+        return out
+
+    return traced, rebuild, traced_axes
+
+
+def _is_array_tree(x: Any) -> bool:
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(a, jax.Array | np.ndarray) for a in leaves)
 
 
 def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[list, Any] | None:
@@ -304,29 +324,6 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
     return ens._map(_call_module, args, kwargs, ens.in_axes)
 
 
-def _check_in_axes(in_axes: Any) -> InAxes:
-    ok = lambda a: a is None or (isinstance(a, int) and not isinstance(a, bool) and a == 0)
-    if ok(in_axes):
-        return in_axes
-    if isinstance(in_axes, (tuple, list)) and all(ok(a) for a in in_axes):
-        return tuple(in_axes)
-    raise ValueError(
-        f"in_axes must be None (inputs shared by all members), 0 (per-member inputs with a "
-        f"leading axis of size n) or a tuple of those, one per positional input; got {in_axes!r}."
-    )
-
-
-def _arg_axes(in_axes: InAxes, nargs: int) -> tuple[int | None, ...]:
-    if not isinstance(in_axes, tuple):
-        return (in_axes,) * nargs
-    if len(in_axes) != nargs:
-        raise ValueError(
-            f"in_axes={in_axes} gives {len(in_axes)} axes but the call has {nargs} positional "
-            "inputs; give one axis (None or 0) per positional input."
-        )
-    return in_axes
-
-
 # ------------------------------------------------------------------------------------------------
 # Building
 # ------------------------------------------------------------------------------------------------
@@ -343,6 +340,7 @@ def build_nnx(
     in_axes: InAxes = None,
     rngs: RngsLike = 0,
     data_parallel: bool = True,
+    axis_name: str | None = None,
     **module_kwargs: Any,
 ) -> NNXEnsemble:
     """Builds an n-member NNX ensemble whose state is created straight into its shards.
@@ -350,20 +348,23 @@ def build_nnx(
     Args:
       factory: ``rngs -> nnx.Module`` (a lambda, a function, ``functools.partial(MyModule,
         ...)``), or an ``nnx.Module`` subclass called as ``factory(**module_kwargs, rngs=rngs)``.
-        It is called once per member (vmapped), with that member's own ``nnx.Rngs``.
+        It is called once per member, with that member's own ``nnx.Rngs``.
       n: number of members.
-      mesh: a mesh with an ``'ensemble'`` axis (default: :func:`ensemble.make_mesh`).
+      mesh: a mesh with an ``'ensemble'`` axis (default: :func:`ensemble.sharding.make_mesh`).
       devices: devices for the default mesh (default: all).
       model_parallel: devices per member for tensor parallelism (reached through ``rules``).
       rules: logical axis rules for ``nnx.with_partitioning`` names, merged over
-        :data:`ensemble.DEFAULT_RULES`, e.g. ``[('hidden', 'model')]``.
+        :data:`ensemble.sharding.DEFAULT_RULES`, e.g. ``[('hidden', 'model')]``.
       in_axes: default for calls: ``None`` inputs shared by all members, ``0`` per-member inputs
         (leading axis n), or a tuple with one of those per positional input.
       rngs: an int seed, a ``jax.random.key``, a mapping ``{stream: seed or key}``, or an
         ``nnx.Rngs`` (one key is drawn from each of its streams). EVERY stream is split per
-        member, so members differ in init and in dropout masks.
+        member (member i gets ``jax.random.split(key, n)[i]``), so members differ in init and in
+        dropout masks.
       data_parallel: when each member spans several devices, split inputs' batch axis over them
         (default); ``False`` keeps inputs replicated within a member.
+      axis_name: name bound inside each member to its data-parallel axis, for modules written for
+        ``pmap`` (``nnx.BatchNorm(..., axis_name='batch')``).
       **module_kwargs: constructor arguments when ``factory`` is a Module subclass (names that
         clash with this function's keywords need ``functools.partial``).
 
@@ -379,12 +380,12 @@ def build_nnx(
       >>> kernel.shape, len({s.device for s in kernel.addressable_shards})
       ((8, 3, 2), 8)
     """
-    in_axes = _check_in_axes(in_axes)
+    in_axes = check_in_axes(in_axes)
     plan = _plan(factory, n, mesh, devices, model_parallel, rules, rngs, module_kwargs)
     with partitioning(plan.mesh, plan.rules):
         state = plan.init(plan.keys)
     members = nnx.merge(plan.graphdef, state)
-    return NNXEnsemble(members, n, plan.mesh, plan.rules, in_axes, data_parallel)
+    return NNXEnsemble(members, n, plan.mesh, plan.rules, in_axes, data_parallel, axis_name)
 
 
 def lower_build_nnx(
@@ -433,53 +434,64 @@ def _plan(
     module_kwargs: Mapping[str, Any],
 ) -> _Plan:
     """Validates the arguments, traces the creation abstractly and jits it with out_shardings."""
-    make_member = _as_factory(factory, module_kwargs)
-    mesh = resolve_mesh(n, mesh, devices, model_parallel)
-    rules = merge_rules(rules)
+    make_member = _checked(_as_factory(factory, module_kwargs))
+    members = Members(int(n), resolve_mesh(n, mesh, devices, model_parallel), merge_rules(rules))
     keys = _stream_keys(rngs)
 
     def create(keys: dict[str, jax.Array]) -> nnx.Module:
-        per_member = {k: jax.random.split(v, n) for k, v in keys.items()}
-
-        @nnx.vmap(
-            in_axes=0,
-            out_axes=0,
+        # Only traced abstractly: the member-major Variables and their member-axis metadata.
+        vmapped = nnx.vmap(
+            lambda k: make_member(nnx.Rngs(**k)),
             axis_size=n,
-            spmd_axis_name=MEMBER_AXIS,
             transform_metadata=_TRANSFORM_METADATA,
         )
-        def one_member(member_keys):
-            module = make_member(nnx.Rngs(**member_keys))
-            if not isinstance(module, nnx.Module):
-                raise TypeError(
-                    f"the factory must return an nnx.Module, got {type(module).__name__}. Pass "
-                    "a callable rngs -> nnx.Module, e.g. lambda rngs: MyModule(..., rngs=rngs)."
-                )
-            return module
+        return vmapped(members.split_keys(keys)[0])
 
-        return one_member(per_member)
-
-    # Annotated Variables shard themselves at creation (flax's eager sharding), which needs the
-    # mesh and rules in scope; the abstract trace gives every leaf's shape and annotation.
-    with partitioning(mesh, rules):
+    with partitioning(members.mesh, members.rules):
         graphdef, abstract = nnx.split(nnx.eval_shape(create, keys))
-        shardings = _member_shardings(abstract, mesh, n, rules)
+    _warn_unmapped_nnx(abstract, members)
+    shardings = _member_shardings(abstract, members.mesh, n, members.rules)
     treedef = jax.tree.structure(abstract)
 
     def member_leaves(member_keys: dict[str, jax.Array]) -> list[jax.Array]:
-        return jax.tree.leaves(nnx.state(make_member(nnx.Rngs(**member_keys))))
+        # Placement comes from out_shardings below; Flax's eager sharding of annotated
+        # Variables refuses the member program's partly manual mesh.
+        with nnx.use_eager_sharding(False):
+            return jax.tree.leaves(nnx.state(make_member(nnx.Rngs(**member_keys))))
 
     def create_state(keys: dict[str, jax.Array]) -> Any:
-        # The arrays come from the plain factory, one member at a time on each device
-        # (vmap_members: a batched LAPACK call per device, e.g. orthogonal init, can hang on CPU);
-        # the Variables and their member-axis metadata are those of the vmapped creation above.
-        per_member = {k: jax.random.split(v, n) for k, v in keys.items()}
-        leaves = vmap_members(member_leaves, n, mesh)(per_member)
+        # The arrays come from the plain factory, run once per member by the member runner
+        # (members sharing a device one after another); the Variables and their metadata are
+        # those of the abstract creation above.
+        leaves = members.map(member_leaves, (members.split_keys(keys)[0],), (0,), sequential=True)
         return jax.tree.unflatten(treedef, leaves)
 
     # Every leaf comes out of this jit already in its shard: no full copy on any device.
     init = jax.jit(create_state, out_shardings=shardings)
-    return _Plan(mesh, rules, keys, graphdef, init)
+    return _Plan(members.mesh, members.rules, keys, graphdef, init)
+
+
+def _checked(make_member: Callable[[nnx.Rngs], Any]) -> Callable[[nnx.Rngs], nnx.Module]:
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        module = make_member(rngs)
+        if not isinstance(module, nnx.Module):
+            raise TypeError(
+                f"the factory must return an nnx.Module, got {type(module).__name__}. Pass "
+                "a callable rngs -> nnx.Module, e.g. lambda rngs: MyModule(..., rngs=rngs)."
+            )
+        return module
+
+    return make
+
+
+def _warn_unmapped_nnx(abstract: Any, members: Members) -> None:
+    names = [
+        v.get_metadata().get("out_sharding")
+        for v in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if isinstance(v, nnx.Variable)
+    ]
+    names = [[a for a in spec if a != MEMBER_AXIS] for spec in names if spec]
+    warn_unmapped(names, members.rules, members.mesh, members.n)
 
 
 def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx.Rngs], Any]:
@@ -519,22 +531,8 @@ def _stream_keys(rngs: RngsLike) -> dict[str, jax.Array]:
     if isinstance(rngs, nnx.Rngs):
         return {name: rngs[name]() for name in rngs}
     if isinstance(rngs, Mapping):
-        return {str(k): _as_key(v) for k, v in rngs.items()}
-    return {"default": _as_key(rngs)}
-
-
-def _as_key(seed: Any) -> jax.Array:
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return jax.random.key(int(seed))
-    if isinstance(seed, (jax.Array, np.ndarray)):
-        if jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ():
-            return seed
-        if seed.dtype == np.uint32 and seed.shape == (2,):
-            return jax.random.wrap_key_data(seed)
-    raise TypeError(
-        f"rngs must be an int seed, a scalar jax.random.key, a mapping {{stream: seed}} or an "
-        f"nnx.Rngs; got {type(seed).__name__} {getattr(seed, 'shape', '')}."
-    )
+        return {str(k): as_key(v, str(k)) for k, v in rngs.items()}
+    return {"default": as_key(rngs, "default")}
 
 
 def _member_shardings(abstract: Any, mesh: Mesh, n: int, rules: LogicalRules) -> Any:
@@ -620,16 +618,27 @@ class NNXTrainStep:
         self.per_member_batch = per_member_batch
         self.has_aux = has_aux
         self.donate = donate
+        self.make_optimizer: Callable[[], nnx.Optimizer] | None = None
         functools.update_wrapper(self, loss_fn, updated=())
         self._jitted = jax.jit(
             self._step, static_argnums=(0, 1), donate_argnums=(2, 3) if donate else ()
         )
+
+    def init(self) -> nnx.Optimizer:
+        """The per-member optimizer of a step made by ``ens.train_step(loss_fn, tx)``."""
+        if self.make_optimizer is None:
+            raise ValueError(
+                "this step was made without an optimizer (nnx_train_step(loss_fn)); make one with "
+                "ensemble.nnx_optimizer(ens, tx), or use ens.train_step(loss_fn, tx)."
+            )
+        return self.make_optimizer()
 
     def __call__(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
         """Updates ``ens`` and ``optimizer`` in place; returns per-member losses ``[n]``."""
         _check_pair(ens, optimizer)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
+        check_live((ens_state, opt_state), "ensemble or optimizer state ")
         out, new_ens, new_opt = self._jitted(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
@@ -650,23 +659,30 @@ class NNXTrainStep:
             in_axes = tuple(0 if b else None for b in self.per_member_batch)
         else:
             in_axes = 0 if self.per_member_batch else None
-
-        def total(ens: NNXEnsemble):
-            out = ens._map(self.loss_fn, batch, {}, in_axes)
-            losses, aux = out if self.has_aux else (out, None)
-            if jnp.shape(losses) != (ens.n,):
-                raise ValueError(
-                    f"loss_fn must return a scalar loss per member, got shape "
-                    f"{jnp.shape(losses)[1:]} per member."
-                )
-            # Members share no parameters, so the gradient of the sum is each member's own.
-            return losses.sum(), (losses, aux)
-
-        grad_fn = nnx.value_and_grad(total, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-        (_, (losses, aux)), grads = grad_fn(ens)
-        optimizer.update(ens, grads)
+        # Loss and gradient run inside each member (no gradient flows across members, and no
+        # cross-member sum is ever formed); the per-member optax update follows.
+        losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)
+        optimizer.update(ens, nnx.State({"members": grads}))
         out = (losses, aux) if self.has_aux else losses
         return out, nnx.state(ens), nnx.state(optimizer)
+
+
+def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
+    def grads_of(member: nnx.Module, *batch: Any) -> Any:
+        def loss_of(m: nnx.Module) -> Any:
+            out = step.loss_fn(m, *batch)
+            loss, aux = out if step.has_aux else (out, None)
+            if jnp.shape(loss) != ():
+                raise ValueError(
+                    f"loss_fn must return a scalar loss per member, got shape {jnp.shape(loss)}."
+                )
+            return loss, aux
+
+        grad_fn = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, wrt), has_aux=True)
+        (loss, aux), grads = grad_fn(member)
+        return loss, aux, grads
+
+    return grads_of
 
 
 def _check_pair(ens: Any, optimizer: Any) -> None:

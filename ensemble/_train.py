@@ -1,10 +1,11 @@
 """A donated, jitted train step for an ensemble: per-member loss, per-member optax state.
 
 ``loss_fn(member_params, *batch)`` is the plain loss of ONE member (it may call the plain model's
-``model.apply({'params': p}, x)``); the step vmaps it over the member axis with
-``spmd_axis_name='ensemble'``, applies ``tx`` to each member separately (so
-``optax.clip_by_global_norm`` sees one member's gradient at a time), and keeps parameters and
-optimizer state exactly where they were (outputs have the inputs' shardings, inputs are donated).
+``model.apply({'params': p}, x)``); the whole member update (loss, gradient, ``tx``, new
+parameters) runs once per member through the member runner (``ensemble._core``), so
+``optax.clip_by_global_norm`` sees one member's gradient at a time and nothing crosses members.
+Parameters and optimizer state stay exactly where they were (outputs have the inputs'
+shardings, inputs are donated).
 
 BatchNorm (and any state a loss updates): pass the member-major ``batch_stats`` as a per-member
 batch argument and return the new ones as aux::
@@ -32,14 +33,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ensemble._linen import constrain_inputs, constrain_member_major, traced_partitioning
-from ensemble._mesh import (
-    MEMBER_AXIS,
-    LogicalRules,
-    check_mesh,
-    member_sharding,
-    merge_rules,
-)
+from ensemble._core import Members, check_live, check_member_major
+from ensemble._mesh import check_mesh, member_sharding, merge_rules
 from ensemble._optim import per_member
 
 
@@ -56,15 +51,12 @@ class TrainStep:
         self,
         loss_fn: Callable[..., Any],
         tx: optax.GradientTransformation,
+        members: Members,
         *,
-        n: int,
-        mesh: Mesh,
-        rules: Sequence[tuple[str, Any]] | None,
-        per_member_batch: bool | Sequence[bool],
-        has_aux: bool,
-        donate: bool,
-        hyperparams: Mapping[str, Sequence[float] | jax.Array] | None,
-        data_parallel: bool,
+        per_member_batch: bool | Sequence[bool] = False,
+        has_aux: bool = False,
+        donate: bool = True,
+        hyperparams: Mapping[str, Sequence[float] | jax.Array] | None = None,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -73,18 +65,21 @@ class TrainStep:
                 "tx must be an optax.GradientTransformation for ONE member (e.g. "
                 f"optax.adam(1e-3)); got {type(tx).__name__}. train_step makes it per-member."
             )
-        check_mesh(mesh, n)
         self._loss_fn = loss_fn
-        self._n = int(n)
-        self._mesh = mesh
-        self._rules: LogicalRules = merge_rules(rules)
+        self._members = members
         self._member_tx = tx
-        self._tx = per_member(tx, self._n, **dict(hyperparams or {}))
+        self._tx = per_member(tx, members.n, **dict(hyperparams or {}))
         self._per_member_batch = per_member_batch
         self._has_aux = bool(has_aux)
         self._donate = bool(donate)
-        self._data_parallel = bool(data_parallel)
         self._cache: dict[Hashable, Callable[..., Any]] = {}
+
+    @classmethod
+    def for_members(
+        cls, loss_fn: Callable[..., Any], tx: optax.GradientTransformation, members: Members, **kw
+    ) -> TrainStep:
+        """The step for an ensemble's member runner (``ens.train_step`` calls this)."""
+        return cls(loss_fn, tx, members, **kw)
 
     @property
     def tx(self) -> optax.GradientTransformation:
@@ -93,11 +88,11 @@ class TrainStep:
 
     @property
     def n(self) -> int:
-        return self._n
+        return self._members.n
 
     @property
     def mesh(self) -> Mesh:
-        return self._mesh
+        return self._members.mesh
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -108,15 +103,14 @@ class TrainStep:
         everything else (step counts, injected hyperparameters) is ``[n]`` on the member axis.
         """
         self._check_member_major(params, "params")
-        shardings = self._opt_shardings(params)
-        with traced_partitioning(self._mesh, self._rules):
-            return jax.jit(self._tx.init, out_shardings=shardings)(params)
+        check_live(params, "params")
+        return jax.jit(self._tx.init, out_shardings=self._opt_shardings(params))(params)
 
     def _opt_shardings(self, params: Any) -> Any:
         abstract = jax.eval_shape(self._tx.init, params)
-        default = lambda x: member_sharding(self._mesh, len(x.shape), None, self._rules)
-        shapes = jax.tree_util.tree_map(np.shape, params)
-        param_shardings = jax.tree_util.tree_map(lambda p: self._sharding_of(p, p), params)
+        default = lambda x: member_sharding(self.mesh, len(x.shape), None, self._members.rules)
+        shapes = jax.tree.map(np.shape, params)
+        param_shardings = jax.tree.map(lambda p: self._sharding_of(p, p), params)
         try:
             # Moments shaped like a parameter get that parameter's sharding (e.g. split on
             # 'model' too); everything else only the member axis.
@@ -130,20 +124,16 @@ class TrainStep:
                 is_leaf=lambda x: isinstance(x, NamedSharding | tuple),
             )
         except Exception:  # an exotic state layout: fall back to the member axis only
-            return jax.tree_util.tree_map(default, abstract)
+            return jax.tree.map(default, abstract)
 
     # ------------------------------------------------------------------ the step
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
-        jitted = self._program(params, opt_state, batch)
-        with traced_partitioning(self._mesh, self._rules):
-            return jitted(params, opt_state, *batch)
+        return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
     def lower(self, params: Any, opt_state: Any, *batch: Any) -> jax.stages.Lowered:
         """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``."""
-        jitted = self._program(params, opt_state, batch)
-        with traced_partitioning(self._mesh, self._rules):
-            return jitted.lower(params, opt_state, *batch)
+        return self._program(params, opt_state, batch).lower(params, opt_state, *batch)
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
         pmb = self._per_member_batch
@@ -160,85 +150,87 @@ class TrainStep:
     def _program(self, params: Any, opt_state: Any, batch: tuple[Any, ...]) -> Callable[..., Any]:
         self._check_member_major(params, "params")
         self._check_member_major(opt_state, "opt_state")
+        check_live(params, "params")
+        check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
         for pos, (arg, ax) in enumerate(zip(batch, axes)):
             if ax == 0:
                 self._check_member_major(arg, f"batch argument {pos} (per-member)")
-        p_sh = jax.tree_util.tree_map(lambda x: self._sharding_of(x, x), params)
-        s_sh = jax.tree_util.tree_map(lambda x: self._sharding_of(x, x), opt_state)
+        p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
+        s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
         key = (
-            jax.tree_util.tree_structure((params, opt_state)),
-            tuple(jax.tree_util.tree_leaves((p_sh, s_sh))),
+            jax.tree.structure((params, opt_state)),
+            tuple(jax.tree.leaves((p_sh, s_sh))),
             axes,
         )
-        jitted = self._cache.get(key)
-        if jitted is not None:
-            return jitted
+        if key not in self._cache:
+            self._cache[key] = self._compile(axes, p_sh, s_sh)
+        return self._cache[key]
 
-        loss_fn, tx, mesh, has_aux = self._loss_fn, self._tx, self._mesh, self._has_aux
-        data_parallel = self._data_parallel
-
-        def member_loss(params, *batch):
-            out = loss_fn(params, *batch)
-            loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
-            if has_aux and not (isinstance(out, tuple) and len(out) == 2):
-                raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
-            if np.shape(loss) != ():
-                raise ValueError(
-                    "loss_fn must return a scalar loss per member (it sees one member's params); "
-                    f"got shape {np.shape(loss)}. Reduce it, e.g. with jnp.mean."
-                )
-            return out
+    def _compile(self, axes: tuple[int | None, ...], p_sh: Any, s_sh: Any) -> Callable[..., Any]:
+        members, has_aux = self._members, self._has_aux
+        member_update = _member_update(self._loss_fn, self._member_tx, has_aux)
 
         def step(params, opt_state, *batch):
-            batch = constrain_inputs(batch, axes, mesh, data_parallel)
-            grad_fn = jax.value_and_grad(member_loss, has_aux=has_aux)
-            out, grads = jax.vmap(
-                grad_fn, in_axes=(0, *axes), axis_size=self._n, spmd_axis_name=MEMBER_AXIS
-            )(params, *batch)
-            losses, aux = out if has_aux else (out, None)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            losses = constrain_member_major(losses, mesh)
-            if has_aux:
-                aux = jax.tree_util.tree_map(lambda a: constrain_member_major(a, mesh), aux)
-                return params, opt_state, losses, aux
-            return params, opt_state, losses
+            out = members.map(
+                member_update,
+                (params, opt_state, *batch),
+                (0, 0, *axes),
+                batched=(False, False, *([True] * len(batch))),
+            )
+            return out if has_aux else out[:3]
 
-        loss_sharding = member_sharding(mesh, 1, None, self._rules)
+        loss_sharding = member_sharding(self.mesh, 1, None, members.rules)
         out_shardings: tuple[Any, ...] = (p_sh, s_sh, loss_sharding)
         if has_aux:
             out_shardings = (*out_shardings, None)
-        jitted = jax.jit(
-            step,
-            out_shardings=out_shardings,
-            donate_argnums=(0, 1) if self._donate else (),
+        return jax.jit(
+            step, out_shardings=out_shardings, donate_argnums=(0, 1) if self._donate else ()
         )
-        self._cache[key] = jitted
-        return jitted
 
     def _sharding_of(self, x: Any, abstract: Any) -> NamedSharding:
         # Keep a member-major array where it is; place anything else (host arrays) on the member
         # axis.
         sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
+        if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
             return sharding
-        return member_sharding(self._mesh, len(np.shape(abstract)), None, self._rules)
+        return member_sharding(self.mesh, len(np.shape(abstract)), None, self._members.rules)
 
     def _check_member_major(self, tree: Any, what: str) -> None:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            shape = np.shape(leaf)
-            if not shape or shape[0] != self._n:
-                raise ValueError(
-                    f"{what} leaf {jax.tree_util.keystr(path)} has shape {shape}; it needs a "
-                    f"leading member axis of size n={self._n}."
-                    + (
-                        " Use per_member_batch=False (or False for this argument) for a batch "
-                        "shared by all members."
-                        if what.startswith("batch")
-                        else " Pass the ensemble's variables['params'] and step.init(params)."
-                    )
-                )
+        hint = (
+            "Use per_member_batch=False (or False for this argument) for a batch shared by all "
+            "members."
+            if what.startswith("batch")
+            else "Pass the ensemble's variables['params'] and step.init(params)."
+        )
+        check_member_major(tree, self.n, f"{what} leaf ", hint)
+
+
+def _member_update(
+    loss_fn: Callable[..., Any], tx: optax.GradientTransformation, has_aux: bool
+) -> Callable[..., Any]:
+    """One member's update: loss, gradient, ``tx`` (one member's state), new parameters."""
+
+    def member_loss(params, *batch):
+        out = loss_fn(params, *batch)
+        is_pair = isinstance(out, tuple) and len(out) == 2
+        if has_aux and not is_pair:
+            raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
+        loss = out[0] if has_aux else out
+        if np.shape(loss) != ():
+            raise ValueError(
+                "loss_fn must return a scalar loss per member (it sees one member's params); "
+                f"got shape {np.shape(loss)}. Reduce it, e.g. with jnp.mean."
+            )
+        return out
+
+    def update(params, opt_state, *batch):
+        out, grads = jax.value_and_grad(member_loss, has_aux=has_aux)(params, *batch)
+        loss, aux = out if has_aux else (out, None)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    return update
 
 
 def train_step(
@@ -253,6 +245,7 @@ def train_step(
     donate: bool = True,
     hyperparams: Mapping[str, Sequence[float] | jax.Array] | None = None,
     data_parallel: bool = True,
+    axis_name: str | None = None,
 ) -> TrainStep:
     """A donated, jitted train step for an n-member ensemble.
 
@@ -275,6 +268,9 @@ def train_step(
       hyperparams: per-member values (length n) for hyperparameters of a ``tx`` made with
         ``optax.inject_hyperparams``, e.g. ``{'learning_rate': [1e-3, 3e-4, ...]}``.
       data_parallel: split a batch over the ``'data'`` axis when a member spans several devices.
+      axis_name: name bound inside each member to its data-parallel axis, for a loss whose model
+        was written for ``pmap`` (``BatchNorm(axis_name='batch')``). ``ens.train_step`` passes
+        the ensemble's own.
 
     Returns:
       A :class:`TrainStep`: ``step(params, opt_state, *batch) -> (params, opt_state, losses)``
@@ -293,15 +289,14 @@ def train_step(
       >>> losses.shape
       (8,)
     """
+    check_mesh(mesh, n)
+    members = Members(int(n), mesh, merge_rules(rules), axis_name, bool(data_parallel))
     return TrainStep(
         loss_fn,
         tx,
-        n=n,
-        mesh=mesh,
-        rules=rules,
+        members,
         per_member_batch=per_member_batch,
         has_aux=has_aux,
         donate=donate,
         hyperparams=hyperparams,
-        data_parallel=data_parallel,
     )

@@ -360,7 +360,7 @@ def test_factory_errors():
         build_nnx("Linear", D)
     with pytest.raises(TypeError, match=r"only accepted with an nnx\.Module subclass"):
         build_nnx(linear, D, in_features=3)
-    with pytest.raises(TypeError, match="rngs must be"):
+    with pytest.raises(TypeError, match="must be one key"):
         build_nnx(linear, D, rngs="seed")
     with pytest.raises(ValueError, match="in_axes"):
         build_nnx(linear, D, in_axes=1)

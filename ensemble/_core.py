@@ -1,0 +1,287 @@
+"""Member execution: the one mechanism that runs a per-member function for every member.
+
+Every per-member computation of the library (linen init and apply, the train steps, the NNX
+module call, the PPO update) goes through :meth:`Members.map`. It runs the plain single-member
+function under ``jax.shard_map`` with the member axis ``'ensemble'`` *manual*:
+
+- each device receives only its own members' slices: one member per device runs the plain
+  function itself; several members on one device are vmapped (or, for initialisation, run one
+  after another) inside that device's program;
+- the within-member axes ``'data'`` and ``'model'`` stay automatic: constraints inside a member
+  (Flax logical annotations, ``with_sharding_constraint``) resolve through Flax's own functions
+  against the mesh that ``shard_map`` puts in context, so the compiler splits a member over its
+  devices exactly as it would split the plain model.
+
+Why not ``jax.vmap(..., spmd_axis_name='ensemble')`` under ``jit``: that leaves the member axis to
+the compiler's partitioner, which may gather every member's kernels and activations onto each
+device (a conv net's train step then does not shrink per device) and, for a vmapped conv (a
+grouped conv once the kernel is batched), returns wrong numbers or fails to compile on small
+feature maps (``tests/test_zoo.py`` holds the cases). With a manual member axis no operation can
+cross members: the compiled program has no collective on that axis by construction.
+
+Also here, written once for linen and NNX: input axes, rng streams and member keys, the split of
+keyword arguments into traced and static, checks on member-major and donated inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules
+
+InAxes = int | None | Sequence[int | None]
+Axes = tuple[int | None, ...]
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs: axes, keyword arguments, keys, checks
+# ------------------------------------------------------------------------------------------------
+
+
+def check_in_axes(in_axes: Any) -> InAxes:
+    """``None`` (shared), ``0`` (per-member, leading axis n) or a tuple of those per input."""
+    ok = lambda a: a is None or (isinstance(a, int) and not isinstance(a, bool) and a == 0)
+    if ok(in_axes):
+        return in_axes
+    if isinstance(in_axes, list | tuple) and all(ok(a) for a in in_axes):
+        return tuple(in_axes)
+    raise ValueError(
+        "in_axes must be None (inputs shared by all members), 0 (per-member inputs with a "
+        f"leading axis of size n) or a tuple of those, one per positional input; got {in_axes!r}."
+    )
+
+
+def arg_axes(in_axes: InAxes, count: int) -> Axes:
+    """One axis (0 or None) per positional input."""
+    if in_axes is None or isinstance(in_axes, int):
+        return (in_axes,) * count
+    axes = tuple(in_axes)
+    if len(axes) != count:
+        raise ValueError(
+            f"in_axes={axes} gives {len(axes)} axes but {count} positional input(s) were "
+            "passed; give one axis (None or 0) per positional input."
+        )
+    return axes
+
+
+def split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
+    """Arrays are traced; Python values (``train=True``) are static and part of a cache key."""
+    dynamic, static = {}, []
+    for k, v in kwargs.items():
+        leaves = jax.tree_util.tree_leaves(v)
+        if leaves and all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+            dynamic[k] = v
+            continue
+        try:
+            hash(v)
+        except TypeError:
+            raise TypeError(
+                f"keyword argument {k}={v!r} is neither an array (traced) nor hashable (static); "
+                "pass arrays, or hashable Python values such as bools and tuples."
+            ) from None
+        static.append((k, v))
+    return dynamic, tuple(sorted(static, key=lambda kv: kv[0]))
+
+
+def abstract_signature(tree: Any) -> Hashable:
+    """Tree structure, shapes and dtypes: what a compiled program depends on."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+def as_key(value: Any, name: str = "rng") -> jax.Array:
+    """An int seed, a typed key or a legacy ``PRNGKey`` -> one typed key."""
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        return jax.random.key(int(value))
+    if isinstance(value, jax.Array | np.ndarray):
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) and value.shape == ():
+            return value
+        if value.dtype == np.uint32 and value.shape == (2,):  # legacy PRNGKey
+            return jax.random.wrap_key_data(jnp.asarray(value))
+    raise TypeError(
+        f"rng stream {name!r} must be one key (jax.random.key(0) or jax.random.PRNGKey(0)) or an "
+        f"int seed; got {type(value).__name__} {getattr(value, 'shape', '')}."
+    )
+
+
+def stream_keys(rngs: Any, default: str | None) -> dict[str, jax.Array]:
+    """A key, seed or ``{stream: key}`` -> ``{stream: typed key}``."""
+    if isinstance(rngs, Mapping):
+        return {str(k): as_key(v, str(k)) for k, v in rngs.items()}
+    if default is None:
+        raise TypeError("rngs= must be a dict of keys per stream, e.g. {'dropout': key}.")
+    return {default: as_key(rngs, default)}
+
+
+def check_member_major(tree: Any, n: int, what: str, hint: str = "") -> None:
+    """Every leaf has a leading member axis of size n; otherwise one clear error."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = np.shape(leaf)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} has shape {shape}; it needs a leading "
+                f"member axis of size n={n}.{' ' + hint if hint else ''}"
+            )
+
+
+def check_live(tree: Any, what: str) -> None:
+    """Refuses arrays whose buffers were donated to an earlier call (a crash inside XLA on some
+    multi-device backends); says which argument and what to do."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if leaf.is_deleted():
+                raise ValueError(
+                    f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train step "
+                    "and its buffer is gone; use the arrays that step returned (e.g. "
+                    "params, opt_state, losses = step(params, opt_state, ...))."
+                )
+
+
+# ------------------------------------------------------------------------------------------------
+# The member runner
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Members:
+    """n members on ``mesh``: runs per-member functions with a manual member axis.
+
+    Attributes:
+      n: number of members.
+      mesh: the ``('ensemble', 'data', 'model')`` mesh.
+      rules: logical axis rules in force inside a member (Flax's own resolution).
+      axis_name: a name bound inside each member to its data-parallel axis, for models written
+        for ``pmap`` (``BatchNorm(axis_name=...)``, ``lax.pmean(x, name)``). The member is one
+        replica over its whole batch (a size-1 axis); its batch is still split over the member's
+        ``'data'`` devices by the compiler, so statistics are over the member's whole batch.
+      data_parallel: split the batch inputs over the member's ``'data'`` devices.
+    """
+
+    n: int
+    mesh: Mesh
+    rules: LogicalRules
+    axis_name: str | None = None
+    data_parallel: bool = True
+
+    @property
+    def local(self) -> int:
+        """Members per device group (1 when a member spans one or more whole devices)."""
+        return self.n // self.mesh.shape[MEMBER_AXIS]
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Flax's logical rules, for tracing member code (the mesh comes from ``shard_map``)."""
+        with nn.logical_axis_rules(self.rules):
+            yield
+
+    def split_keys(
+        self, keys: Mapping[str, jax.Array], shared: frozenset[str] = frozenset()
+    ) -> tuple[dict[str, jax.Array], dict[str, int | None]]:
+        """Member i gets ``jax.random.split(key, n)[i]`` of every stream not in ``shared``."""
+        split = {k: jax.random.split(v, self.n) if k not in shared else v for k, v in keys.items()}
+        return split, {k: None if k in shared else 0 for k in keys}
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        axes: Axes,
+        *,
+        batched: Sequence[bool] | None = None,
+        sequential: bool = False,
+    ) -> Any:
+        """``fn(*member_args)`` for every member; outputs stacked member-major, on the member axis.
+
+        ``axes[j]`` is 0 when ``args[j]`` has a leading
+        member axis (member i gets ``args[j][i]``), ``None`` when every member sees it whole.
+        ``batched[j]`` marks inputs whose leading (per-member) axis is a batch to split over the
+        member's ``'data'`` devices. ``sequential`` runs the members sharing a device one after
+        another instead of vmapping them, on meshes of several devices (initialisation: a
+        batched LAPACK call per CPU device next to the RNG can hang XLA's CPU runtime).
+        """
+        args, axes = tuple(args), tuple(axes)
+        batched = tuple(batched) if batched is not None else (False,) * len(args)
+        for j, (arg, ax) in enumerate(zip(args, axes)):
+            if ax == 0:
+                check_member_major(arg, self.n, f"per-member input {j}")
+        program = self._device_program(fn, axes, batched, sequential)
+        in_specs = tuple(PartitionSpec(MEMBER_AXIS) if ax == 0 else PartitionSpec() for ax in axes)
+        run = jax.shard_map(
+            program,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=PartitionSpec(MEMBER_AXIS),
+            axis_names={MEMBER_AXIS},
+            check_vma=False,
+        )
+        with self.scope():
+            # Under jit always (inlined when already tracing one): a partially manual shard_map
+            # is only supported as part of a compiled program.
+            return jax.jit(run)(*args)
+
+    def _device_program(
+        self, fn: Callable[..., Any], axes: Axes, batched: tuple[bool, ...], sequential: bool
+    ) -> Callable[..., Any]:
+        member = self._bind_axis_name(self._split_batches(fn, batched))
+        local = self.local
+
+        # A lax.map only where it matters: several members per device on a multi-device mesh.
+        one_by_one = sequential and local > 1 and self.mesh.shape[MEMBER_AXIS] > 1
+
+        def program(*args: Any) -> Any:
+            if one_by_one:
+                pick = lambda j: [
+                    jax.tree.map(lambda x: x[j], a) if ax == 0 else a for a, ax in zip(args, axes)
+                ]
+                return jax.lax.map(lambda j: member(*pick(j)), jnp.arange(local))
+            # Also with one member per device (axis size 1): XLA then keeps donated buffers in
+            # place, where slicing the member out and back in made it copy them.
+            return jax.vmap(member, in_axes=axes, axis_size=local)(*args)
+
+        return program
+
+    def _split_batches(self, fn: Callable[..., Any], batched: tuple[bool, ...]) -> Callable:
+        data = self.mesh.shape[DATA_AXIS]
+        if not self.data_parallel or data == 1 or not any(batched):
+            return fn
+
+        def split(x: Any) -> Any:
+            if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x) or x.shape[0] % data:
+                return x
+            return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
+
+        def on_data_devices(*args: Any) -> Any:
+            args = [jax.tree.map(split, a) if b else a for a, b in zip(args, batched)]
+            return fn(*args)
+
+        return on_data_devices
+
+    def _bind_axis_name(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = self.axis_name
+        if name is None:
+            return fn
+
+        def named(*args: Any) -> Any:
+            out = jax.vmap(lambda: fn(*args), axis_name=name, axis_size=1)()
+            return jax.tree.map(lambda y: y[0], out)
+
+        return named
+
+    # -- placement outside the member program ------------------------------------------------
+
+    def sharding(self, ndim: int) -> NamedSharding:
+        """Member axis split, every other axis left to the compiler."""
+        return NamedSharding(self.mesh, PartitionSpec(MEMBER_AXIS, *([None] * (ndim - 1))))
+
+
+def is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
