@@ -237,15 +237,25 @@ class Members:
         # A lax.map only where it matters: several members per device on a multi-device mesh.
         one_by_one = sequential and local > 1 and self.mesh.shape[MEMBER_AXIS] > 1
 
-        def program(*args: Any) -> Any:
-            if one_by_one:
-                pick = lambda j: [
+        def one_at_a_time(args: tuple[Any, ...]) -> Any:
+            def pick(j: Any) -> list[Any]:
+                return [
                     jax.tree.map(lambda x: x[j], a) if ax == 0 else a for a, ax in zip(args, axes)
                 ]
-                return jax.lax.map(lambda j: member(*pick(j)), jnp.arange(local))
-            # Also with one member per device (axis size 1): XLA then keeps donated buffers in
-            # place, where slicing the member out and back in made it copy them.
-            return jax.vmap(member, in_axes=axes, axis_size=local)(*args)
+
+            return jax.lax.map(lambda j: member(*pick(j)), jnp.arange(local))
+
+        def program(*args: Any) -> Any:
+            if one_by_one:
+                return one_at_a_time(args)
+            try:
+                # Also with one member per device (axis size 1): XLA then keeps donated buffers
+                # in place, where slicing the member out and back in made it copy them.
+                return jax.vmap(member, in_axes=axes, axis_size=local)(*args)
+            except NotImplementedError:
+                # JAX has no batching rule for a few ops inside a partly manual program (the
+                # kernel gradient of a grouped conv): run the device's members one by one.
+                return one_at_a_time(args)
 
         return program
 

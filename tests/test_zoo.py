@@ -1,0 +1,307 @@
+"""Differential layer zoo: every member of an ensemble computes exactly the plain model.
+
+For each layer (linen and NNX), at n = D/2 (a member spans two devices), D (one per device) and
+2D (two per device), on 8 simulated devices:
+
+- ``ens.apply`` / ``ens(x)`` row i equals the plain model run on member i's variables;
+- one donated train step's losses and updated parameters equal a plain per-member loop
+  (``jax.value_and_grad`` of the same loss and the same SGD update, one member at a time).
+
+Convolutions over small maps are the cases the compiler's partitioner once got wrong when the
+member axis was left to it (vmapped convs become grouped convs); they are here on purpose.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import ensemble
+
+D = 8
+NS = (D // 2, D, 2 * D)
+LR = 0.1
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- linen zoo
+
+
+class SqueezeExcite(nn.Module):
+    """Squeeze-and-excitation: global pool to a 1x1 map, 1x1 convs 4 -> 4 channels."""
+
+    @nn.compact
+    def __call__(self, x):
+        s = jnp.mean(x, axis=(1, 2), keepdims=True)
+        s = nn.relu(nn.Conv(4, (1, 1))(s))
+        return x * nn.sigmoid(nn.Conv(4, (1, 1))(s))
+
+
+class StridedToOne(nn.Module):
+    """3x3 stride-2 conv down to a 1x1 map, then a 1x1 conv (32 -> 64 channels)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(64, (1, 1))(nn.relu(nn.Conv(32, (3, 3), strides=2)(x)))
+
+
+class Pooling(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, (3, 3))(x)
+        return nn.max_pool(x, (2, 2), (2, 2)) + nn.avg_pool(x, (2, 2), (2, 2))
+
+
+class ScannedCell(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.RNN(nn.GRUCell(6))(x)
+
+
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x)
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.BatchNorm(use_running_average=not train)(nn.Dense(5)(x))
+
+
+class DropoutNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.Dropout(0.5, deterministic=False)(nn.Dense(6)(x)))
+
+
+class EmbedNet(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Dense(2)(nn.Embed(11, 4)(ids))
+
+
+def conv(features, kernel, **kw):
+    return nn.Conv(features, kernel, **kw)
+
+
+def _img(h, c=4):
+    return jax.random.normal(jax.random.key(7), (2, h, h, c))
+
+
+# name -> (module, input, apply kwargs, mutable collections, rng streams)
+LINEN_ZOO = {
+    "dense": (nn.Dense(3), jnp.ones((2, 5)), {}, False, ()),
+    "conv1x1_on_1x1": (conv(8, (1, 1)), _img(1, 4), {}, False, ()),
+    "conv1x1_on_2x2_32to64": (conv(64, (1, 1)), _img(2, 32), {}, False, ()),
+    "conv3x3_on_2x2": (conv(4, (3, 3)), _img(2), {}, False, ()),
+    "conv3x3_on_4x4": (conv(4, (3, 3)), _img(4), {}, False, ()),
+    "strided_to_1x1": (StridedToOne(), _img(2), {}, False, ()),
+    "grouped_conv": (conv(4, (3, 3), feature_group_count=2), _img(4), {}, False, ()),
+    "depthwise_conv": (conv(4, (3, 3), feature_group_count=4), _img(4), {}, False, ()),
+    "conv_transpose": (nn.ConvTranspose(3, (3, 3), strides=(2, 2)), _img(2), {}, False, ()),
+    "batchnorm_train": (BatchNormNet(), _img(1)[:, 0, 0], {"train": True}, ["batch_stats"], ()),
+    "batchnorm_eval": (BatchNormNet(), _img(1)[:, 0, 0], {"train": False}, False, ()),
+    "layernorm": (nn.LayerNorm(), _img(2), {}, False, ()),
+    "groupnorm": (nn.GroupNorm(num_groups=2), _img(2), {}, False, ()),
+    "dropout": (DropoutNet(), jnp.ones((2, 5)), {}, False, ("dropout",)),
+    "embed": (EmbedNet(), jnp.array([[1, 2, 10], [0, 3, 3]]), {}, False, ()),
+    "attention": (Attention(), jax.random.normal(jax.random.key(3), (2, 3, 4)), {}, False, ()),
+    "rnn_scanned": (ScannedCell(), jax.random.normal(jax.random.key(4), (2, 5, 3)), {}, False, ()),
+    "squeeze_excite": (SqueezeExcite(), _img(2), {}, False, ()),
+    "pooling": (Pooling(), _img(4), {}, False, ()),
+}
+
+
+def _linen_loss(model, x, kw, mutable, streams):
+    def loss_fn(params, rest, key):
+        out = model.apply(
+            {"params": params, **rest}, x, rngs=_rngs(streams, key), mutable=mutable, **kw
+        )
+        y = out[0] if mutable else out
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("name", sorted(LINEN_ZOO))
+def test_linen_member_equals_plain_model(name, n):
+    model, x, kw, mutable, streams = LINEN_ZOO[name]
+    ens = ensemble.build(model, n)
+    k_init, k_call = jax.random.key(0), jax.random.key(1)
+    init_rngs = {"params": k_init, **{s: k_init for s in streams}}
+    variables = ens.init(init_rngs, x, **kw)
+    call_rngs = {s: k_call for s in streams} or None
+    out = ens.apply(variables, x, rngs=call_rngs, mutable=mutable, **kw)
+    member_keys = jax.random.split(k_call, n)
+
+    plain = jax.jit(lambda v, k: model.apply(v, x, rngs=_rngs(streams, k), mutable=mutable, **kw))
+    loss_fn = _linen_loss(model, x, kw, mutable, streams)
+    ref_step = jax.jit(jax.value_and_grad(loss_fn))
+    refs = []
+    for i in range(n):
+        v_i = jax.device_put(ens.member(variables, i), jax.devices()[0])
+        expected = plain(v_i, member_keys[i])
+        got = jax.tree.map(lambda a, i=i: a[i], out)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, **TOL), got, expected)
+        rest = {k: c for k, c in v_i.items() if k != "params"}
+        loss, grads = ref_step(v_i["params"], rest, member_keys[i])
+        refs.append((loss, jax.tree.map(lambda p, g: p - LR * g, v_i["params"], grads)))
+
+    params = variables["params"]
+    rest = {k: c for k, c in variables.items() if k != "params"}
+    step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
+    params, _, losses = step(params, step.init(params), rest, member_keys)
+    for i, (loss, new_params) in enumerate(refs):
+        np.testing.assert_allclose(losses[i], loss, **TOL)
+        got = jax.tree.map(lambda a, i=i: a[i], params)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, **TOL), got, new_params)
+
+
+def _rngs(streams, key):
+    return {s: key for s in streams} or None
+
+
+# ------------------------------------------------------------------------------------ NNX zoo
+
+
+class NNXSqueezeExcite(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(4, 4, (1, 1), rngs=rngs)
+        self.c2 = nnx.Conv(4, 4, (1, 1), rngs=rngs)
+
+    def __call__(self, x):
+        s = jnp.mean(x, axis=(1, 2), keepdims=True)
+        return x * nnx.sigmoid(self.c2(nnx.relu(self.c1(s))))
+
+
+class NNXBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 5, rngs=rngs)
+        self.bn = nnx.BatchNorm(5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.dense(x))
+
+
+class NNXDropout(nnx.Module):
+    """Dropout as the Flax tutorials write it: rngs given at call time."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(5, 6, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.l2 = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.l2(self.drop(self.l1(x), rngs=rngs))
+
+
+class NNXPooling(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(4, 4, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv(x)
+        return nnx.max_pool(x, (2, 2), (2, 2)) + nnx.avg_pool(x, (2, 2), (2, 2))
+
+
+class NNXEmbed(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.out(self.embed(ids))
+
+
+def _nnx_rnn(rngs):
+    return nnx.RNN(nnx.GRUCell(3, 6, rngs=rngs))
+
+
+def _nnx_attention(rngs):
+    return nnx.MultiHeadAttention(2, 4, qkv_features=8, decode=False, rngs=rngs)
+
+
+# name -> (factory, input, train mode, call takes rngs)
+NNX_ZOO = {
+    "linear": (lambda r: nnx.Linear(5, 3, rngs=r), jnp.ones((2, 5)), False, False),
+    "conv1x1_on_1x1": (lambda r: nnx.Conv(4, 8, (1, 1), rngs=r), _img(1), False, False),
+    "conv1x1_on_2x2": (lambda r: nnx.Conv(32, 64, (1, 1), rngs=r), _img(2, 32), False, False),
+    "conv3x3_on_4x4": (lambda r: nnx.Conv(4, 4, (3, 3), rngs=r), _img(4), False, False),
+    "strided_conv": (lambda r: nnx.Conv(4, 8, (3, 3), strides=2, rngs=r), _img(2), False, False),
+    "grouped_conv": (
+        lambda r: nnx.Conv(4, 4, (3, 3), feature_group_count=2, rngs=r),
+        _img(4),
+        False,
+        False,
+    ),
+    "conv_transpose": (
+        lambda r: nnx.ConvTranspose(4, 3, (3, 3), strides=(2, 2), rngs=r),
+        _img(2),
+        False,
+        False,
+    ),
+    "batchnorm_train": (NNXBatchNorm, _img(1)[:, 0, 0], True, False),
+    "batchnorm_eval": (NNXBatchNorm, _img(1)[:, 0, 0], False, False),
+    "layernorm": (lambda r: nnx.LayerNorm(4, rngs=r), _img(2), False, False),
+    "groupnorm": (lambda r: nnx.GroupNorm(4, num_groups=2, rngs=r), _img(2), False, False),
+    "dropout": (NNXDropout, jnp.ones((2, 5)), True, True),
+    "embed": (NNXEmbed, jnp.array([[1, 2, 10], [0, 3, 3]]), False, False),
+    "attention": (_nnx_attention, jax.random.normal(jax.random.key(3), (2, 3, 4)), False, False),
+    "rnn_scanned": (_nnx_rnn, jax.random.normal(jax.random.key(4), (2, 5, 3)), False, False),
+    "squeeze_excite": (NNXSqueezeExcite, _img(2), False, False),
+    "pooling": (NNXPooling, _img(4), False, False),
+}
+
+
+def _nnx_loss(x, with_rngs):
+    def loss_fn(module, key):
+        y = module(x, rngs=nnx.Rngs(dropout=key)) if with_rngs else module(x)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    return loss_fn
+
+
+def _on_first_device(module):
+    """A plain member moved to one device, so the reference compiles once for all members."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("name", sorted(NNX_ZOO))
+def test_nnx_member_equals_plain_model(name, n):
+    factory, x, train, with_rngs = NNX_ZOO[name]
+    ens = ensemble.build(factory, n, rngs=0)
+    ens.train() if train else ens.eval()
+    key = jax.random.key(1)
+    # An nnx.Rngs given to the call: member i's stream is split(rngs.dropout(), n)[i].
+    member_keys = jax.random.split(nnx.Rngs(dropout=key).dropout(), n)
+    # Plain members first: the ensemble's call updates batch statistics in place.
+    plain = [_on_first_device(ens.member(i)) for i in range(n)]
+    out = ens(x, rngs=nnx.Rngs(dropout=key)) if with_rngs else ens(x)
+    loss_fn = _nnx_loss(x, with_rngs)
+    call = nnx.jit(lambda m, k: m(x, rngs=nnx.Rngs(dropout=k)) if with_rngs else m(x))
+    for i, m in enumerate(plain):
+        np.testing.assert_allclose(out[i], call(m, member_keys[i]), **TOL)
+    # The step: fresh plain members taken after the call, one SGD step each.
+    grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
+    refs = []
+    for i in range(n):
+        m = _on_first_device(ens.member(i))
+        loss, grads = grad_fn(m, member_keys[i])
+        new = jax.tree.map(lambda p, g: p - LR * g, nnx.state(m, nnx.Param), grads)
+        refs.append((loss, new))
+    step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
+    losses = step(ens, step.init(), member_keys)
+    for i, (loss, new) in enumerate(refs):
+        np.testing.assert_allclose(losses[i], loss, **TOL)
+        got = nnx.state(ens.member(i), nnx.Param)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, **TOL), got, new)
