@@ -329,13 +329,21 @@ def _leaves(tree: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(tree)
 
 
-def _memory_row(step: Any, args: tuple, devices: Sequence[Any]) -> Row:
+def _memory_stats(device: Any) -> dict[str, int] | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
+def _memory_row(step: Any, args: tuple, devices: Sequence[Any], stats=_memory_stats) -> Row:
+    """The step's measured peak (``stats``: ``Device.memory_stats``) against its estimate."""
     import ensemble
 
     estimate = ensemble.compiled_memory(step, *args)  # the program already compiled: cached
     values: dict[str, Any] = {"estimate": estimate.as_dict(), "estimate_peak": estimate.peak}
-    stats = _memory_stats(devices[0])
-    if not stats or "peak_bytes_in_use" not in stats:
+    first = stats(devices[0])
+    if not first or "peak_bytes_in_use" not in first:
         return Row(
             "ensemble memory",
             SKIPPED,
@@ -343,7 +351,7 @@ def _memory_row(step: Any, args: tuple, devices: Sequence[Any]) -> Row:
             f"compiled estimate {estimate.peak / MB:.2f} MB per device",
             values,
         )
-    measured = measure_step_peak(step, args, devices)
+    measured = measure_step_peak(step, args, devices, stats)
     values["measured"] = {str(d): m for d, m in measured.items()}
     known = [m for m in measured.values() if m is not None]
     if not known:
@@ -361,14 +369,9 @@ def _memory_row(step: Any, args: tuple, devices: Sequence[Any]) -> Row:
     )
 
 
-def _memory_stats(device: Any) -> dict[str, int] | None:
-    try:
-        return device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        return None
-
-
-def measure_step_peak(step: Any, args: tuple, devices: Sequence[Any]) -> dict[Any, int | None]:
+def measure_step_peak(
+    step: Any, args: tuple, devices: Sequence[Any], stats=_memory_stats
+) -> dict[Any, int | None]:
     """Per device, the peak bytes of one call of ``step(*args)`` (which donates ``args``).
 
     ``peak_bytes_in_use`` only grows, so first each device gets a ballast that lifts what it
@@ -382,14 +385,14 @@ def measure_step_peak(step: Any, args: tuple, devices: Sequence[Any]) -> dict[An
 
     ballast = []
     for d in devices:
-        st = d.memory_stats()
+        st = stats(d)
         gap = max(0, st["peak_bytes_in_use"] - st["bytes_in_use"]) + 2**20
         ballast.append(jnp.zeros((gap,), jnp.uint8, device=d))
     jax.block_until_ready(ballast)
     live = ensemble.live_memory(args)
-    before = {d: d.memory_stats() for d in devices}
+    before = {d: stats(d) for d in devices}
     jax.block_until_ready(step(*args))
-    after = {d: d.memory_stats() for d in devices}
+    after = {d: stats(d) for d in devices}
     del ballast
     return {
         d: step_peak(
@@ -475,6 +478,9 @@ def _speed_row(ctx: Context, t_one: float, t_all: float, picked: Any, workers: i
     )
 
 
+PPO_ROWS = ("ppo steps/s", "ppo first call")
+
+
 def check_ppo(ctx: Context) -> list[Row]:
     """Ensemble PPO CartPole on the accelerator against the same run on the host's CPU devices."""
     import jax
@@ -495,6 +501,9 @@ def check_ppo(ctx: Context) -> list[Row]:
         "host CPU": ctx.cpus[: whole_members(m, len(ctx.cpus))],
     }
     runs = _ppo_runs(cfg, layouts, s)
+    errors = [f"{k} run: {r['error']}" for k, r in runs.items() if "error" in r]
+    if errors:
+        return [Row(name, FAILED, "; ".join(errors), {"runs": runs}) for name in PPO_ROWS]
     params = [r.pop("params") for r in runs.values()]  # checked here, not written to the JSON
     finite = all(bool(np.all(np.isfinite(a))) for a in jax.tree_util.tree_leaves(params))
     acc, host = runs["accelerator"], runs["host CPU"]
@@ -530,8 +539,11 @@ def _ppo_runs(cfg: Any, layouts: dict[str, list[Any]], s: Sizes) -> dict[str, di
         same = [k for k in runs if layouts[k] == devices]
         if same:  # DRY on a CPU-only host: the stand-in is the host itself
             runs[name] = dict(runs[same[0]])
-        else:
+            continue
+        try:  # one layout failing still leaves the other's figures in the row
             runs[name] = bench._timed_run(cfg, devices, s.ppo_calls, s.ppo_updates)
+        except Exception as e:
+            runs[name] = {"error": one_line(e), "traceback": traceback.format_exc()}
     return runs
 
 
@@ -539,7 +551,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Context], list[Row]]], ...] = (
     (("accelerator", "versions", "device"), check_environment),
     (("ensemble placement", "ensemble memory"), check_ensemble),
     (("on_cpu executor", "on_cpu result", "on_cpu speed-up"), check_on_cpu),
-    (("ppo steps/s", "ppo first call"), check_ppo),
+    (PPO_ROWS, check_ppo),
 )
 
 
