@@ -34,6 +34,8 @@ Run::
 
 Writes ``accelerator_check.txt`` and ``.json`` (``accelerator_check_dry.*`` in DRY mode, so a dry
 run never overwrites an accelerator result) to ``--out`` (default ``benchmarks/results``).
+A check that runs longer than ``--check-timeout`` seconds (default 240) is taken for a hang: the
+table so far is written with that check FAILED and the later ones not run, and the command exits.
 Exit code: 0 when no check FAILED, 1 otherwise, 2 for bad command-line input.
 """
 
@@ -48,6 +50,7 @@ import math
 import os
 import platform
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -442,7 +445,9 @@ def check_on_cpu(ctx: Context) -> list[Row]:
 
 def _executor_row(ctx: Context, picked: str | None) -> Row:
     platform_ = ctx.accelerator[0].platform
-    expected = "inprocess" if platform_ != "cpu" else "process"
+    # The documented rule: in-process for accelerator callers when it gets several CPU devices.
+    several = len(ctx.cpus) >= min(_cores(), 2)
+    expected = "inprocess" if platform_ != "cpu" and several else "process"
     return Row(
         "on_cpu executor",
         OK if picked == expected else FAILED,
@@ -558,16 +563,38 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Context], list[Row]]], ...] = (
 # ------------------------------------------------------------------------------- running
 
 
-def run_checks(checks: Sequence[tuple[tuple[str, ...], Callable]], ctx: Any) -> list[Row]:
-    """Runs every check; an exception turns that check's rows into FAILED rows with its reason."""
+def run_checks(
+    checks: Sequence[tuple[tuple[str, ...], Callable]],
+    ctx: Any,
+    limit_s: float | None = None,
+    on_stuck: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """Runs every check; an exception turns that check's rows into FAILED rows with its reason.
+
+    A check still running after ``limit_s`` seconds (a hang: Python cannot interrupt a thread
+    blocked in XLA) makes ``on_stuck`` get the rows so far, that check's rows FAILED and the
+    later checks' rows "not run"; ``main`` writes them and exits, so the command never hangs.
+    """
     rows: list[Row] = []
-    for names, fn in checks:
+    for i, (names, fn) in enumerate(checks):
+        timer = None
+        if limit_s is not None and on_stuck is not None:
+            reason = f"did not finish within {limit_s:g} s (hung?)"
+            later = [n for more, _ in checks[i + 1 :] for n in more]
+            stuck = [Row(n, FAILED, reason) for n in names]
+            stuck += [Row(n, FAILED, f"not run: {names[0]} hung") for n in later]
+            timer = threading.Timer(limit_s, on_stuck, args=(rows + stuck,))
+            timer.daemon = True
+            timer.start()
         t0 = time.perf_counter()
         try:
             got = fn(ctx)
         except Exception as e:  # a failing check is reported, and the next one still runs
             tb = traceback.format_exc()
             got = [Row(name, FAILED, one_line(e), {"traceback": tb}) for name in names]
+        finally:
+            if timer is not None:
+                timer.cancel()
         seconds = time.perf_counter() - t0
         for row in got:
             row.values.setdefault("check_seconds", seconds)
@@ -610,7 +637,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry", action="store_true", help="tiny sizes (automatic without a GPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument(
+        "--check-timeout",
+        type=_positive_float,
+        default=240.0,
+        help="seconds one check may take before it is reported as hung (default 240)",
+    )
     return p.parse_args(argv)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _out_dir(path: str) -> Path | None:
@@ -626,24 +669,10 @@ def _out_dir(path: str) -> Path | None:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
-    out = _out_dir(args.out)
-    if out is None:
-        return 2
-    import rollout
-
-    try:
-        rollout.configure_cpu_devices()  # one CPU device per core, before JAX starts
-    except RuntimeError:  # JAX already running (called from a live session): keep its devices
-        pass
-    start = time.perf_counter()
-    ctx = make_context(args.dry)
-    title = header(ctx)
-    print(title, file=sys.stderr, flush=True)
-    rows = run_checks(CHECKS, ctx)
+def write_report(out: Path, ctx: Context, title: str, rows: list[Row], start: float) -> int:
+    """Prints the table, writes it and the JSON; returns the exit code."""
     text = table(title, rows)
-    print(text)
+    print(text, flush=True)
     stem = "accelerator_check_dry" if ctx.dry else "accelerator_check"
     report = {
         "mode": "dry" if ctx.dry else "full",
@@ -661,6 +690,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
     print(f"wrote {out / stem}.txt and .json ({report['seconds']:.0f} s)", file=sys.stderr)
     return report["exit_code"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    out = _out_dir(args.out)
+    if out is None:
+        return 2
+    import rollout
+
+    try:
+        rollout.configure_cpu_devices()  # one CPU device per core, before JAX starts
+    except RuntimeError:  # JAX already running (called from a live session): keep its devices
+        pass
+    start = time.perf_counter()
+    ctx = make_context(args.dry)
+    title = header(ctx)
+    print(title, file=sys.stderr, flush=True)
+
+    def on_stuck(rows: list[Row]) -> None:
+        write_report(out, ctx, title, rows, start)
+        os._exit(1)  # the stuck thread cannot be joined; leave with what was measured
+
+    rows = run_checks(CHECKS, ctx, args.check_timeout, on_stuck)
+    return write_report(out, ctx, title, rows, start)
 
 
 if __name__ == "__main__":
