@@ -289,7 +289,10 @@ def check_ensemble(ctx: Context) -> list[Row]:
     losses = jax.device_get(losses)
     freed = all(a.is_deleted() for a in donated)
     placement = _placement_row(ctx, (params, opt_state), ens.mesh, devices, freed, losses)
-    memory = _memory_row(step, (params, opt_state, x, y), devices)
+    try:  # a failure here leaves the placement row standing
+        memory = _memory_row(step, (params, opt_state, x, y), devices)
+    except Exception as e:
+        memory = Row("ensemble memory", FAILED, one_line(e), {"traceback": traceback.format_exc()})
     return [placement, memory]
 
 
