@@ -13,7 +13,6 @@ donated buffers are reused in place.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -237,7 +236,7 @@ class Learner:
                 rng=jax.random.key_data(key),
             )
 
-        parts = jax.vmap(one, spmd_axis_name=MEMBER_AXIS)(member_keys)
+        parts = self.ensemble.members.map(one, (member_keys,), (0,))
         members = MemberState(params=params, opt_state=opt_state, hparams=hparams, **parts)
         return TrainState(members=members, update=jnp.zeros((), jnp.int32))
 
@@ -324,11 +323,44 @@ class Learner:
         2. Learning: each member runs GAE and its epochs of minibatches on its own trajectory
            (:meth:`_learn`).
 
-        Per-member code is vmapped with ``spmd_axis_name='ensemble'``, so the member axis stays
-        sharded through every intermediate (no gather, no replicated trajectory).
+        Per-member code runs through the ensemble's member runner (``ens.members.map``: a
+        manual member axis, so nothing crosses members and no trajectory is ever gathered).
+        With envs on device, the WHOLE update of one member (its rollout, then its learning) is
+        one plain single-agent program, run once per member.
         """
-        per_member = functools.partial(jax.vmap, spmd_axis_name=MEMBER_AXIS)
-        carry = Rollout(
+        members = self.ensemble.members
+        if self.config.env_on == "device":
+            return members.map(self._member_update, (ms, update), (0, None))
+        per_member = lambda fn, *args: members.map(fn, args, (0,) * len(args))
+        carry = self._rollout_carry(ms, (self.config.members,))
+
+        def step(carry: Rollout, _):
+            carry, act = per_member(self._act, ms.params, carry)
+            out = self._step_envs(carry.env_state, act.env_action, act.env_keys)
+            return per_member(self._observe, carry, act, out)
+
+        carry, traj = jax.lax.scan(step, carry, None, length=self.config.num_steps)
+        # traj leaves are [num_steps, n, num_envs, ...]: the member axis goes first.
+        traj = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), traj)
+        return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
+
+    def _member_update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
+        """One member's whole update with its envs stepped next to it (``env_on='device'``)."""
+        env_step = jax.vmap(self.env.step)
+
+        def step(carry: Rollout, _):
+            carry, act = self._act(ms.params, carry)
+            return self._observe(
+                carry, act, env_step(carry.env_state, act.env_action, act.env_keys)
+            )
+
+        carry, traj = jax.lax.scan(
+            step, self._rollout_carry(ms, ()), None, length=self.config.num_steps
+        )
+        return self._learn(ms, carry, traj, update)
+
+    def _rollout_carry(self, ms: MemberState, lead: tuple[int, ...]) -> Rollout:
+        return Rollout(
             env_state=ms.env_state,
             obs=ms.obs,
             obs_stats=ms.obs_stats,
@@ -336,18 +368,9 @@ class Learner:
             disc_return=ms.disc_return,
             ep_return=ms.ep_return,
             ep_length=ms.ep_length,
-            finished=jnp.zeros((self.config.members, 3), jnp.float32),
+            finished=jnp.zeros((*lead, 3), jnp.float32),
             rng=ms.rng,
         )
-
-        def step(carry: Rollout, _):
-            carry, act = per_member(self._act)(ms.params, carry)
-            out = self._step_envs(carry.env_state, act.env_action, act.env_keys)
-            return per_member(self._observe)(carry, act, out)
-
-        carry, traj = jax.lax.scan(step, carry, None, length=self.config.num_steps)
-        # traj leaves are [num_steps, n, num_envs, ...]: the member axis is axis 1 there.
-        return per_member(self._learn, in_axes=(0, 0, 1, None))(ms, carry, traj, update)
 
     # ---- one member's pieces (written for a single agent; the ensemble vmaps them) ----------
 
