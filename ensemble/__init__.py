@@ -1,5 +1,12 @@
 """Sharded model ensembles: n members of one Flax model, each on its own device(s).
 
+Everyday names are here: :func:`build` (linen module or NNX factory -> ensemble),
+:func:`train_step` / ``ens.train_step`` (donated, per-member optax), :func:`per_member`, the
+reductions over members (:func:`mean`, :func:`variance`, :func:`disagreement`,
+:func:`log_mean_exp`, :func:`member`) and :func:`compiled_memory`. Sharding tools live in
+:mod:`ensemble.sharding`, checks and memory tools in :mod:`ensemble.debug`, multi-process helpers
+in :mod:`ensemble.distributed`.
+
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, ensemble
   >>> ens = ensemble.build(nn.Dense(3), n=jax.device_count())
@@ -8,6 +15,7 @@ Example:
   True
 """
 
+from ensemble import debug, sharding
 from ensemble._build import build
 from ensemble._checks import (
     assert_member_axis,
@@ -38,36 +46,42 @@ from ensemble._optim import per_member
 from ensemble._reduce import disagreement, log_mean_exp, mean, member, variance
 from ensemble._train import TrainStep, train_step
 
+# The everyday surface. The names imported above but not listed here stay importable from the
+# top for existing code; their home is ensemble.sharding / ensemble.debug.
 __all__ = [
-    "DATA_AXIS",
-    "DEFAULT_RULES",
-    "MEMBER_AXIS",
-    "MODEL_AXIS",
-    "CompiledMemory",
     "LinenEnsemble",
     "NNXEnsemble",
     "NNXTrainStep",
     "TrainStep",
-    "assert_member_axis",
-    "assert_member_placement",
-    "assert_no_replicated_members",
     "build",
     "compiled_memory",
+    "debug",
     "disagreement",
-    "layout",
-    "live_memory",
     "log_mean_exp",
-    "lower_build_nnx",
-    "make_mesh",
     "mean",
     "member",
-    "member_sharding",
     "nnx_optimizer",
     "nnx_train_step",
-    "partitioning",
     "per_member",
-    "print_memory",
-    "shard_members",
+    "sharding",
     "train_step",
     "variance",
 ]
+_COMPAT = (
+    DATA_AXIS,
+    DEFAULT_RULES,
+    MEMBER_AXIS,
+    MODEL_AXIS,
+    CompiledMemory,
+    assert_member_axis,
+    assert_member_placement,
+    assert_no_replicated_members,
+    layout,
+    live_memory,
+    lower_build_nnx,
+    make_mesh,
+    member_sharding,
+    partitioning,
+    print_memory,
+    shard_members,
+)

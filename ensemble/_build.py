@@ -3,14 +3,48 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import flax.linen as nn
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from ensemble._linen import InAxes, LinenEnsemble
+from ensemble._core import InAxes
+from ensemble._linen import LinenEnsemble
+
+if TYPE_CHECKING:
+    from ensemble._nnx import NNXEnsemble
+
+
+@overload
+def build(
+    model: nn.Module,
+    n: int,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    model_parallel: int = 1,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    in_axes: InAxes = None,
+    axis_name: str | None = None,
+    **kwargs: Any,
+) -> LinenEnsemble: ...
+
+
+@overload
+def build(
+    model: Callable[..., nnx.Module],
+    n: int,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    model_parallel: int = 1,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    in_axes: InAxes = None,
+    axis_name: str | None = None,
+    **kwargs: Any,
+) -> NNXEnsemble: ...
 
 
 def build(
@@ -22,8 +56,9 @@ def build(
     model_parallel: int = 1,
     rules: Sequence[tuple[str, Any]] | None = None,
     in_axes: InAxes = None,
+    axis_name: str | None = None,
     **kwargs: Any,
-) -> Any:
+) -> LinenEnsemble | NNXEnsemble:
     """Makes an n-member ensemble of ``model``, each member on its own device(s).
 
     Args:
@@ -36,6 +71,9 @@ def build(
       model_parallel: devices per member for tensor parallelism (rules onto ``'model'``).
       rules: logical axis rules, merged over :data:`ensemble.DEFAULT_RULES`.
       in_axes: ``None`` for inputs shared by all members, ``0`` for per-member inputs.
+      axis_name: a name bound inside every member to its data-parallel axis, for models written
+        for ``pmap`` (``BatchNorm(axis_name='batch')``, ``lax.pmean(x, 'batch')``): a member is
+        one replica over its whole batch, so statistics are over the member's batch.
       **kwargs: linen: ``shared_rngs=``, ``data_parallel=`` (see :class:`LinenEnsemble`);
         NNX: passed to the NNX builder (e.g. the module class's constructor arguments).
 
@@ -59,6 +97,7 @@ def build(
             model_parallel=model_parallel,
             rules=rules,
             in_axes=in_axes,
+            axis_name=axis_name,
             **kwargs,
         )
     if isinstance(model, nnx.Module):
@@ -82,6 +121,7 @@ def build(
             model_parallel=model_parallel,
             rules=rules,
             in_axes=in_axes,
+            axis_name=axis_name,
             **kwargs,
         )
     raise TypeError(

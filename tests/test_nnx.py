@@ -13,7 +13,7 @@ import ensemble
 from ensemble import NNXEnsemble, nnx_optimizer, nnx_train_step
 from ensemble._nnx import build_nnx, lower_build_nnx
 
-D = 8  # tests/conftest.py
+D = 8  # conftest.py
 
 
 class MLP(nnx.Module):

@@ -1,4 +1,5 @@
-"""8 simulated CPU devices for every test, set before anything touches a JAX backend."""
+"""8 simulated CPU devices for every test and docstring example, set before anything touches a
+JAX backend."""
 
 import os
 
