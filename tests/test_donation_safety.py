@@ -1,0 +1,65 @@
+"""Reusing donated arrays is a Python error naming the argument, never a crash; bad devices too.
+
+On several CPU devices jaxlib can crash the whole process (SIGSEGV) when a jitted program is
+called on a buffer already donated; the checks run in a subprocess so a regression fails this
+test instead of killing the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import pytest
+
+import ensemble
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(
+    """
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    import jax.numpy as jnp, flax.linen as nn, optax, ensemble
+
+    model = nn.Dense(1)
+    ens = ensemble.build(model, 2)
+    x = jnp.ones((4, 3))
+    variables = ens.init(jax.random.key(0), x)
+    step = ens.train_step(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2), optax.sgd(0.1))
+    params = variables["params"]
+    opt_state = step.init(params)
+    new_params, opt_state, _ = step(params, opt_state, x)
+    for call in (lambda: ens.apply(variables, x), lambda: step(params, opt_state, x)):
+        try:
+            call()
+        except ValueError as e:
+            print("ValueError:", e)
+    print("apply with the returned params:", ens.apply({"params": new_params}, x).shape)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_donated_arrays_reused_raise_a_clear_error():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=110, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ValueError")]
+    assert len(errors) == 2, out.stdout
+    assert "variables leaf ['params']" in errors[0] and "donated" in errors[0]
+    assert "params['bias']" in errors[1] or "params['kernel']" in errors[1]
+    assert "apply with the returned params: (2, 4, 1)" in out.stdout
+
+
+def test_duplicate_devices_are_refused():
+    d0 = jax.devices()[0]
+    with pytest.raises(ValueError, match="more than once"):
+        ensemble.build(nn.Dense(1), 2, devices=[d0, d0])
