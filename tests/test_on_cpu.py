@@ -265,20 +265,17 @@ def test_worker_side_exception_names_its_type(rollout_fn, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_raises_then_pool_restarts():
+def test_worker_killed_while_idle_is_replaced():
     f = on_cpu(synth, in_axes=(None, 0), workers=W, executor="process")
     step = jax.jit(f)
     try:
         p, x = params_for(10), fresh(10, 6, 24)
         close(step(p, x), synth(p, x))
-        victim = f.pids[1]
+        survivor, victim = f.pids
         os.kill(victim, signal.SIGKILL)
         time.sleep(0.2)
-        with pytest.raises(Exception, match=rf"pid {victim}\) was killed by signal SIGKILL"):
-            step(p, x).block_until_ready()
-        assert f.pids == []  # the broken pool was shut down...
-        close(step(p, x), synth(p, x))  # ...and restarts on the next call
-        assert len(f.pids) == W
+        close(step(p, x), synth(p, x))  # the dead worker is replaced, the other one kept
+        assert f.pids[0] == survivor and f.pids[1] != victim and len(f.pids) == W
         started = set(f.pids)
     finally:
         f.close()
