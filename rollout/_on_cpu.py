@@ -538,7 +538,7 @@ class OnCpu:
         specs = [ax for i, sa in enumerate(zip(in_axes, args)) for ax in _leaf_axes(i, *sa)]
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = ["args" + jax.tree_util.keystr(p) for p, _ in with_paths]
-        leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in with_paths]
+        leaves = [_as_leaf(x) for _, x in with_paths]
         axes = [_normalise_axis(ax, p, x) for ax, p, x in zip(specs, paths, leaves)]
         return leaves, treedef, axes, _batch_size(paths, leaves, axes)
 
@@ -550,7 +550,12 @@ class OnCpu:
         raw = [jax.random.key_data(x) if k is not None else x for x, k in zip(leaves, keys)]
         b_idx = [i for i, ax in enumerate(axes) if ax is not None]
         s_idx = [i for i, ax in enumerate(axes) if ax is None]
-        batched = [jnp.moveaxis(raw[i], axes[i], 0) for i in b_idx]
+        # Concrete inputs: run the host side directly (NumPy only: an eager jnp op compiles a
+        # program per new shape), so errors reach the caller unwrapped and no callback is
+        # compiled per call.
+        eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
+        xp = np if eager else jnp
+        batched = [xp.moveaxis(raw[i], axes[i], 0) for i in b_idx]
         shared = [raw[i] for i in s_idx]
         out_info: dict[str, Any] = {}
         flat_fn = _flat_fn(self.fn, treedef, axes, keys, b_idx + s_idx, out_info)
@@ -562,16 +567,13 @@ class OnCpu:
                     f"on_cpu(fn): output leaf {j} has shape {o.shape}, expected the batch ({n}) "
                     "first; fn must return one result per row (row-independent, batch axis 0)"
                 )
-        # Concrete inputs: run the host side directly, so errors reach the caller unwrapped and
-        # no callback program is compiled per call.
-        eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
         platform, devices, auto_mesh = _caller(leaves)
         kind = self._choose(platform, devices, eager)
         self.last_executor = kind
         call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
         call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)))
         if eager:
-            outs = [jnp.asarray(o) for o in call.run(*map(np.asarray, (*batched, *shared)))]
+            outs = [jax.device_put(o) for o in call.run(*batched, *shared)]
         elif auto_mesh is not None:
             outs = _per_shard(call, auto_mesh, batched, shared, n)
         else:
@@ -608,6 +610,15 @@ class OnCpu:
             timeout=timeout,
             timeout_message=message,
         )
+
+
+def _as_leaf(x: Any) -> Any:
+    """JAX arrays (and tracers) as they are; anything else as a NumPy array of the dtype JAX
+    would give it (float64 -> float32 without x64), without compiling a conversion program."""
+    if isinstance(x, jax.Array):
+        return x
+    a = np.asarray(x)
+    return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
 
 
 def _is_int(x: Any) -> bool:

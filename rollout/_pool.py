@@ -359,7 +359,8 @@ class ProcessPool:
                     "restart on the next call"
                 )
                 broken = WorkerTimeout
-                break
+            if broken is not None:
+                break  # the call cannot complete: do not wait for the other workers
         if broken is not None:
             self._shutdown(kill=True)
         if errors:
