@@ -819,10 +819,10 @@ def on_cpu(
         ``'process'``; the CPU devices for ``'inprocess'``).
       timeout: seconds a call may execute, counted from when the workers start executing it
         (compiling a new batch shape is not counted), a positive finite number or ``None``.
-        A call over it raises :class:`WorkerTimeout` within about ``_POLL_S`` (0.2 s); the
-        process executor kills its workers (they restart on the next call), the in-process one
-        abandons the late execution; later calls work either way. Default: no limit, except
-        300 s for in-process calls from CPU callers (see above).
+        A call over it raises :class:`WorkerTimeout` within 1 s of it; the process executor
+        kills its workers (they restart on the next call), the in-process one abandons the late
+        execution (later calls queue behind it); the wrapper stays usable. Default: no limit,
+        except 300 s for in-process calls from CPU callers (see above).
       cache_size: compiled programs (one per batch shape) kept per wrapper, in this process and
         in each worker; the least recently used is dropped beyond it (default 32).
 
