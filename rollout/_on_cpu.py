@@ -11,8 +11,9 @@ How the pieces fit::
                                 once per chunk signature as a pickled jax.export.Exported
 
 A callback that runs JAX on CPU devices hangs forever when the calling program itself spans several
-CPU devices (shared/FIELD-NOTES.md), so ``'auto'`` only picks ``'inprocess'`` for callers on an
-accelerator, and an explicit ``'inprocess'`` from a multi-device CPU caller is refused.
+CPU devices (``tests/test_on_cpu.py`` shows it), so ``'auto'`` only picks ``'inprocess'`` for
+callers on an accelerator, and an explicit ``'inprocess'`` from a multi-device CPU caller is
+refused. Eager calls (concrete inputs) run the host side directly, without a callback.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def _with_timeout(work: Callable[[], Any], timeout: float, message: str) -> Any:
 
 
 class _InProcess:
-    """``jit(shard_map(fn))`` over W CPU devices of this process (the seed's pmap fix)."""
+    """``jit(shard_map(fn))`` over W CPU devices of this process."""
 
     def __init__(self, workers: int, cache_size: int = DEFAULT_CACHE_SIZE):
         self.num_workers = workers

@@ -1,8 +1,8 @@
 """The out-of-process executor: single-device JAX worker processes fed through shared memory.
 
 Why processes: a ``pure_callback`` that calls back into JAX deadlocks when the calling program spans
-several CPU devices (see ``shared/FIELD-NOTES.md``). Worker processes have their own JAX runtime, so
-the callback only copies NumPy arrays and waits on sockets: safe from any caller.
+several CPU devices (``tests/test_on_cpu.py`` shows it). Worker processes have their own JAX
+runtime, so the callback only copies NumPy arrays and waits on sockets: safe from any caller.
 
 Why ``subprocess`` and not ``multiprocessing``'s spawn context: spawn re-imports the user's
 ``__main__`` in every worker (a script without an ``if __name__ == "__main__"`` guard would run

@@ -326,7 +326,7 @@ print("done", flush=True)
 
 @pytest.mark.timeout(60)
 def test_naive_pattern_hangs_in_a_subprocess():
-    """The seed's pure_callback + pmap from an 8-device CPU shard_map never returns (killed)."""
+    """The naive pure_callback + pmap from an 8-device CPU shard_map never returns (killed)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", NAIVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -338,7 +338,9 @@ def test_naive_pattern_hangs_in_a_subprocess():
         out, _ = proc.communicate()
         hung = True
     assert "start" in out, out
-    assert hung and "done" not in out, f"no hang (rc {proc.returncode}): FIELD-NOTES is outdated"
+    assert hung and "done" not in out, (
+        f"no hang (rc {proc.returncode}): the deadlock is fixed in JAX"
+    )
 
 
 UNDETECTED = """
@@ -402,8 +404,8 @@ def test_workers_stop_at_interpreter_exit():
 
 
 @pytest.mark.timeout(120)
-def test_seed_scenario_with_nnx_jit_and_shard_map(rollout_fn):
-    """The seed's train step: nnx.jit + nnx.shard_map, an nnx.RNN rollout model whose weights
+def test_rollout_train_step_with_nnx_jit_and_shard_map(rollout_fn):
+    """The motivating train step: nnx.jit + nnx.shard_map, an nnx.RNN rollout model whose weights
     change every step (an argument), the rollout on CPU workers, a model trained on its output."""
     import optax
     from flax import nnx
