@@ -213,7 +213,8 @@ class ProcessPool:
         for workers that are busy with a call nobody waits for any more."""
         workers, self._workers = [w for w in self._workers if w is not None], []
         if workers and os.getpid() != self._owner:
-            return  # a forked child: the workers belong to the parent, leave them alone
+            self._shm = None  # a forked child: the workers and the block belong to the parent
+            return
         for w in workers:
             try:
                 if kill:
