@@ -137,8 +137,10 @@ def test_every_dtype_round_trips(executor):
 
 INT64 = """
 import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_enable_x64", True)
 from rollout import on_cpu
+g = on_cpu(lambda x: x + 1, workers=2, executor="process")
+np.testing.assert_array_equal(g(np.ones((4, 2))), np.full((4, 2), 2, np.float32))  # x64 off
+jax.config.update("jax_enable_x64", True)  # the running workers are restarted to match
 x = jnp.asarray(np.arange(12).reshape(4, 3) * (2**40 + 1), jnp.int64)
 fn = lambda x: x * 3 + 2**33
 for ex in ("process", "inprocess"):
