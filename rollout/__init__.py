@@ -5,6 +5,6 @@ Also home of the functional environments (``rollout.envs``) and the ensemble PPO
 """
 
 from rollout._devices import configure_cpu_devices
-from rollout._on_cpu import on_cpu
+from rollout._on_cpu import WorkerError, WorkerTimeout, on_cpu, worker_errors
 
-__all__ = ["configure_cpu_devices", "on_cpu"]
+__all__ = ["WorkerError", "WorkerTimeout", "configure_cpu_devices", "on_cpu", "worker_errors"]

@@ -11,18 +11,23 @@ How the pieces fit::
                                 once per chunk signature as a pickled jax.export.Exported
 
 A callback that runs JAX on CPU devices hangs forever when the calling program itself spans several
-CPU devices (shared/FIELD-NOTES.md), so ``'auto'`` only picks ``'inprocess'`` for callers on an
-accelerator, and an explicit ``'inprocess'`` from a multi-device CPU caller is refused.
+CPU devices (``tests/test_on_cpu.py`` shows it), so ``'auto'`` only picks ``'inprocess'`` for
+callers on an accelerator, and an explicit ``'inprocess'`` from a multi-device CPU caller is
+refused. Eager calls (concrete inputs) run the host side directly, without a callback.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
+import numbers
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -32,14 +37,15 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollout._pool import ProcessPool, WorkerError, default_workers, shared_pool
+from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, default_workers, shared_pool
 from rollout._pool import _shared as _shared_pools
 
-__all__ = ["OnCpu", "WorkerError", "on_cpu"]
+__all__ = ["OnCpu", "WorkerError", "WorkerTimeout", "on_cpu", "worker_errors"]
 
 Executor = Literal["auto", "inprocess", "process"]
 _EXECUTORS = ("auto", "inprocess", "process")
 _tokens = itertools.count()
+DEFAULT_CACHE_SIZE = 32  # compiled batch shapes kept per wrapper (caller and each worker)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,17 +96,65 @@ def _caller(leaves: Sequence[Any]) -> tuple[str, int, Any]:
 # Flattening: batched leaves (batch axis moved to 0) first, then shared leaves.
 
 
-def _leaf_axes(spec: Any, arg: Any) -> list[int | None]:
+def _leaf_axes(i: int, spec: Any, arg: Any) -> list[Any]:
+    """The in_axes entry of every leaf of positional argument ``i`` (``spec`` a pytree prefix)."""
     if spec is None or isinstance(spec, int):
         return [spec] * len(jax.tree.leaves(arg))
-    out: list[int | None] = []
-    jax.tree.map(
-        lambda ax, sub: out.extend([ax] * len(jax.tree.leaves(sub))),
-        spec,
-        arg,
-        is_leaf=lambda x: x is None,
-    )
+    out: list[Any] = []
+    try:
+        jax.tree.map(
+            lambda ax, sub: out.extend([ax] * len(jax.tree.leaves(sub))),
+            spec,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"on_cpu(fn): in_axes[{i}] = {spec!r} is not a prefix of argument {i}'s structure "
+            f"({jax.tree.structure(arg)}): {e}"
+        ) from None
     return out
+
+
+def _normalise_axis(ax: Any, path: str, leaf: Any) -> int | None:
+    """A leaf's batch axis as a non-negative int (like jax.vmap, -1 is the last axis) or None."""
+    if ax is None:
+        return None
+    if isinstance(ax, bool) or not isinstance(ax, numbers.Integral):
+        raise ValueError(
+            f"on_cpu(fn): in_axes for {path} is {ax!r}; each entry must be an int (the batch "
+            "axis) or None (the argument goes whole to every worker)"
+        )
+    ndim, shape = leaf.ndim, tuple(leaf.shape)
+    if ndim == 0:
+        raise ValueError(
+            f"on_cpu(fn): {path} is a scalar but has in_axes={ax}; give it in_axes=None"
+        )
+    if not -ndim <= ax < ndim:
+        raise ValueError(
+            f"on_cpu(fn): in_axes={ax} is out of range for {path} of shape {shape} "
+            f"({ndim}-D): the batch axis must be in [{-ndim}, {ndim - 1}]; use in_axes=None "
+            "for an argument that goes whole to every worker"
+        )
+    return int(ax) % ndim
+
+
+def _batch_size(paths: list[str], leaves: list[Any], axes: list[int | None]) -> int:
+    """The batch size every mapped leaf agrees on; else an error naming each leaf and its size."""
+    mapped = [(p, x, ax) for p, x, ax in zip(paths, leaves, axes) if ax is not None]
+    if not mapped:
+        raise ValueError("on_cpu(fn) needs at least one batched argument (in_axes=0)")
+    sizes = {int(x.shape[ax]) for _, x, ax in mapped}
+    if len(sizes) != 1:
+        desc = "; ".join(
+            f"{p} has {x.shape[ax]} (axis {ax} of shape {tuple(x.shape)})" for p, x, ax in mapped
+        )
+        raise ValueError(
+            f"on_cpu(fn): the mapped arguments disagree on the batch size: {desc}. An argument "
+            "that every row shares (e.g. parameters) needs in_axes=None, e.g. "
+            "on_cpu(fn, in_axes=(None, 0))"
+        )
+    return sizes.pop()
 
 
 def _is_key(x: Any) -> bool:
@@ -114,63 +168,162 @@ def _edge_pad(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)])
 
 
+class _LRU:
+    """A dict of at most ``size`` entries; the least recently used goes first, to ``on_evict``."""
+
+    def __init__(self, size: int, on_evict: Callable[[list[Any]], None] | None = None):
+        self.size = size
+        self.on_evict = on_evict
+        self._d: collections.OrderedDict = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def keys(self) -> list[Any]:
+        return list(self._d)
+
+    def get(self, key: Any) -> Any:
+        if key in self._d:
+            self._d.move_to_end(key)
+            return self._d[key]
+        return None
+
+    def put(self, key: Any, value: Any) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        evicted = []
+        while len(self._d) > self.size:
+            evicted.append(self._d.popitem(last=False)[0])
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+
+    def clear(self) -> None:
+        evicted, self._d = list(self._d), collections.OrderedDict()
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker errors across the callback boundary: JAX turns an exception raised in a pure_callback into
+# a JaxRuntimeError or ValueError whose text holds the original's message (no __cause__). The
+# callback records its WorkerErrors here, so that worker_errors() can raise the original again.
+
+_recent: collections.deque[WorkerError] = collections.deque(maxlen=16)
+_recent_lock = threading.Lock()
+
+
+def _remember(error: WorkerError) -> None:
+    with _recent_lock:
+        _recent.append(error.with_traceback(None))  # frames of the callback thread: not needed
+
+
+def _recall(text: str) -> WorkerError | None:
+    """The latest recorded WorkerError whose message appears in ``text`` (then forgotten)."""
+    with _recent_lock:
+        for error in reversed(_recent):
+            if str(error) in text:
+                _recent.remove(error)
+                return error
+    return None
+
+
+@contextlib.contextmanager
+def worker_errors():
+    """Raise worker failures inside ``with`` as :class:`WorkerError`, also from jitted code.
+
+    An ``on_cpu`` function called eagerly raises :class:`WorkerError` (or :class:`WorkerTimeout`)
+    itself. Called inside ``jax.jit`` / ``shard_map``, it fails inside a JAX callback, and JAX
+    re-raises that as a ``jax.errors.JaxRuntimeError`` (a ``ValueError`` on some dispatch paths)
+    carrying only the text. This context
+    manager (also usable as a decorator) turns such an error back into the original exception,
+    chained to JAX's (``__cause__``); other errors pass unchanged.
+
+    Example::
+
+        with rollout.worker_errors():
+            try:
+                loss = train_step(state, batch)  # jitted, calls an on_cpu function
+            except rollout.WorkerError:
+                ...  # a worker died, raised or timed out; the next call restarts the workers
+    """
+    try:
+        yield
+    except WorkerError:
+        raise
+    except Exception as e:  # JaxRuntimeError, or ValueError from some dispatch paths
+        original = _recall(str(e))
+        if original is None:
+            raise
+        raise original from e
+
+
 # ---------------------------------------------------------------------------------------------
 # Executors
 
 
-class _InProcess:
-    """``jit(shard_map(fn))`` over W CPU devices of this process (the seed's pmap fix)."""
+def _with_timeout(work: Callable[[], Any], timeout: float, message: str) -> Any:
+    """``work()`` in a thread, raising :class:`WorkerTimeout` if it takes over ``timeout`` s.
 
-    def __init__(self, workers: int):
+    The late thread is abandoned (Python cannot stop it, nor XLA its execution): later calls on
+    the same CPU devices queue behind that execution, and exiting the interpreter while it runs
+    makes XLA abort the process.
+    """
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["out"] = work()
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="on_cpu-inprocess", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise WorkerTimeout(message)
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+class _InProcess:
+    """``jit(shard_map(fn))`` over W CPU devices of this process."""
+
+    def __init__(self, workers: int, cache_size: int = DEFAULT_CACHE_SIZE):
         self.num_workers = workers
         self._lock = threading.Lock()
-        self._compiled: dict[Any, Callable] = {}
-        self._stuck: str | None = None
+        self._compiled = _LRU(cache_size)
 
-    def run(self, flat_fn, key, nb, batched, shared, chunk, guard_s: float | None = None):
-        """Run on the CPU devices. ``guard_s``: for CPU callers, the seconds after which a call
-        that has not finished is taken for the callback deadlock and raised as an error (the
-        stuck thread is abandoned; this executor refuses further calls)."""
-        if self._stuck is not None:
-            raise RuntimeError(self._stuck)
-        if guard_s is None:
-            return self._run(flat_fn, key, nb, batched, shared, chunk)
-        box: dict[str, Any] = {}
+    def run(self, flat_fn, key, nb, batched, shared, chunk, timeout=None, message=""):
+        """Run on the CPU devices. ``timeout``: seconds the execution may take (compiling is not
+        counted), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
+        and later calls still run."""
+        compiled, shardings = self._compile(flat_fn, key, nb, batched, shared, chunk)
+        args = [jax.device_put(a, s) for a, s in zip([*batched, *shared], shardings)]
 
-        def target():
-            try:
-                box["outs"] = self._run(flat_fn, key, nb, batched, shared, chunk)
-            except BaseException as e:
-                box["error"] = e
+        def work():
+            return [np.asarray(o) for o in compiled(*args)]
 
-        thread = threading.Thread(target=target, name="on_cpu-inprocess", daemon=True)
-        thread.start()
-        thread.join(guard_s)
-        if thread.is_alive():
-            self._stuck = (
-                f"on_cpu(executor='inprocess') did not finish within {guard_s:g} s: most likely "
-                "the deadlock of a callback into JAX from a program on several CPU devices. Use "
-                "executor='process' (or 'auto'); pass timeout= if the work is really that long."
-            )
-            raise RuntimeError(self._stuck)
-        if "error" in box:
-            raise box["error"]
-        return box["outs"]
+        return work() if timeout is None else _with_timeout(work, timeout, message)
 
-    def _run(self, flat_fn, key, nb, batched, shared, chunk):
+    def _compile(self, flat_fn, key, nb, batched, shared, chunk):
         active = batched[0].shape[0] // chunk
         with self._lock:
-            if (key, active) not in self._compiled:
+            entry = self._compiled.get((key, active))
+            if entry is None:
                 mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:active]), ("w",))
                 specs = (P("w"),) * nb + (P(),) * len(shared)
                 fn = jax.shard_map(
                     flat_fn, mesh=mesh, in_specs=specs, out_specs=P("w"), check_vma=False
                 )
                 shardings = [NamedSharding(mesh, s) for s in specs]
-                self._compiled[key, active] = (jax.jit(fn), shardings)
-            fn, shardings = self._compiled[key, active]
-            args = [jax.device_put(a, s) for a, s in zip([*batched, *shared], shardings)]
-            return [np.asarray(o) for o in fn(*args)]
+                avals = [
+                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                    for a, s in zip([*batched, *shared], shardings)
+                ]
+                entry = (jax.jit(fn).lower(*avals).compile(), shardings)
+                self._compiled.put((key, active), entry)
+            return entry
 
     def close(self) -> None:
         self._compiled.clear()
@@ -183,6 +336,10 @@ class _InProcess:
 
 _COALESCE_S = 0.05  # longest wait for the other devices' calls of the same step
 _INPROCESS_GUARD_S = 300.0  # in-process calls from CPU callers: longer is taken for the deadlock
+_DEADLOCK_HINT = (
+    ": most likely the deadlock of a callback into JAX from a program on several CPU devices. Use "
+    "executor='process' (or 'auto'); pass timeout= if the work is really that long."
+)
 
 
 class _Request:
@@ -260,20 +417,27 @@ class OnCpu:
         executor: Executor,
         workers: int | None,
         timeout: float | None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
     ):
         if executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {executor!r}")
-        if workers is not None and workers < 1:
+        if workers is not None and (not _is_int(workers) or workers < 1):
             raise ValueError(f"workers must be a positive int or None, got {workers!r}")
+        if not _is_int(cache_size) or cache_size < 1:
+            raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
         self.fn = fn
         self.in_axes = in_axes
         self.executor = executor
         self.workers = workers
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
+        self.cache_size = cache_size
         self.last_executor: str | None = None  # what the latest trace picked: for tests and logs
         self._pool: ProcessPool | None = None
         self._inprocess: _InProcess | None = None
-        self._exports: dict[Any, bytes] = {}
+        # Exported programs per chunk signature; evicted ones are dropped by the workers too.
+        self._pools: list[ProcessPool] = []
+        self._exports = _LRU(cache_size, on_evict=functools.partial(_forget, self._pools))
+        weakref.finalize(self, self._exports.clear)  # a dropped wrapper frees worker memory
         self._lock = threading.Lock()
         self._token = next(_tokens)  # names this wrapper's programs inside shared workers
         self._coalescer = _Coalescer()
@@ -294,6 +458,7 @@ class OnCpu:
         with self._lock:
             # The shared pool this wrapper uses (or would use), even if another wrapper started it.
             pool = self._pool or _shared_pools.get(self.workers or default_workers())
+            self._exports.clear()
             if pool is not None:
                 pool.close()
             if self._inprocess is not None:
@@ -306,12 +471,12 @@ class OnCpu:
         self.close()
 
     # -------------------------------------------------------------- executor choice
-    def _choose(self, platform: str, devices: int) -> str:
+    def _choose(self, platform: str, devices: int, eager: bool) -> str:
         n_cpu = len(jax.devices("cpu"))
         if self.executor == "process":
             return "process"
         if self.executor == "inprocess":
-            if platform == "cpu" and devices > 1:
+            if platform == "cpu" and devices > 1 and not eager:
                 raise RuntimeError(
                     f"on_cpu(executor='inprocess') would deadlock: the calling program runs on "
                     f"{devices} CPU devices, and a callback that runs JAX on CPU devices from such "
@@ -337,184 +502,281 @@ class OnCpu:
             if kind == "process":
                 if self._pool is None:
                     self._pool = shared_pool(self.workers or default_workers())
+                    self._pools.append(self._pool)
                 return self._pool
             if self._inprocess is None:
                 n = self.workers or len(jax.devices("cpu"))
-                self._inprocess = _InProcess(min(n, len(jax.devices("cpu"))))
+                self._inprocess = _InProcess(min(n, len(jax.devices("cpu"))), self.cache_size)
             return self._inprocess
 
     def _exported(self, flat_fn, key, specs) -> bytes:
         with self._lock:
-            if key not in self._exports:
+            program = self._exports.get(key)
+            if program is None:
                 exp = jax.export.export(jax.jit(flat_fn), platforms=["cpu"])(*specs)
                 # Exported.serialize() needs the optional 'flatbuffers' package; the dataclass
                 # pickles as well (StableHLO bytecode plus tree and aval metadata, no user code)
                 # once its local VJP closure, which workers never use, is dropped.
-                self._exports[key] = pickle.dumps(dataclasses.replace(exp, _get_vjp=None))
-            return self._exports[key]
+                program = pickle.dumps(dataclasses.replace(exp, _get_vjp=None))
+                self._exports.put(key, program)
+            return program
 
     # -------------------------------------------------------------- the call
-    def __call__(self, *args: Any) -> Any:
-        if not args:
-            raise TypeError("on_cpu(fn): call with at least one positional argument")
+    def _flatten(self, args: tuple) -> tuple[list[Any], Any, list[int | None], int]:
+        """Leaves of ``args`` as arrays, their tree, validated batch axes and the batch size."""
         in_axes = self.in_axes
         if in_axes is None or isinstance(in_axes, int):
             in_axes = (in_axes,) * len(args)
-        in_axes = tuple(in_axes)
+        if not isinstance(in_axes, (tuple, list)):
+            raise ValueError(
+                f"on_cpu(fn): in_axes must be an int, None, or a tuple/list with one entry per "
+                f"positional argument, got {in_axes!r}"
+            )
         if len(in_axes) != len(args):
             raise ValueError(
                 f"in_axes has {len(in_axes)} entries but fn got {len(args)} positional arguments"
             )
-        axes = [ax for spec, arg in zip(in_axes, args) for ax in _leaf_axes(spec, arg)]
-        leaves, treedef = jax.tree.flatten(args)
-        leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+        specs = [ax for i, sa in enumerate(zip(in_axes, args)) for ax in _leaf_axes(i, *sa)]
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(args)
+        paths = ["args" + jax.tree_util.keystr(p) for p, _ in with_paths]
+        leaves = [_as_leaf(x) for _, x in with_paths]
+        axes = [_normalise_axis(ax, p, x) for ax, p, x in zip(specs, paths, leaves)]
+        return leaves, treedef, axes, _batch_size(paths, leaves, axes)
+
+    def __call__(self, *args: Any) -> Any:
+        if not args:
+            raise TypeError("on_cpu(fn): call with at least one positional argument")
+        leaves, treedef, axes, n = self._flatten(args)
         keys = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
         raw = [jax.random.key_data(x) if k is not None else x for x, k in zip(leaves, keys)]
         b_idx = [i for i, ax in enumerate(axes) if ax is not None]
         s_idx = [i for i, ax in enumerate(axes) if ax is None]
-        if not b_idx:
-            raise ValueError("on_cpu(fn) needs at least one batched argument (in_axes=0)")
-        batched = []
-        for i in b_idx:
-            if leaves[i].ndim == 0:
-                raise ValueError(f"batched argument leaf {i} is a scalar; give it in_axes=None")
-            batched.append(jnp.moveaxis(raw[i], axes[i] % leaves[i].ndim, 0))
-        rows = {int(b.shape[0]) for b in batched}
-        if len(rows) != 1:
-            raise ValueError(f"batched arguments disagree on the batch size: {sorted(rows)}")
-        (n,) = rows
+        # Concrete inputs: run the host side directly (NumPy only: an eager jnp op compiles a
+        # program per new shape), so errors reach the caller unwrapped and no callback is
+        # compiled per call.
+        eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
+        xp = np if eager else jnp
+        batched = [xp.moveaxis(raw[i], axes[i], 0) for i in b_idx]
         shared = [raw[i] for i in s_idx]
-        nb = len(batched)
-        fn = self.fn
         out_info: dict[str, Any] = {}
-
-        def flat_fn(*xs):
-            """fn on flat arrays: batched leaves (batch axis 0) then shared ones; keys as data."""
-            vals: list[Any] = [None] * len(leaves)
-            for i, x in zip(b_idx + s_idx, xs):
-                if axes[i] is not None:
-                    x = jnp.moveaxis(x, 0, axes[i] % leaves[i].ndim)
-                vals[i] = x if keys[i] is None else jax.random.wrap_key_data(x, impl=keys[i])
-            out = fn(*jax.tree.unflatten(treedef, vals))
-            outs, out_info["tree"] = jax.tree.flatten(out)
-            out_info["keys"] = [jax.random.key_impl(o) if _is_key(o) else None for o in outs]
-            return [jax.random.key_data(o) if _is_key(o) else o for o in outs]
-
+        flat_fn = _flat_fn(self.fn, treedef, axes, keys, b_idx + s_idx, out_info)
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*batched, *shared)]
         out_specs = jax.eval_shape(flat_fn, *specs)  # also raises fn's own errors, here
-        out_tree, out_keys = out_info["tree"], out_info["keys"]
         for j, o in enumerate(out_specs):
             if o.ndim == 0 or o.shape[0] != n:
                 raise ValueError(
                     f"on_cpu(fn): output leaf {j} has shape {o.shape}, expected the batch ({n}) "
                     "first; fn must return one result per row (row-independent, batch axis 0)"
                 )
-
         platform, devices, auto_mesh = _caller(leaves)
-        # How many calls of the callback one execution makes at once: one per device in a
-        # shard_map (the user's, or ours for inputs sharded over an Auto/Explicit mesh).
-        ambient = jax.sharding.get_abstract_mesh()
-        sizes, types = getattr(ambient, "axis_sizes", ()), getattr(ambient, "axis_types", ())
-        expected = math.prod(size for size, t in zip(sizes, types) if t == AxisType.Manual)
-        if auto_mesh is not None:
-            expected = auto_mesh.size
-        kind = self._choose(platform, devices)
+        kind = self._choose(platform, devices, eager)
         self.last_executor = kind
-        executor = self._executor(kind)
-        workers = executor.num_workers
-        in_ndims = [x.ndim for x in (*batched, *shared)]
-        # Programs are cached per structure and chunk shapes; constants that fn closes over are
-        # frozen into the first export, which is why changing values must be arguments.
-        sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)))
-        row_outs = [(o.shape[1:], o.dtype) for o in out_specs]
-
-        def run_rows(b: list[np.ndarray], s: list[np.ndarray]) -> list[np.ndarray]:
-            rows = b[0].shape[0]
-            if rows == 0:
-                return [np.zeros((0, *shape), dt) for shape, dt in row_outs]
-            active = min(workers, rows)
-            chunk = -(-rows // active)
-            active = -(-rows // chunk)
-            b = [_edge_pad(x, active * chunk) for x in b]
-            chunk_specs = [jax.ShapeDtypeStruct((chunk, *x.shape[1:]), x.dtype) for x in b] + [
-                jax.ShapeDtypeStruct(x.shape, x.dtype) for x in s
-            ]
-            key = (sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))
-            if kind == "process":
-                program = self._exported(flat_fn, key, chunk_specs)
-                outs = executor.run(key, program, b, s, row_outs, chunk, self.timeout)
-            else:
-                # A CPU caller that looked single-device at trace time may not be: guard it.
-                guard = (self.timeout or _INPROCESS_GUARD_S) if platform == "cpu" else None
-                outs = executor.run(flat_fn, key, nb, b, s, chunk, guard)
-            return [o[:rows] for o in outs]
-
-        def host(*flat: Any) -> list[np.ndarray]:
-            flat = [np.asarray(x) for x in flat]
-            # Under jax.vmap (vmap_method='expand_dims') every input gains leading axes: fold them
-            # into the batch, so one vmapped call still fans out over all workers.
-            lead_shapes = [x.shape[: x.ndim - d] for x, d in zip(flat, in_ndims)]
-            lead = np.broadcast_shapes(*lead_shapes)
-            if not lead:
-                req = _Request(sig, flat[:nb], flat[nb:])
-                return self._coalescer.submit(req, expected, run_rows)
-            k, m = len(lead), math.prod(lead)
-            b = [np.broadcast_to(x, lead + x.shape[k:]) for x in flat[:nb]]
-            b_rows = b[0].shape[k]
-            s = flat[nb:]
-            if all(math.prod(x.shape[:k]) == 1 for x in s):
-                b = [x.reshape(m * b_rows, *x.shape[k + 1 :]) for x in b]
-                s = [x.reshape(x.shape[k:]) for x in s]
-                outs = self._coalescer.submit(_Request(sig, b, s), expected, run_rows)
-                return [o.reshape(*lead, b_rows, *o.shape[1:]) for o in outs]
-            # Shared arguments differ along the vmapped axes: one call per vmapped element.
-            s = [np.broadcast_to(x, lead + x.shape[k:]) for x in s]
-            b = [x.reshape(m, *x.shape[k:]) for x in b]
-            s = [x.reshape(m, *x.shape[k:]) for x in s]
-            parts = [run_rows([x[i] for x in b], [x[i] for x in s]) for i in range(m)]
-            return [np.stack(p).reshape(*lead, *p[0].shape) for p in zip(*parts)]
-
-        def call(*xs):
-            xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
-            result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in row_outs]
-            outs = jax.pure_callback(host, result, *xs, vmap_method="expand_dims")
-            vma = frozenset().union(*(getattr(jax.typeof(x), "vma", frozenset()) for x in xs))
-            if vma:  # inside shard_map: each device got its own rows, so results vary too
-                outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]
-            return outs
-
-        if auto_mesh is not None:
-            # jit over inputs sharded on several devices: a bare callback would be placed on one
-            # device (and its output sharding breaks later ops), so call it once per shard.
-            names = tuple(auto_mesh.axis_names)
-            padded = -(-n // auto_mesh.size) * auto_mesh.size
-            bb = [
-                jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)]) if padded > n else x
-                for x in batched
-            ]
-            specs = (P(names),) * nb + (P(),) * len(shared)
-            args_ = [*bb, *shared]
-            explicit = any(t == AxisType.Explicit for t in auto_mesh.axis_types)
-            if explicit:
-                # Explicit axes: shard_map wants inputs that already carry its in_specs.
-                args_ = [jax.reshard(x, s) for x, s in zip(args_, specs)]
-            outs = jax.shard_map(
-                call,
-                mesh=auto_mesh,
-                in_specs=specs,
-                out_specs=P(names),
-                check_vma=False,
-            )(*args_)
-            if explicit and padded > n:  # explicit sharding cannot slice 13 rows out of 8 shards
-                outs = [jax.reshard(o, P()) for o in outs]
-            outs = [o[:n] for o in outs]
+        call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
+        call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)))
+        if eager:
+            outs = [jax.device_put(o) for o in call.run(*batched, *shared)]
+        elif auto_mesh is not None:
+            outs = _per_shard(call, auto_mesh, batched, shared, n)
         else:
-            outs = call(*batched, *shared)
+            call.expected = _manual_devices()
+            outs = call.callback(*batched, *shared)
         outs = [
             jax.random.wrap_key_data(o, impl=k) if k is not None else o
-            for o, k in zip(outs, out_keys)
+            for o, k in zip(outs, out_info["keys"])
         ]
-        return jax.tree.unflatten(out_tree, outs)
+        return jax.tree.unflatten(out_info["tree"], outs)
+
+    def _prepare(self, kind, flat_fn, nb, specs, out_specs, platform, eager) -> _Call:
+        timeout, message = self.timeout, ""
+        if kind == "inprocess":
+            if platform == "cpu" and not eager:
+                # A CPU caller that looked single-device at trace time may not be: guard it.
+                timeout = timeout or _INPROCESS_GUARD_S
+                message = f"on_cpu(executor='inprocess') did not finish within {timeout:g} s"
+                message += _DEADLOCK_HINT
+            elif timeout is not None:
+                message = (
+                    f"on_cpu(executor='inprocess') did not finish within timeout={timeout:g} s "
+                    "of starting to execute; the late execution was abandoned: it keeps the CPU "
+                    "devices busy until it finishes, later calls run after it"
+                )
+        return _Call(
+            owner=self,
+            flat_fn=flat_fn,
+            kind=kind,
+            executor=self._executor(kind),
+            nb=nb,
+            in_ndims=[x.ndim for x in specs],
+            row_outs=[(o.shape[1:], o.dtype) for o in out_specs],
+            timeout=timeout,
+            timeout_message=message,
+        )
+
+
+def _as_leaf(x: Any) -> Any:
+    """JAX arrays (and tracers) as they are; anything else as a NumPy array of the dtype JAX
+    would give it (float64 -> float32 without x64), without compiling a conversion program."""
+    if isinstance(x, jax.Array):
+        return x
+    a = np.asarray(x)
+    return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    ok = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    if not ok or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(
+            f"on_cpu: timeout must be a positive, finite number of seconds or None, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def _forget(pools: list[ProcessPool], keys: list[Any]) -> None:
+    for pool in pools:
+        pool.forget(keys)
+
+
+def _manual_devices() -> int:
+    """How many calls of the callback one execution makes at once: one per device of the
+    ambient shard_map's manual axes."""
+    ambient = jax.sharding.get_abstract_mesh()
+    sizes, types = getattr(ambient, "axis_sizes", ()), getattr(ambient, "axis_types", ())
+    return math.prod(size for size, t in zip(sizes, types) if t == AxisType.Manual)
+
+
+def _flat_fn(fn, treedef, axes, keys, order, out_info) -> Callable:
+    """fn on flat arrays: batched leaves (batch axis 0) then shared ones; keys as raw data.
+
+    Fills ``out_info`` with the output tree and key impls when traced. Holds no tracers of the
+    caller, since compiled callers keep it alive."""
+
+    def flat_fn(*xs):
+        vals: list[Any] = [None] * len(order)
+        for i, x in zip(order, xs):
+            if axes[i] is not None:
+                x = jnp.moveaxis(x, 0, axes[i])
+            vals[i] = x if keys[i] is None else jax.random.wrap_key_data(x, impl=keys[i])
+        out = fn(*jax.tree.unflatten(treedef, vals))
+        outs, out_info["tree"] = jax.tree.flatten(out)
+        out_info["keys"] = [jax.random.key_impl(o) if _is_key(o) else None for o in outs]
+        return [jax.random.key_data(o) if _is_key(o) else o for o in outs]
+
+    return flat_fn
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """The run-time side of one traced call (a compiled caller keeps it for its callback)."""
+
+    owner: OnCpu
+    flat_fn: Callable
+    kind: str
+    executor: Any
+    nb: int
+    in_ndims: list[int]
+    row_outs: list[tuple[tuple[int, ...], Any]]
+    timeout: float | None
+    timeout_message: str
+    sig: Any = None
+    expected: int = 1  # callbacks one execution makes at once, merged by the coalescer
+
+    def run_rows(self, b: list[np.ndarray], s: list[np.ndarray]) -> list[np.ndarray]:
+        """Split rows over the workers (padding to W x chunk), run, strip the padding."""
+        rows = b[0].shape[0]
+        if rows == 0:
+            return [np.zeros((0, *shape), dt) for shape, dt in self.row_outs]
+        workers = self.executor.num_workers
+        active = min(workers, rows)
+        chunk = -(-rows // active)
+        active = -(-rows // chunk)
+        b = [_edge_pad(x, active * chunk) for x in b]
+        chunk_specs = [jax.ShapeDtypeStruct((chunk, *x.shape[1:]), x.dtype) for x in b] + [
+            jax.ShapeDtypeStruct(x.shape, x.dtype) for x in s
+        ]
+        # Programs are cached per structure and chunk shapes; constants that fn closes over are
+        # frozen into the first export, which is why changing values must be arguments.
+        key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))
+        if self.kind == "process":
+            program = self.owner._exported(self.flat_fn, key, chunk_specs)
+            outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
+        else:
+            outs = self.executor.run(
+                self.flat_fn, key, self.nb, b, s, chunk, self.timeout, self.timeout_message
+            )
+        return [o[:rows] for o in outs]
+
+    def run(self, *flat: Any) -> list[np.ndarray]:
+        """The host side: NumPy inputs in, NumPy outputs out."""
+        flat = [np.asarray(x) for x in flat]
+        nb, submit = self.nb, self.owner._coalescer.submit
+        # Under jax.vmap (vmap_method='expand_dims') every input gains leading axes: fold them
+        # into the batch, so one vmapped call still fans out over all workers.
+        lead_shapes = [x.shape[: x.ndim - d] for x, d in zip(flat, self.in_ndims)]
+        lead = np.broadcast_shapes(*lead_shapes)
+        if not lead:
+            return submit(_Request(self.sig, flat[:nb], flat[nb:]), self.expected, self.run_rows)
+        k, m = len(lead), math.prod(lead)
+        b = [np.broadcast_to(x, lead + x.shape[k:]) for x in flat[:nb]]
+        b_rows = b[0].shape[k]
+        s = flat[nb:]
+        if all(math.prod(x.shape[:k]) == 1 for x in s):
+            b = [x.reshape(m * b_rows, *x.shape[k + 1 :]) for x in b]
+            s = [x.reshape(x.shape[k:]) for x in s]
+            outs = submit(_Request(self.sig, b, s), self.expected, self.run_rows)
+            return [o.reshape(*lead, b_rows, *o.shape[1:]) for o in outs]
+        # Shared arguments differ along the vmapped axes: one call per vmapped element.
+        s = [np.broadcast_to(x, lead + x.shape[k:]) for x in s]
+        b = [x.reshape(m, *x.shape[k:]) for x in b]
+        s = [x.reshape(m, *x.shape[k:]) for x in s]
+        parts = [self.run_rows([x[i] for x in b], [x[i] for x in s]) for i in range(m)]
+        return [np.stack(p).reshape(*lead, *p[0].shape) for p in zip(*parts)]
+
+    def host(self, *flat: Any) -> list[np.ndarray]:
+        """The pure_callback: records worker failures for :func:`worker_errors`."""
+        try:
+            return self.run(*flat)
+        except WorkerError as e:
+            _remember(e)
+            raise
+
+    def callback(self, *xs: Any) -> list[Any]:
+        xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
+        result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in self.row_outs]
+        outs = jax.pure_callback(self.host, result, *xs, vmap_method="expand_dims")
+        vma = frozenset().union(*(getattr(jax.typeof(x), "vma", frozenset()) for x in xs))
+        if vma:  # inside shard_map: each device got its own rows, so results vary too
+            outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]
+        return outs
+
+
+def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> list[Any]:
+    """jit over inputs sharded on several devices: a bare callback would be placed on one device
+    (and its output sharding breaks later ops), so call it once per shard."""
+    call.expected = mesh.size
+    names = tuple(mesh.axis_names)
+    padded = -(-n // mesh.size) * mesh.size
+    bb = [
+        jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)]) if padded > n else x
+        for x in batched
+    ]
+    specs = (P(names),) * len(batched) + (P(),) * len(shared)
+    args = [*bb, *shared]
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    if explicit:
+        # Explicit axes: shard_map wants inputs that already carry its in_specs.
+        args = [jax.reshard(x, s) for x, s in zip(args, specs)]
+    outs = jax.shard_map(
+        call.callback, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False
+    )(*args)
+    if explicit and padded > n:  # explicit sharding cannot slice 13 rows out of 8 shards
+        outs = [jax.reshard(o, P()) for o in outs]
+    return [o[:n] for o in outs]
 
 
 def on_cpu(
@@ -524,6 +786,7 @@ def on_cpu(
     executor: Executor = "auto",
     workers: int | None = None,
     timeout: float | None = None,
+    cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> OnCpu:
     """Run ``fn`` on all CPU cores, callable from inside ``jit``, ``shard_map``, ``vmap``, ``scan``.
 
@@ -537,8 +800,10 @@ def on_cpu(
     Args:
       fn: the function, e.g. a GRU audio synthesiser ``(params, x[B, T, 1]) -> audio[B, T]``.
       in_axes: like ``jax.vmap``: per positional argument (or pytree prefix), the batch axis
-        (an int) or ``None`` for arguments that go whole to every worker, e.g. the rollout
-        model's parameters, which may change every call (they are arguments, not constants).
+        (an int in ``[-ndim, ndim)``, negative counting from the end) or ``None`` for arguments
+        that go whole to every worker, e.g. the rollout model's parameters, which may change
+        every call (they are arguments, not constants). Mapped arguments must agree on the batch
+        size; a mismatch is a ``ValueError`` naming each argument and its size.
       executor: ``'process'``: a pool of worker processes (one CPU device and one thread each)
         fed through shared memory; safe from any caller. ``'inprocess'``: ``jit(shard_map(fn))``
         over this process's CPU devices (see :func:`rollout.configure_cpu_devices`); no process
@@ -553,14 +818,25 @@ def on_cpu(
         process has several CPU devices, else ``'process'``.
       workers: how many CPU workers (default: the CPU cores this process may use for
         ``'process'``; the CPU devices for ``'inprocess'``).
-      timeout: seconds a call may wait for its workers (default: no limit for the process
-        executor, where a dead worker is detected within 0.2 s anyway; 300 s for in-process
-        calls from CPU callers, see above).
+      timeout: seconds a call may execute, counted from when the workers start executing it
+        (compiling a new batch shape is not counted), a positive finite number or ``None``.
+        A call over it raises :class:`WorkerTimeout` within 1 s of it; the process executor
+        kills its workers (they restart on the next call), the in-process one abandons the late
+        execution (later calls queue behind it); the wrapper stays usable. Default: no limit,
+        except 300 s for in-process calls from CPU callers (see above).
+      cache_size: compiled programs (one per batch shape) kept per wrapper, in this process and
+        in each worker; the least recently used is dropped beyond it (default 32).
 
     Returns:
       An :class:`OnCpu` callable with ``fn``'s signature. Worker processes start on the first
       call and stop at ``close()`` (or ``with on_cpu(...) as f:``) and at interpreter exit.
       Wrappers with the same worker count share one pool of processes.
+
+    Errors: a worker that raises, dies or runs over ``timeout`` raises :class:`WorkerError`
+    (:class:`WorkerTimeout` for the timeout); a worker killed during a call is detected within
+    1 s. Eager calls raise it directly; inside ``jit``/``shard_map`` JAX wraps it in a
+    ``jax.errors.JaxRuntimeError``, which :func:`worker_errors` turns back into it. A worker that
+    died between calls is replaced at the next call.
 
     Gradients: none flow through ``on_cpu`` — inputs are wrapped in ``lax.stop_gradient``, so
     differentiating a loss that uses its outputs treats them as constants (zero gradient with
@@ -586,4 +862,4 @@ def on_cpu(
       True
       >>> f.close()
     """
-    return OnCpu(fn, in_axes, executor, workers, timeout)
+    return OnCpu(fn, in_axes, executor, workers, timeout, cache_size)

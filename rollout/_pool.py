@@ -1,8 +1,8 @@
 """The out-of-process executor: single-device JAX worker processes fed through shared memory.
 
 Why processes: a ``pure_callback`` that calls back into JAX deadlocks when the calling program spans
-several CPU devices (see ``shared/FIELD-NOTES.md``). Worker processes have their own JAX runtime, so
-the callback only copies NumPy arrays and waits on sockets: safe from any caller.
+several CPU devices (``tests/test_on_cpu.py`` shows it). Worker processes have their own JAX
+runtime, so the callback only copies NumPy arrays and waits on sockets: safe from any caller.
 
 Why ``subprocess`` and not ``multiprocessing``'s spawn context: spawn re-imports the user's
 ``__main__`` in every worker (a script without an ``if __name__ == "__main__"`` guard would run
@@ -36,7 +36,16 @@ _live_pools: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed: it raised (type and message quoted) or it died (exit code)."""
+    """A worker failed: it raised (type and message quoted), died (exit code) or timed out.
+
+    Raised as is by eager calls of an ``on_cpu`` function. From inside a jitted program JAX wraps
+    it in a ``jax.errors.JaxRuntimeError``; :func:`rollout.worker_errors` turns that back into this
+    exception.
+    """
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """A call ran over its ``timeout=``, counted from the start of execution (not compile)."""
 
 
 def default_workers() -> int:
@@ -95,7 +104,8 @@ class _Worker:
         )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
-        self.programs: set = set()  # program keys this worker has compiled
+        self.programs: set = set()  # program keys this worker holds compiled
+        self.drops: set = set()  # keys to tell it to forget with its next message
 
     @property
     def pid(self) -> int:
@@ -107,6 +117,14 @@ class _Worker:
             return None
         return f"on_cpu worker {self.index} (pid {self.pid}) {_describe_exit(code)}"
 
+    def death(self) -> str:
+        """Message for a worker whose socket closed: it is exiting, wait briefly for its code."""
+        try:
+            self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.dead_message() or f"on_cpu worker {self.index} closed its socket"
+
 
 class ProcessPool:
     """W worker processes, each running exported programs on one CPU device.
@@ -114,6 +132,11 @@ class ProcessPool:
     Thread-safe: a call holds the pool's lock for its whole duration (``shard_map`` calls the
     callback once per device, possibly from several threads at once), and spreads its own rows over
     all workers, so serialising calls loses no cores.
+
+    Failures: a worker that died while idle is replaced at the next call; one that dies during a
+    call, or a call that exceeds its timeout, is detected within ``_POLL_S`` (0.2 s) and raised as
+    :class:`WorkerError` / :class:`WorkerTimeout` after all workers are killed (they restart on
+    the next call). Workers keep the programs their wrappers still cache (see :meth:`forget`).
     """
 
     def __init__(self, workers: int, *, startup_timeout: float = 300.0):
@@ -122,8 +145,10 @@ class ProcessPool:
         self.num_workers = workers
         self.startup_timeout = startup_timeout
         self._lock = threading.Lock()
+        self._drop_lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._owner = os.getpid()
+        self._x64: bool | None = None
         self._shm: shared_memory.SharedMemory | None = None
         self._ids = itertools.count()
         _live_pools.add(self)
@@ -134,44 +159,68 @@ class ProcessPool:
         """Process ids of the running workers (empty before the first call and after close)."""
         return [w.pid for w in self._workers]
 
-    def _start(self) -> None:
-        import jax
-
-        env = _worker_env(bool(jax.config.jax_enable_x64))
-        self._owner = os.getpid()
-        self._workers = [_Worker(i, env) for i in range(self.num_workers)]
+    def _spawn(self, indices: Sequence[int]) -> None:
+        """Start workers at these indices (replacing what is there) and wait until they are up."""
+        env = _worker_env(bool(self._x64))
+        fresh = [_Worker(i, env) for i in indices]
+        for w in fresh:
+            self._workers[w.index] = w
         deadline = time.monotonic() + self.startup_timeout
-        pending = {w.conn: w for w in self._workers}
+        pending = {w.conn: w for w in fresh}
         while pending:
             for conn in wait(list(pending), timeout=_POLL_S):
                 w = pending.pop(conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    self._shutdown()
+                    self._shutdown(kill=True)
                     raise WorkerError(
-                        f"on_cpu worker {w.index} failed to start: {w.dead_message() or 'closed'}"
-                        " (its stderr is above)"
+                        f"on_cpu worker {w.index} failed to start: {w.death()} "
+                        "(its stderr is above)"
                     ) from None
                 assert msg[0] == "ready", msg
             for w in pending.values():
                 if (dead := w.dead_message()) is not None:
-                    self._shutdown()
+                    self._shutdown(kill=True)
                     raise WorkerError(f"{dead} while starting (its stderr is above)")
             if time.monotonic() > deadline:
-                self._shutdown()
+                self._shutdown(kill=True)
                 raise WorkerError(
                     f"on_cpu workers did not start within {self.startup_timeout:.0f} s; "
                     "is the machine overloaded? Pass fewer workers."
                 )
 
-    def _shutdown(self) -> None:
-        workers, self._workers = self._workers, []
+    def _ensure_workers(self) -> None:
+        """Start the pool, restart it for a changed x64 setting, replace workers that died idle."""
+        import jax
+
+        x64 = bool(jax.config.jax_enable_x64)
+        if self._workers and (x64 != self._x64 or os.getpid() != self._owner):
+            self._shutdown()  # dtypes of the exported programs follow x64: workers must match
+        if not self._workers:
+            self._x64, self._owner = x64, os.getpid()
+            self._workers = [None] * self.num_workers  # type: ignore[list-item]
+            self._spawn(range(self.num_workers))
+            return
+        dead = [w for w in self._workers if w.proc.poll() is not None]
+        for w in dead:
+            w.conn.close()
+        if dead:
+            self._spawn([w.index for w in dead])
+
+    def _shutdown(self, kill: bool = False) -> None:
+        """Stop all workers: politely (``close`` message, 5 s grace), or at once with ``kill``,
+        for workers that are busy with a call nobody waits for any more."""
+        workers, self._workers = [w for w in self._workers if w is not None], []
         if workers and os.getpid() != self._owner:
-            return  # a forked child: the workers belong to the parent, leave them alone
+            self._shm = None  # a forked child: the workers and the block belong to the parent
+            return
         for w in workers:
             try:
-                w.conn.send(("close",))
+                if kill:
+                    w.proc.kill()
+                else:
+                    w.conn.send(("close",))
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + 5.0
@@ -194,6 +243,14 @@ class ProcessPool:
         """Stop the workers and free the shared memory. The pool restarts on its next call."""
         with self._lock:
             self._shutdown()
+
+    def forget(self, keys: Sequence[object]) -> None:
+        """Let the workers drop these programs (a wrapper evicted them from its cache); they are
+        told with their next call, and get the program again if the key comes back."""
+        with self._drop_lock:
+            for w in self._workers:
+                if w is not None:
+                    w.drops.update(keys)
 
     # ------------------------------------------------------------------ one call
     def _buffer(self, size: int) -> shared_memory.SharedMemory:
@@ -219,73 +276,68 @@ class ProcessPool:
 
         ``batched`` leaves are already padded to a multiple of ``chunk``; ``shared`` leaves go
         whole to every worker; ``outs`` are the per-row (shape, dtype) of the outputs. Returns
-        outputs with all (padded) rows.
+        outputs with all (padded) rows. ``timeout``: seconds each worker may execute, counted
+        from when it starts executing (after loading and compiling the program).
         """
         rows = batched[0].shape[0]
         active = rows // chunk
         if active > self.num_workers or active * chunk != rows:
             raise ValueError(f"{rows} rows do not split into <= {self.num_workers} x {chunk}")
         with self._lock:
-            if not self._workers:
-                self._start()
-            # Layout: batched inputs, shared inputs, outputs, each 64-byte aligned.
-            offset = 0
-            layout = []
+            self._ensure_workers()
             arrays = [*batched, *shared]
             out_full = [((rows, *shape), np.dtype(dt)) for shape, dt in outs]
-            for shape, dt in [(a.shape, a.dtype) for a in arrays] + out_full:
-                layout.append(offset)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-            shm = self._buffer(offset)
+            layout, size = _layout([(a.shape, a.dtype) for a in arrays] + out_full)
+            shm = self._buffer(size)
             for a, off in zip(arrays, layout, strict=False):
                 np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=off)[...] = a
-            nb, na = len(batched), len(arrays)
             call_id = next(self._ids)
             pending = {}
             for i in range(active):
                 w = self._workers[i]
-                ins = []
-                for j, a in enumerate(arrays):
-                    row = a[0].nbytes if j < nb else 0
-                    shape = (chunk, *a.shape[1:]) if j < nb else a.shape
-                    ins.append((layout[j] + i * chunk * row, shape, a.dtype.str))
-                outs_i = []
-                for j, (shape, dt) in enumerate(out_full):
-                    row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
-                    outs_i.append((layout[na + j] + i * chunk * row, (chunk, *shape[1:]), dt.str))
+                ins = _slices(arrays, layout, len(batched), i, chunk)
+                outs_i = _slices_out(out_full, layout[len(arrays) :], i, chunk)
+                with self._drop_lock:
+                    drops, w.drops = list(w.drops & w.programs), set()
+                w.programs.difference_update(drops)
                 send = None if key in w.programs else program
+                msg = ("run", call_id, shm.name, shm.size, key, send, ins, outs_i, drops)
                 try:
-                    w.conn.send(("run", call_id, shm.name, shm.size, key, send, ins, outs_i))
+                    w.conn.send(msg)
                 except OSError:
                     pass  # a dead worker is reported below with its exit code
                 w.programs.add(key)
                 pending[w.conn] = w
             self._collect(pending, key, timeout)
-            results = [
+            na = len(arrays)
+            return [
                 np.array(np.ndarray(shape, dt, buffer=shm.buf, offset=layout[na + j]))
                 for j, (shape, dt) in enumerate(out_full)
             ]
-            return results
 
     def _collect(self, pending: dict, key: object, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        errors = []
+        """Wait for every worker's answer; raise what failed (killing the pool if one died or
+        ran out of time, since its peers would otherwise keep computing a dropped result)."""
+        errors: list[str] = []
+        broken: type[WorkerError] | None = None
+        started: dict = {}  # conn -> when its worker started executing
         while pending:
             for conn in wait(list(pending), timeout=_POLL_S):
-                w = pending.pop(conn)
+                w = pending[conn]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    try:
-                        w.proc.wait(timeout=5.0)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    errors.append(w.dead_message() or f"on_cpu worker {w.index} closed its socket")
+                    pending.pop(conn)
+                    errors.append(w.death())
+                    broken = broken or WorkerError
                     continue
+                if msg[0] == "start":
+                    started[conn] = time.monotonic()
+                    continue
+                pending.pop(conn)
                 if msg[0] == "err":
                     _, _, tname, text, tb = msg
-                    w.programs.discard(key)  # resend the program next time, it may not have loaded
+                    w.programs.discard(key)  # the worker dropped it too: resend next time
                     errors.append(
                         f"on_cpu worker {w.index} (pid {w.pid}) raised {tname}: {text}\n"
                         f"--- worker traceback ---\n{tb}"
@@ -294,15 +346,55 @@ class ProcessPool:
                 if (dead := w.dead_message()) is not None:
                     pending.pop(conn)
                     errors.append(dead)
-            if deadline is not None and pending and time.monotonic() > deadline:
-                errors.append(f"on_cpu workers did not answer within {timeout} s")
-                break
+                    broken = broken or WorkerError
+            now = time.monotonic()
+            late = [
+                w
+                for c, w in pending.items()
+                if timeout is not None and c in started and now - started[c] > timeout
+            ]
+            if late:
+                errors.append(
+                    f"on_cpu worker {late[0].index} (pid {late[0].pid}) did not finish within "
+                    f"timeout={timeout:g} s of starting to execute; the workers were stopped and "
+                    "restart on the next call"
+                )
+                broken = WorkerTimeout
+            if broken is not None:
+                break  # the call cannot complete: do not wait for the other workers
+        if broken is not None:
+            self._shutdown(kill=True)
         if errors:
-            crashed = any("raised" not in e for e in errors)
-            if crashed:
-                # A dead or stuck worker leaves the pool unusable: restart it on the next call.
-                self._shutdown()
-            raise WorkerError("; ".join(errors))
+            raise (broken or WorkerError)("; ".join(errors))
+
+
+def _layout(items: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
+    """64-byte aligned offsets of arrays laid out one after another, and the total size."""
+    offset, layout = 0, []
+    for shape, dt in items:
+        layout.append(offset)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def _slices(arrays, layout, nb, i, chunk) -> list[tuple[int, tuple[int, ...], str]]:
+    """Worker ``i``'s inputs: its ``chunk`` rows of the batched arrays, all of the shared ones.
+    Dtypes travel by name: ``dtype.str`` of bfloat16 is the anonymous ``'<V2'``."""
+    ins = []
+    for j, a in enumerate(arrays):
+        row = a[0].nbytes if j < nb else 0
+        shape = (chunk, *a.shape[1:]) if j < nb else a.shape
+        ins.append((layout[j] + i * chunk * row, shape, a.dtype.name))
+    return ins
+
+
+def _slices_out(out_full, layout, i, chunk) -> list[tuple[int, tuple[int, ...], str]]:
+    outs = []
+    for j, (shape, dt) in enumerate(out_full):
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
+        outs.append((layout[j] + i * chunk * row, (chunk, *shape[1:]), dt.name))
+    return outs
 
 
 _shared: dict[int, ProcessPool] = {}

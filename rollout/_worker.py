@@ -6,12 +6,14 @@ already pins JAX to one CPU device and one thread (``JAX_PLATFORMS=cpu``, ``JAX_
 
 Protocol over the socket ``FD`` (pickled tuples through ``multiprocessing.connection``):
 
-- parent -> worker: ``("run", call_id, shm_name, shm_size, key, program, ins, outs)`` where
-  ``program`` is the pickled ``jax.export.Exported`` of the chunk function (sent once per key) or
-  ``None``, and ``ins``/``outs`` are ``(offset, shape, dtype)`` slices of the shared memory block;
-  ``("close",)`` to exit.
-- worker -> parent: ``("ready", pid)`` once JAX is imported, then per run ``("ok", call_id)`` or
-  ``("err", call_id, type_name, message, traceback_text)``.
+- parent -> worker: ``("run", call_id, shm_name, shm_size, key, program, ins, outs, drops)``
+  where ``program`` is the pickled ``jax.export.Exported`` of the chunk function (sent once per
+  key) or ``None``, ``ins``/``outs`` are ``(offset, shape, dtype name)`` slices of the shared
+  memory block, and ``drops`` are keys of programs to forget (the parent decides what is cached,
+  so both sides agree on it); ``("close",)`` to exit.
+- worker -> parent: ``("ready", pid)`` once JAX is imported, then per run ``("start", call_id)``
+  once the program is compiled (a ``timeout=`` counts from here), and ``("ok", call_id)`` or
+  ``("err", call_id, type_name, message, traceback_text)``. A failed run drops its program.
 
 The worker imports nothing from the ``rollout`` package (the program arrives as StableHLO), so user
 closures are never pickled and the worker starts as fast as ``import jax`` allows.
@@ -63,22 +65,25 @@ def main(fd: int) -> None:
                 return  # parent went away: exit quietly
             if msg[0] == "close":
                 return
-            _, call_id, name, size, key, program, ins, outs = msg
+            _, call_id, name, size, key, program, ins, outs, drops = msg
+            for k in drops:
+                programs.pop(k, None)
             try:
                 if name != shm_name:
                     if shm is not None:
                         shm.close()
                     shm, shm_name = _attach(name, size), name
                 buf = shm.buf
-                if key not in programs:
-                    if program is None:
-                        raise RuntimeError(f"worker has no program for key {key!r}")
-                    exported = pickle.loads(program)  # a jax.export.Exported
-                    programs[key] = jax.jit(exported.call)
                 args = [
                     np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)
                     for off, shape, dt in ins
                 ]
+                if key not in programs:
+                    if program is None:
+                        raise RuntimeError(f"worker has no program for key {key!r}")
+                    exported = pickle.loads(program)  # a jax.export.Exported
+                    programs[key] = jax.jit(exported.call).lower(*args).compile()
+                conn.send(("start", call_id))
                 results = programs[key](*args)
                 for (off, shape, dt), res in zip(outs, results, strict=True):
                     np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
@@ -86,6 +91,8 @@ def main(fd: int) -> None:
                 args = results = buf = None
                 conn.send(("ok", call_id))
             except BaseException as e:  # report everything; the parent decides what to raise
+                args = results = buf = None
+                programs.pop(key, None)
                 conn.send(("err", call_id, type(e).__name__, str(e), traceback.format_exc()))
     finally:
         if shm is not None:

@@ -265,20 +265,17 @@ def test_worker_side_exception_names_its_type(rollout_fn, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_raises_then_pool_restarts():
+def test_worker_killed_while_idle_is_replaced():
     f = on_cpu(synth, in_axes=(None, 0), workers=W, executor="process")
     step = jax.jit(f)
     try:
         p, x = params_for(10), fresh(10, 6, 24)
         close(step(p, x), synth(p, x))
-        victim = f.pids[1]
+        survivor, victim = f.pids
         os.kill(victim, signal.SIGKILL)
         time.sleep(0.2)
-        with pytest.raises(Exception, match=rf"pid {victim}\) was killed by signal SIGKILL"):
-            step(p, x).block_until_ready()
-        assert f.pids == []  # the broken pool was shut down...
-        close(step(p, x), synth(p, x))  # ...and restarts on the next call
-        assert len(f.pids) == W
+        close(step(p, x), synth(p, x))  # the dead worker is replaced, the other one kept
+        assert f.pids[0] == survivor and f.pids[1] != victim and len(f.pids) == W
         started = set(f.pids)
     finally:
         f.close()
@@ -329,7 +326,7 @@ print("done", flush=True)
 
 @pytest.mark.timeout(60)
 def test_naive_pattern_hangs_in_a_subprocess():
-    """The seed's pure_callback + pmap from an 8-device CPU shard_map never returns (killed)."""
+    """The naive pure_callback + pmap from an 8-device CPU shard_map never returns (killed)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", NAIVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -341,7 +338,9 @@ def test_naive_pattern_hangs_in_a_subprocess():
         out, _ = proc.communicate()
         hung = True
     assert "start" in out, out
-    assert hung and "done" not in out, f"no hang (rc {proc.returncode}): FIELD-NOTES is outdated"
+    assert hung and "done" not in out, (
+        f"no hang (rc {proc.returncode}): the deadlock is fixed in JAX"
+    )
 
 
 UNDETECTED = """
@@ -405,8 +404,8 @@ def test_workers_stop_at_interpreter_exit():
 
 
 @pytest.mark.timeout(120)
-def test_seed_scenario_with_nnx_jit_and_shard_map(rollout_fn):
-    """The seed's train step: nnx.jit + nnx.shard_map, an nnx.RNN rollout model whose weights
+def test_rollout_train_step_with_nnx_jit_and_shard_map(rollout_fn):
+    """The motivating train step: nnx.jit + nnx.shard_map, an nnx.RNN rollout model whose weights
     change every step (an argument), the rollout on CPU workers, a model trained on its output."""
     import optax
     from flax import nnx

@@ -1,0 +1,409 @@
+"""rollout.on_cpu under bad input and failures: clear errors, every dtype, dead and slow workers,
+timeouts, bounded caches. References are the direct computation (fn called without on_cpu)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing import Pipe
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rollout
+from rollout import on_cpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W = 2
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def spin(x, n):
+    """Runs ``n`` dependent iterations per row: as long as we like, whatever the load."""
+
+    def body(c):
+        return c[0] * 1.0000001 + jnp.sin(c[0]) * 1e-7, c[1] + 1
+
+    return jax.lax.while_loop(lambda c: c[1] < n, body, (x, jnp.int32(0)))[0]
+
+
+def same(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+    np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.timeout(60)
+def test_out_of_range_in_axes_is_an_error_and_negative_axes_work():
+    f = on_cpu(lambda x: x * 2, in_axes=1, workers=W)
+    with pytest.raises(
+        ValueError, match=r"in_axes=1 is out of range for args\[0\] of shape \(5,\)"
+    ):
+        f(jnp.ones(5))
+    f3 = on_cpu(lambda x: x * 2, in_axes=3, workers=W)
+    with pytest.raises(ValueError, match=r"in_axes=3 .* shape \(4, 5\) \(2-D\).*\[-2, 1\]"):
+        jax.jit(f3)(jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"in_axes=-3 is out of range"):
+        on_cpu(lambda x: x, in_axes=-3, workers=W)(jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"in_axes for args\[0\] is 0.5"):
+        on_cpu(lambda x: x, in_axes=(0.5,), workers=W)(jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"in_axes must be an int, None, or a tuple"):
+        on_cpu(lambda x: x, in_axes=0.5, workers=W)(jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"args\[0\] is a scalar"):
+        on_cpu(lambda x: x, workers=W)(jnp.float32(1))
+    with pytest.raises(ValueError, match=r"in_axes\[0\] = \{'b': 0\} is not a prefix"):
+        on_cpu(lambda p: p["a"], in_axes=({"b": 0},), workers=W)({"a": jnp.ones(3)})
+    # Negative axes count from the end, like jax.vmap: -1 on (T, B) maps over B.
+    x = jax.random.normal(jax.random.key(0), (6, 5))  # time-major: 5 rows of 6 steps
+    neg = on_cpu(lambda x: jnp.cumsum(x, axis=0).T, in_axes=-1, workers=W)  # out: rows first
+    want = np.cumsum(np.asarray(x).T, axis=1)  # per row, computed by NumPy
+    np.testing.assert_allclose(neg(x), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(neg)(x), want, rtol=1e-5, atol=1e-5)
+    neg.close()
+
+
+@pytest.mark.timeout(60)
+def test_batch_size_mismatch_names_the_arguments():
+    f = on_cpu(lambda p, x: x * p["w"][:, None], workers=W)  # forgot in_axes=(None, 0)
+    with pytest.raises(ValueError) as err:
+        jax.jit(f)({"w": jnp.ones(3)}, jnp.ones((5, 2)))
+    msg = str(err.value)
+    assert "args[0]['w'] has 3 (axis 0 of shape (3,))" in msg, msg
+    assert "args[1] has 5 (axis 0 of shape (5, 2))" in msg, msg
+    assert "in_axes=None" in msg, msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", [0, -1, "5", float("inf"), float("nan"), True])
+def test_bad_timeout_refused_at_construction(bad):
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
+        on_cpu(lambda x: x, timeout=bad)
+
+
+@pytest.mark.timeout(30)
+def test_bad_workers_and_cache_size_refused():
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        on_cpu(lambda x: x, workers="2")
+    with pytest.raises(ValueError, match="cache_size must be a positive int"):
+        on_cpu(lambda x: x, cache_size=0)
+
+
+# ------------------------------------------------------------------------------ dtypes
+
+DTYPES = ["bfloat16", "float16", "int8", "uint8", "int16", "int32", "bool", "complex64"]
+
+
+def dtype_fn(x, s):
+    """Row-wise, exact in every dtype (integers wrap the same way on both paths)."""
+    if x.dtype == jnp.bool_:
+        return {"y": x ^ s, "n": jnp.sum(x, axis=1)}
+    return {"y": x * s + x, "first": x[:, :1]}
+
+
+def dtype_inputs(name, rows=5):
+    vals = np.arange(rows * 3).reshape(rows, 3) % 7 - 3
+    if name == "bool":
+        return jnp.asarray(vals > 0), jnp.bool_(True)
+    if name.startswith("uint"):
+        vals = np.abs(vals) * 40  # 120 * 3 overflows uint8: wraps identically on both paths
+    return jnp.asarray(vals).astype(name), jnp.asarray(3).astype(name)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("executor", ["process", "inprocess"])
+def test_every_dtype_round_trips(executor):
+    f = on_cpu(dtype_fn, in_axes=(0, None), workers=W, executor=executor)
+    try:
+        for name in DTYPES:
+            x, s = dtype_inputs(name)
+            want = dtype_fn(x, s)
+            for call in (f, jax.jit(f)):
+                got = call(x, s)
+                for k in want:
+                    same(got[k], want[k])
+    finally:
+        f.close()
+
+
+INT64 = """
+import jax, jax.numpy as jnp, numpy as np
+from rollout import on_cpu
+g = on_cpu(lambda x: x + 1, workers=2, executor="process")
+np.testing.assert_array_equal(g(np.ones((4, 2))), np.full((4, 2), 2, np.float32))  # x64 off
+jax.config.update("jax_enable_x64", True)  # the running workers are restarted to match
+x = jnp.asarray(np.arange(12).reshape(4, 3) * (2**40 + 1), jnp.int64)
+fn = lambda x: x * 3 + 2**33
+for ex in ("process", "inprocess"):
+    f = on_cpu(fn, workers=2, executor=ex)
+    for g in (f, jax.jit(f)):
+        y = g(x)
+        assert y.dtype == jnp.int64, y.dtype
+        np.testing.assert_array_equal(y, np.asarray(x) * 3 + 2**33)
+    f.close()
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_int64_round_trips_with_x64():
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="2")
+    res = subprocess.run(
+        [sys.executable, "-c", INT64], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+def _kill_when_busy(f, delay, box):
+    """Kill worker 1 ``delay`` s after the pool starts a call (its lock is taken)."""
+    pool = f._executor("process")
+    while not pool._lock.locked():
+        time.sleep(0.01)
+    time.sleep(delay)
+    box["victim"] = f.pids[1]
+    box["t"] = time.monotonic()
+    os.kill(box["victim"], signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("jitted", [False, True])
+def test_worker_killed_mid_call_raises_worker_error_promptly(jitted):
+    f = on_cpu(spin, in_axes=(0, None), workers=W, executor="process", timeout=60)
+    call = jax.jit(f) if jitted else f
+    x = jnp.ones((4, 3))
+    try:
+        same(call(x, 10), spin(x, 10))  # workers up and the program compiled
+        box: dict = {}
+        killer = threading.Thread(target=_kill_when_busy, args=(f, 0.5, box))
+        killer.start()
+        with pytest.raises(rollout.WorkerError) as err:
+            with rollout.worker_errors():
+                call(x, 2**31 - 1).block_until_ready()
+        late = time.monotonic() - box["t"]
+        killer.join()
+        assert rf"pid {box['victim']}) was killed by signal SIGKILL" in str(err.value)
+        assert late < 3.0, f"reported {late:.1f} s after the kill (documented: within 1 s)"
+        if jitted:  # raised again from JAX's error, which stays attached
+            assert err.value.__cause__ is not None
+        same(call(x, 10), spin(x, 10))  # the pool restarts
+        assert len(f.pids) == W and box["victim"] not in f.pids
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(120)
+def test_worker_error_without_the_context_manager_still_names_it(monkeypatch):
+    f = on_cpu(lambda x: x + 1, workers=W, executor="process")
+    try:
+        monkeypatch.setattr(type(f), "_exported", lambda self, *a: b"not a program")
+        with pytest.raises(rollout.WorkerError, match="raised UnpicklingError"):
+            f(jnp.ones((3, 2)))  # eager: the WorkerError itself
+        with pytest.raises(Exception, match=r"WorkerError: .*raised UnpicklingError") as err:
+            jax.jit(f)(jnp.ones((3, 2))).block_until_ready()
+        assert not isinstance(err.value, rollout.WorkerError)  # JAX's wrapper, as documented
+        monkeypatch.undo()
+        same(f(jnp.ones((3, 2))), jnp.full((3, 2), 2.0))
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(180)
+def test_dead_idle_workers_all_replaced():
+    f = on_cpu(lambda x: x * 3, workers=W, executor="process")
+    try:
+        x = jnp.arange(10.0).reshape(5, 2)
+        same(f(x), x * 3)
+        old = f.pids
+        for pid in old:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.3)
+        same(jax.jit(f)(x), x * 3)
+        assert len(f.pids) == W and not set(old) & set(f.pids)
+    finally:
+        f.close()
+
+
+# ------------------------------------------------------------------------------ timeouts
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("jitted", [False, True])
+def test_process_timeout_fires_on_time_and_the_wrapper_stays_usable(jitted):
+    f = on_cpu(spin, in_axes=(0, None), workers=W, executor="process", timeout=1.0)
+    call = jax.jit(f) if jitted else f
+    x = jnp.ones((4, 3))
+    try:
+        same(call(x, 10), spin(x, 10))  # compiled: the next call only executes
+        t0 = time.monotonic()
+        with pytest.raises(rollout.WorkerTimeout, match=r"did not finish within timeout=1 s"):
+            with rollout.worker_errors():
+                call(x, 2**31 - 1).block_until_ready()
+        took = time.monotonic() - t0
+        assert took < 3.0, f"timeout=1 fired after {took:.1f} s"
+        same(call(x, 10), spin(x, 10))
+        same(call(x, 12), spin(x, 12))
+    finally:
+        f.close()
+
+
+class _FakeWorker:
+    """The parent side of a worker whose answers a thread scripts: (delay, message) pairs."""
+
+    def __init__(self, script):
+        self.conn, child = Pipe()
+        self._child = child  # kept open: a closed end reads as a dead worker
+        self.index, self.pid, self.programs = 0, os.getpid(), set()
+
+        def play():
+            for delay, msg in script:
+                time.sleep(delay)
+                child.send(msg)
+
+        threading.Thread(target=play, daemon=True).start()
+
+    def dead_message(self):
+        return None
+
+    def death(self):
+        return "closed"
+
+
+@pytest.mark.timeout(30)
+def test_timeout_counts_from_start_of_execution_not_compile():
+    from rollout._pool import ProcessPool, WorkerTimeout
+
+    pool = ProcessPool(1)
+    # 1.5 s of loading and compiling, then 0.3 s of execution: within timeout=1.
+    w = _FakeWorker([(1.5, ("start", 0)), (0.3, ("ok", 0))])
+    pool._collect({w.conn: w}, "key", timeout=1.0)
+    # Execution that does not end: raised within a poll interval of the timeout.
+    w = _FakeWorker([(1.0, ("start", 0))])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout):
+        pool._collect({w.conn: w}, "key", timeout=0.5)
+    assert time.monotonic() - t0 < 1.0 + 0.5 + 1.0
+
+
+INPROCESS_TIMEOUT = """
+import threading, time, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+import rollout
+def spin(x, n):
+    body = lambda c: (c[0] * 1.0000001 + jnp.sin(c[0]) * 1e-7, c[1] + 1)
+    return jax.lax.while_loop(lambda c: c[1] < n, body, (x, jnp.int32(0)))[0]
+x = jnp.ones((4, 3))
+t = time.monotonic(); jax.jit(spin)(x, 2**20).block_until_ready()
+t = time.monotonic(); jax.jit(spin)(x, 2**20).block_until_ready(); per = time.monotonic() - t
+n = int(min(2**31 - 1, 3.0 / max(per, 1e-6) * 2**20))  # about 3 s of work
+f = rollout.on_cpu(spin, in_axes=(0, None), workers=2, executor="inprocess", timeout=1.0)
+np.testing.assert_array_equal(f(x, 10), spin(x, 10))
+t = time.monotonic()
+try:
+    f(x, n)
+    raise SystemExit("no timeout")
+except rollout.WorkerTimeout as e:
+    print("timeout after %.2f s" % (time.monotonic() - t), flush=True)
+deadline = time.monotonic() + 60  # the abandoned execution finishes in the background
+while any(t.name == "on_cpu-inprocess" for t in threading.enumerate()):
+    assert time.monotonic() < deadline
+    time.sleep(0.1)
+np.testing.assert_array_equal(f(x, 12), spin(x, 12))
+np.testing.assert_array_equal(jax.jit(f)(x, 14), spin(x, 14))
+print("usable", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_inprocess_timeout_then_later_calls_work():
+    res = subprocess.run(
+        [sys.executable, "-c", INPROCESS_TIMEOUT],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=ENV,
+    )
+    assert res.returncode == 0 and "usable" in res.stdout, res.stdout + res.stderr[-3000:]
+    took = float(res.stdout.split("timeout after ")[1].split()[0])
+    assert took < 3.0, res.stdout
+
+
+# ------------------------------------------------------------------------------ caches
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("executor", ["process", "inprocess"])
+def test_compiled_shapes_are_bounded_and_evicted_shapes_still_work(executor):
+    f = on_cpu(lambda x: jnp.tanh(x) * 2, workers=W, executor=executor, cache_size=3)
+    try:
+        for rows in [2, 4, 6, 8, 10, 2, 4, 12, 2]:  # 2 and 4 come back after eviction
+            x = jnp.linspace(-1, 1, rows * 3).reshape(rows, 3)
+            want = np.tanh(np.asarray(x)) * 2
+            np.testing.assert_allclose(f(x), want, rtol=1e-6)
+            np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+            if executor == "process":
+                assert len(f._exports) <= 3
+                pool = f._pool
+                for w in pool._workers:  # what each worker holds, as the parent tracks it
+                    assert len(w.programs - w.drops) <= 3
+            else:
+                assert len(f._inprocess._compiled) <= 3
+    finally:
+        f.close()
+
+
+def test_lru_evicts_least_recently_used():
+    from rollout._on_cpu import _LRU
+
+    gone: list = []
+    lru = _LRU(2, on_evict=gone.extend)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1  # a is now the most recent
+    lru.put("c", 3)
+    assert gone == ["b"] and lru.keys() == ["a", "c"] and lru.get("b") is None
+    lru.clear()
+    assert sorted(gone) == ["a", "b", "c"] and len(lru) == 0
+
+
+WRAPPER_DROPPED = textwrap.dedent(
+    """
+    import gc, jax, jax.numpy as jnp
+    from rollout import on_cpu
+    from rollout._pool import shared_pool
+    pool = shared_pool(2)
+    held = lambda: [len(w.programs - w.drops) for w in pool._workers]  # as the parent tracks it
+    for i in range(3):
+        f = on_cpu(lambda x, i=i: x + i, workers=2, executor="process")
+        f(jnp.ones((4, 2)))
+        print(*held(), flush=True)  # the replaced wrapper's program is dropped
+    del f
+    gc.collect()
+    print(*held(), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_dropped_wrappers_release_their_worker_programs():
+    """A garbage-collected wrapper tells the workers to drop its programs."""
+    res = subprocess.run(
+        [sys.executable, "-c", WRAPPER_DROPPED],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=ENV,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:4] == ["1 1"] * 3 + ["0 0"], res.stdout
