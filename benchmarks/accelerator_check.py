@@ -6,7 +6,7 @@ rest still run):
 - ``accelerator``, ``versions``, ``device``: the device JAX found (a missing GPU is the row
   "no GPU: skipped", not a failure), jax / jaxlib / CUDA plugin versions (``importlib.metadata``),
   device kind and platform version, host cores and CPU devices.
-- ``ensemble placement``: an 8-member ensemble of the seed's MLP (``examples/memory_reduction.py``,
+- ``ensemble placement``: an 8-member ensemble of the MLP (``examples/memory_reduction.py``,
   5000 hidden units) built with ``ensemble.build`` on the accelerator, one donated
   ``ensemble.train_step``; ``ensemble.assert_member_placement`` and
   ``assert_no_replicated_members`` on parameters + Adam state, donated inputs freed, loss finite.
@@ -83,9 +83,9 @@ PACKAGES = (
 class Sizes:
     """Problem sizes; FULL for an accelerator, DRY for a quick run anywhere."""
 
-    members: int = 8  # ensemble members (the seed's ensemble)
-    hidden: int = 5000  # the seed MLP's hidden units
-    input_dim: int = 20  # the seed's input features
+    members: int = 8  # ensemble members
+    hidden: int = 5000  # the MLP's hidden units
+    input_dim: int = 20  # the MLP's input features
     batch: int = 1024  # shared batch of the train step
     rollout_batch: int = 256  # on_cpu rows (benchmarks/rollout.py's batch 256)
     samples: int = 2048  # audio samples per row
@@ -262,7 +262,7 @@ def check_environment(ctx: Context) -> list[Row]:
 
 
 def check_ensemble(ctx: Context) -> list[Row]:
-    """The seed's MLP ensemble on the accelerator: placement after a donated step, its memory."""
+    """The MLP ensemble on the accelerator: placement after a donated step, its memory."""
     import jax
     import jax.numpy as jnp
     import optax

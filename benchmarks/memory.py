@@ -10,7 +10,7 @@ D devices used, it measures:
 - ``step``: peak of the compiled, donated train step (argument + output + temp - alias), with
   its ``alias`` (donated bytes reused) and ``temp`` (activations, gradients).
 
-The 1-device figure is the whole ensemble on one device; the goal (issue 2) is that each device
+The 1-device figure is the whole ensemble on one device; the goal is that each device
 needs no more than its share: ``ratio = per_device(D) / (per_device(1) / D) <= 1.05`` for the
 state and for the train step. The batch is shared by all members (replicated, a constant per
 device), so it is kept small next to the parameters, as in real ensembles.

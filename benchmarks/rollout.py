@@ -2,7 +2,7 @@
 
 Rows of the table, for each batch size:
 
-- ``naive``: ``jax.jit(render)`` on one CPU device (the seed's first attempt: everything on one
+- ``naive``: ``jax.jit(render)`` on one CPU device (the naive first attempt: everything on one
   device; with one thread per device that is one core).
 - ``direct``: the same function called directly, ``jit(shard_map(render))`` over k CPU devices,
   no callback: the reference for the callback's overhead at k cores.
@@ -12,7 +12,7 @@ Rows of the table, for each batch size:
 
 speed-up = samples/s over one core (the faster of naive and direct at k=1); overhead = time /
 direct time at the same k, minus 1; both from the best of ``--reps`` rounds (medians printed too).
-Goals (issue 3): speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
+Goals: speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
 
     python benchmarks/rollout.py                 # ~2 min on 2 cores
     python benchmarks/rollout.py --batches 64 256 1024 --samples 4096 --reps 7

@@ -1,8 +1,9 @@
 """Chex-style assertions that an ensemble's state really sits where it claims to.
 
 Metadata is not placement: a variable annotated ``('ensemble', ...)`` can still be replicated on
-every device (see the NNX pitfall in the field notes). These checks read ``addressable_shards``
-(``shard.index`` and ``shard.device``) of the actual arrays, never the sharding annotations.
+every device (NNX's transform metadata alone does exactly that). These checks read
+``addressable_shards`` (``shard.index`` and ``shard.device``) of the actual arrays, never the
+sharding annotations.
 
 All three raise ``AssertionError`` (prefixed ``[Chex]``), accept chex's auxiliary keyword arguments
 (``custom_message=``, ``exception_type=``, ...) and are switched off by ``chex.disable_asserts()``,

@@ -1,4 +1,4 @@
-"""The seed-000 scenario done right: a sharded train step whose loss runs a GRU rollout on CPU.
+"""CPU-heavy work inside a sharded train step: its loss runs a GRU rollout on the CPU cores.
 
 A jitted train step, with its batch sharded over every device, synthesises audio sample by sample
 with a GRU whose weights change every step (a non-static rollout model), on all CPU cores through

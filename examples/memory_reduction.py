@@ -1,15 +1,17 @@
-"""Seed 002 reproduced and fixed: does an ensemble spread over D devices use 1/D of the memory?
+"""A reported ensemble that did not shrink, reproduced and fixed.
 
-A user built the seed's MLP (Dense 5000 hidden, xavier init, logical annotations
+Does an ensemble spread over D devices use 1/D of the memory?
+
+A user built an MLP (Dense 5000 hidden, xavier init, logical annotations
 ``('input', 'hidden')`` / ``('hidden', 'output')``, no biases) as an ``nn.vmap`` ensemble, sharded
 it over 2 GPUs and saw per-GPU memory go from 2447 MB to 2193 MB instead of halving. This script
 runs the same ensemble of ``--members`` (default 8) members on D = 1, 2, 4, 8 devices two ways:
 
-- ``seed``: the seed's code. ``jax.jit(model.init)`` without ``out_shardings``, no logical rules
+- ``naive``: the reported code. ``jax.jit(model.init)`` without ``out_shardings``, no logical rules
   and no mesh in scope (so every ``with_logical_constraint`` is a silent no-op), plain
   ``optax.adam`` and a train step without donation. The input is placed on the mesh, so
   everything computed from it is *replicated* on all D devices: per-device memory stays flat.
-- ``advice``: the seed's code with the advice the thread gave applied by hand: rules and mesh
+- ``advice``: the reported code with the advice the thread gave applied by hand: rules and mesh
   in scope, init jitted with ``out_shardings`` from the logical annotations, donation. The
   parameters are sharded, but ``jax.jit(tx.init)`` puts Adam's moments on every device (and
   donation cannot reuse them): per-device memory falls, far from 1/D.
@@ -32,7 +34,7 @@ Memory is a property of each device's own buffers (compiled per-device sizes, sh
 device), so the unused devices change nothing, and one process compiles much faster than four.
 
 Unannotated biases: with ``--bias`` the Dense layers get default (unannotated) biases. The
-seed's logical-partitioning route gives them ``PartitionSpec()``: replicated on every device
+reported logical-partitioning route gives them ``PartitionSpec()``: replicated on every device
 even once the kernels are sharded; ``ensemble.build`` puts their member axis on the mesh too.
 The script prints both specs.
 
@@ -60,14 +62,14 @@ import ensemble
 
 MB = 1e6
 
-# The seed's parameter annotations name 'input', 'hidden', 'output'. Members are whole on their
+# The reported parameter annotations name 'input', 'hidden', 'output'. Members are whole on their
 # device(s), so those axes stay unsplit; saying so explicitly keeps ensemble.partitioning from
 # warning that they are unmapped.
 RULES = (("input", None), ("hidden", None), ("output", None))
 
 
 class MLP(nn.Module):
-    """The seed's MLP, as posted (``use_bias=False``); ``use_bias=True`` for the bias variant."""
+    """The reported MLP, as posted (``use_bias=False``); ``use_bias=True`` for the bias variant."""
 
     features: int = 5000
     use_bias: bool = False
@@ -101,8 +103,8 @@ def _data(args: argparse.Namespace) -> tuple[jax.Array, jax.Array]:
     return x, y
 
 
-def _seed_ensemble(args: argparse.Namespace) -> nn.Module:
-    """The seed's ``nn.vmap`` ensemble, verbatim (no ``spmd_axis_name``)."""
+def _naive_ensemble(args: argparse.Namespace) -> nn.Module:
+    """The reported ``nn.vmap`` ensemble, verbatim (no ``spmd_axis_name``)."""
     ensemble_mlp = nn.vmap(
         MLP,
         in_axes=None,
@@ -115,8 +117,8 @@ def _seed_ensemble(args: argparse.Namespace) -> nn.Module:
     return ensemble_mlp(features=args.hidden, use_bias=args.bias)
 
 
-def _seed_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
-    """The seed user's natural train step: one loss over all members, one optax state."""
+def _naive_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
+    """The reporting user's natural train step: one loss over all members, one optax state."""
 
     def step(params, opt_state, x, y):
         def loss_fn(p):
@@ -129,13 +131,13 @@ def _seed_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
     return step
 
 
-def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
-    """The seed's code: nn.vmap ensemble, unsharded init, no rules/mesh in scope, no donation."""
+def naive_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
+    """The reported code: nn.vmap ensemble, unsharded init, no rules/mesh in scope, no donation."""
     n = args.members
     mesh = Mesh(np.asarray(devices).reshape(len(devices), 1), ("model", "data"))
-    model = _seed_ensemble(args)
+    model = _naive_ensemble(args)
     x, y = _data(args)
-    # As in the seed: the input goes onto the mesh ('data' has size 1, so: replicated).
+    # As reported: the input goes onto the mesh ('data' has size 1, so: replicated).
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", None)))
     y = jax.device_put(y, NamedSharding(mesh, PartitionSpec("data")))
     rng = jax.random.PRNGKey(0)
@@ -146,7 +148,7 @@ def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, A
     tx = optax.adam(1e-3)
     opt_state = jax.jit(tx.init)(params)
 
-    jitted = jax.jit(_seed_step(model, tx))  # no donate_argnums: old and new state coexist
+    jitted = jax.jit(_naive_step(model, tx))  # no donate_argnums: old and new state coexist
     step_stats = ensemble.compiled_memory(jitted, params, opt_state, x, y)
     state_bytes = _per_device(ensemble.live_memory((params, opt_state)), devices)
     replicated = _replicated((params, opt_state), n, devices)
@@ -162,7 +164,7 @@ def seed_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, A
 
 
 def advice_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
-    """The seed's model with the thread's advice applied by hand.
+    """The reported model with the thread's advice applied by hand.
 
     Logical rules and the mesh in scope (``jax.set_mesh`` + ``nn.logical_axis_rules``), init
     jitted with ``out_shardings`` from the logical annotations, donated train step. What is
@@ -174,13 +176,13 @@ def advice_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str,
       only the parameters alias;
     - unannotated leaves (biases, with ``--bias``) get ``P()`` and stay replicated.
 
-    (Activations are fine here: the seed's constraints only name 'batch', mapped to a 'data'
+    (Activations are fine here: the reported constraints only name 'batch', mapped to a 'data'
     axis of size 1; the step's temp bytes equal ``ensemble.train_step``'s.)
     """
     n = args.members
     mesh = Mesh(np.asarray(devices).reshape(len(devices), 1), ("model", "data"))
     rules = (("ensemble", "model"), ("batch", "data"), *RULES)
-    model = _seed_ensemble(args)
+    model = _naive_ensemble(args)
     x, y = _data(args)
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", None)))
     y = jax.device_put(y, NamedSharding(mesh, PartitionSpec("data")))
@@ -193,7 +195,7 @@ def advice_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str,
         params = init(rng, x)["params"]
         tx = optax.adam(1e-3)
         opt_state = jax.jit(tx.init)(params)
-        jitted = jax.jit(_seed_step(model, tx), donate_argnums=(0, 1))
+        jitted = jax.jit(_naive_step(model, tx), donate_argnums=(0, 1))
         step_stats = ensemble.compiled_memory(jitted, params, opt_state, x, y)
         state_bytes = _per_device(ensemble.live_memory((params, opt_state)), devices)
         replicated = _replicated((params, opt_state), n, devices)
@@ -249,7 +251,7 @@ def ensemble_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[st
 
 
 def bias_specs(args: argparse.Namespace) -> dict[str, str]:
-    """Where a default (unannotated) bias goes: seed's logical route vs ensemble.build."""
+    """Where a default (unannotated) bias goes: the reported logical route vs ensemble.build."""
     n = args.members
     x, _ = _data(args)
     vmapped = nn.vmap(
@@ -263,12 +265,12 @@ def bias_specs(args: argparse.Namespace) -> dict[str, str]:
     )(features=args.hidden, use_bias=True)
     specs = nn.get_partition_spec(jax.eval_shape(vmapped.init, jax.random.PRNGKey(0), x))
     rules = (("ensemble", "model"), ("batch", "data"))
-    seed = nn.logical_to_mesh(specs, rules)["params"]["Dense_0"]
+    naive = nn.logical_to_mesh(specs, rules)["params"]["Dense_0"]
     ens = ensemble.build(MLP(features=args.hidden, use_bias=True), n, rules=RULES)
     built = ens.init_shardings(jax.random.key(0), x)["params"]["Dense_0"]
     return {
-        "seed kernel": str(seed["kernel"]),
-        "seed bias": str(seed["bias"]),
+        "naive kernel": str(naive["kernel"]),
+        "naive bias": str(naive["bias"]),
         "ensemble.build kernel": str(built["kernel"].spec),
         "ensemble.build bias": str(built["bias"].spec),
     }
@@ -305,7 +307,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], ds: list[int], path: pa
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for ax, metric, title in zip(axes, ("state", "step"), ("live state", "train step peak")):
-        for way, style in (("seed", "o-"), ("advice", "^-"), ("ensemble", "s-")):
+        for way, style in (("naive", "o-"), ("advice", "^-"), ("ensemble", "s-")):
             ax.plot(ds, [results[way][d][metric] / MB for d in ds], style, label=way)
         base = results["ensemble"][ds[0]][metric] * ds[0]
         ax.plot(ds, [base / d / MB for d in ds], "k--", label="ideal 1/D")
@@ -320,7 +322,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], ds: list[int], path: pa
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle("Seed 002: per-device memory of an ensemble spread over D devices")
+    fig.suptitle("Per-device memory of an ensemble spread over D devices")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -341,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out/memory_reduction", help="output folder")
     parser.add_argument("--members", type=int, default=8, help="ensemble size (fixed over D)")
-    parser.add_argument("--hidden", type=int, default=5000, help="hidden features (seed: 5000)")
-    parser.add_argument("--input-dim", type=int, default=20, help="input features (seed: 20)")
+    parser.add_argument("--hidden", type=int, default=5000, help="hidden features (reported: 5000)")
+    parser.add_argument("--input-dim", type=int, default=20, help="input features (reported: 20)")
     parser.add_argument("--batch", type=int, default=64, help="batch size")
     parser.add_argument("--bias", action="store_true", help="Dense layers with default biases")
     parser.add_argument(
@@ -358,10 +360,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
-    results: dict[str, dict[int, dict[str, Any]]] = {"seed": {}, "advice": {}, "ensemble": {}}
+    results: dict[str, dict[int, dict[str, Any]]] = {"naive": {}, "advice": {}, "ensemble": {}}
     for d in ds:
         devices = available[:d]
-        results["seed"][d] = seed_way(args, devices)
+        results["naive"][d] = naive_way(args, devices)
         results["advice"][d] = advice_way(args, devices)
         results["ensemble"][d] = ensemble_way(args, devices)
         print(f"D={d} done ({time.perf_counter() - start:.1f} s)", flush=True)
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = bias_specs(args)
     print()
     print(table)
-    print("\nUnannotated bias (use_bias=True): the seed's logical route vs ensemble.build")
+    print("\nUnannotated bias (use_bias=True): the reported logical route vs ensemble.build")
     for k, v in specs.items():
         print(f"  {k:>22}: {v}")
     report = {

@@ -114,7 +114,7 @@ def test_dry_run_versions_and_devices(dry):
 def test_dry_run_ensemble_figures(dry):
     sizes, n = dry["report"]["sizes"], dry["report"]["sizes"]["members"]
     place = dry["rows"]["ensemble placement"]["values"]
-    # The seed MLP has no biases: input x hidden + hidden x 1 weights per member, float32.
+    # The MLP has no biases: input x hidden + hidden x 1 weights per member, float32.
     params = n * (sizes["input_dim"] * sizes["hidden"] + sizes["hidden"]) * 4
     assert place["param_bytes"] == params
     assert place["state_bytes"] == 3 * params + 4 * n  # + Adam's mu, nu and a count per member

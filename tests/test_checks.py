@@ -160,8 +160,8 @@ def test_nnx_module_and_state():
         ensemble.assert_no_replicated_members(bad, 8)
 
 
-def test_linen_build_state_passes_and_seed_route_bias_fails():
-    """ensemble.build shards unannotated biases; the seed's logical route leaves them P()."""
+def test_linen_build_state_passes_and_naive_route_bias_fails():
+    """ensemble.build shards unannotated biases; the reported logical route leaves them P()."""
     import flax.linen as nn
     import optax
 
@@ -179,7 +179,7 @@ def test_linen_build_state_passes_and_seed_route_bias_fails():
     ensemble.assert_member_placement(state, ens.mesh)
     ensemble.assert_no_replicated_members(state, 8, ens.mesh)
 
-    # The seed's way: nn.vmap + metadata_params, shardings from the logical annotations.
+    # The reported way: nn.vmap + metadata_params, shardings from the logical annotations.
     vmapped = nn.vmap(
         nn.Dense,
         variable_axes={"params": 0},

@@ -17,7 +17,7 @@ RULES = [("hidden", "model"), ("features", None)]
 
 
 class MLP(nn.Module):
-    """Annotated kernel, unannotated biases (the seed's bug: those stayed replicated)."""
+    """Annotated kernel, unannotated biases (a reported bug: those stayed replicated)."""
 
     hidden: int = 16
     out: int = 3

@@ -145,11 +145,11 @@ def test_memory_reduction_example_runs(tmp_path, monkeypatch):
     spec.loader.exec_module(module)
     argv = ["--out", str(tmp_path), "--hidden", "64", "--members", "4", "--devices", "2"]
     report = module.main(argv)
-    seed, advice, ens = (report["results"][k]["2"] for k in ("seed", "advice", "ensemble"))
-    assert seed["state"] == pytest.approx(2 * ens["state"], rel=1e-3)  # seed: all members on each
-    assert seed["replicated"] and advice["replicated"] and not ens["replicated"]
-    assert ens["step_alias"] > 0 and seed["step_alias"] == 0
-    assert report["bias_specs"]["seed bias"] == "P()"
+    naive, advice, ens = (report["results"][k]["2"] for k in ("naive", "advice", "ensemble"))
+    assert naive["state"] == pytest.approx(2 * ens["state"], rel=1e-3)  # all members on each
+    assert naive["replicated"] and advice["replicated"] and not ens["replicated"]
+    assert ens["step_alias"] > 0 and naive["step_alias"] == 0
+    assert report["bias_specs"]["naive bias"] == "P()"
     assert {p.name for p in tmp_path.iterdir()} >= {"memory_reduction.json", "memory_reduction.png"}
 
 

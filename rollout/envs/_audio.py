@@ -1,4 +1,4 @@
-"""The seed's environment: audio frames synthesised sample by sample by a GRU whose weights are
+"""An audio environment: frames synthesised sample by sample by a GRU whose weights are
 an input of every step (a non-static rollout model).
 
 Design: the synthesiser's weights are the env's `params` argument,
