@@ -290,7 +290,7 @@ def restore_latest(
     through ``warn`` in one line and the previous one is tried; those newer than the one used
     are renamed ``*.unreadable`` (kept, out of the way of new checkpoints). Collective.
     """
-    reasons = []
+    tried = []
     found = checkpoints(out)
     for i in range(len(found) - 1, -1, -1):
         path = found[i]
@@ -303,11 +303,11 @@ def restore_latest(
             if found[i + 1 :]:
                 _barrier_then_on_main(functools.partial(_set_aside, found[i + 1 :]))
             return state, meta
-        reasons.append(f"{path.name}: {reason}")
+        tried.append(path.name)
         warn(f"warning: checkpoint {path} cannot be restored ({reason}); trying the one before.")
     raise RunDirError(
-        f"--resume: no checkpoint in {out} can be restored ({'; '.join(reasons) or 'none'}); "
-        "start over with --overwrite."
+        f"--resume: no checkpoint in {out} can be restored (tried {', '.join(tried) or 'none'}; "
+        "reasons above); start over with --overwrite."
     )
 
 
@@ -418,9 +418,10 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(e).__name__}: {first[:200]}" if not isinstance(e, RunDirError) else first
+    """The gist of an error: its first line, without TensorStore's long details."""
+    lines = str(e).strip().splitlines()
+    first = (lines[0] if lines else "").split(" See full TensorStore details")[0][:160]
+    return first if isinstance(e, RunDirError) else f"{type(e).__name__}: {first}"
 
 
 def _all_processes(ok: bool) -> bool:

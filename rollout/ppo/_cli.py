@@ -533,6 +533,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     configure_devices(max(learner_devices, cores))
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
     try:
         config.validate(num_devices=n_dev)
@@ -645,10 +646,14 @@ class _Signals:
         sys.stderr.write(f"{name}: stopping after the current update to write a checkpoint.\n")
         sys.stderr.flush()
 
-    def __enter__(self) -> _Signals:
+    def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
+                old = signal.signal(sig, self._handle)
+                self._old.setdefault(sig, old)
+
+    def __enter__(self) -> _Signals:
+        self.install()
         return self
 
     def __exit__(self, *exc: Any) -> None:
