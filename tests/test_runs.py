@@ -214,7 +214,7 @@ def test_a_damaged_checkpoint_is_reported_in_one_line_and_the_previous_one_used(
 
 def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
     out = tmp_path / "run"
-    state, _ = _run(_tiny(members=4), out)
+    state, _ = _run(_tiny(), out)
     meta = checkpoint_metadata(ckpt.checkpoints(out)[-1])
     assert meta["update"] == 6 and meta["metrics_rows"] == 6
     assert meta["run_id"] == json.loads((out / "run.json").read_text())["run_id"]
@@ -226,7 +226,7 @@ def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
     for x, sums in zip(leaves, meta["checksums"]):
         assert sums == _numpy_checksum(np.asarray(x))
     # Restoring puts every leaf straight onto its member shard.
-    learner = _learner(_tiny(members=4))
+    learner = _learner(_tiny())
     like = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         learner.state_shapes(),
@@ -311,6 +311,8 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     line = _cli_error(["--out", str(a_file)], capsys)
     assert f"--out {a_file} is a file" in line
     assert a_file.read_text() == "keep me"
+    with pytest.raises(ckpt.RunDirError, match="is a file"):  # --debug: the real exception
+        main(["--out", str(a_file), "--debug"])
     assert "not a writable directory" in _cli_error(["--out", str(a_file / "sub")], capsys)
     assert "not a writable directory" in _cli_error(["--out", "/proc/ppo-run"], capsys)
     out = str(tmp_path / "run")
@@ -348,11 +350,14 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
 # ---------------------------------------------------------------------- signals, SIGKILL
 
 
-def _env() -> dict[str, str]:
+def _env(cache: Path | None = None) -> dict[str, str]:
     drop = ("JAX_", "XLA_", "ENSEMBLE_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = str(ROOT)
     env["XLA_FLAGS"] = THREAD_FLAGS
+    if cache is not None:  # runs of one test share compiled programs (the same program)
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
 
 
@@ -360,12 +365,12 @@ _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps
              "--updates-per-call", "1", "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
 
 
-def _start(out: Path, *extra: str, total: int = 12) -> subprocess.Popen:
+def _start(out: Path, *extra: str, total: int = 12, cache: Path | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32)]
     return subprocess.Popen(
         [*cmd, "--out", str(out), *extra],
         cwd=ROOT,
-        env=_env(),
+        env=_env(cache),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -416,12 +421,12 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
     after a random delay; each followed by --resume. Final checkpoint and metrics must equal
     those of an uninterrupted run."""
     rng = random.Random(7)
-    total = 12
+    total, cache = 12, tmp_path / "jax-cache"
     ref = tmp_path / "ref"
     done = subprocess.run(
         [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32),
          "--out", str(ref)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240,
+        cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -430,7 +435,7 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
     kills = []
     for kind in ("during-write", "at-row", "after-delay"):
         resume = ("--resume",) if ckpt.checkpoints(out) else ("--overwrite",)
-        proc = _start(out, *resume, total=total)
+        proc = _start(out, *resume, total=total, cache=cache)
         try:
             start_rows = _rows(out)
             if kind == "during-write":
@@ -450,7 +455,7 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
         kills.append((kind, _rows(out), [p.name for p in out.iterdir()]))
     assert _rows(out) < total, kills  # the kills landed before the end
 
-    proc = _start(out, "--resume", total=total)
+    proc = _start(out, "--resume", total=total, cache=cache)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     assert _metrics(out) == _metrics(ref), kills

@@ -35,6 +35,7 @@ CURVE_FILE = "learning_curve.png"
 #: Version of the run directory layout (1 was the npz checkpoint format, not readable).
 FORMAT = 2
 _CKPT = re.compile(r"^ckpt_(\d{8})$")
+_SET_ASIDE = re.compile(r"^ckpt_\d{8}\.unreadable$")
 _TMP = (".orbax-checkpoint-tmp", ".trash-")  # left by a run killed while saving / deleting
 #: Config fields a resumed run may change (only upwards: a longer run).
 EXTENDABLE = ("total_steps",)
@@ -73,7 +74,9 @@ def inspect(out: str | os.PathLike) -> RunDir:
     except OSError as e:
         raise RunDirError(f"--out {out} cannot be read ({e.strerror}); give another path.") from e
     files = tuple(
-        out / n for n in names if n in (RUN_FILE, METRICS_FILE, CURVE_FILE) or _CKPT.match(n)
+        out / n
+        for n in names
+        if n in (RUN_FILE, METRICS_FILE, CURVE_FILE) or _CKPT.match(n) or _SET_ASIDE.match(n)
     )
     legacy = any((p / "state.npz").exists() for p in files if _CKPT.match(p.name))
     record = None

@@ -354,7 +354,7 @@ def _json_float(v: Any) -> float | None:
     return None if not math.isfinite(v) else float(f"{v:.7g}")  # float32 has ~7 digits
 
 
-def _read_rows(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+def _read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
@@ -365,13 +365,8 @@ def _read_rows(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a crash
             continue
-        if upto is None or row.get("update", 0) <= upto:
-            rows.append(row)
+        rows.append(row)
     return rows
-
-
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
