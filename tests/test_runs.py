@@ -111,7 +111,19 @@ def test_fresh_run_refuses_a_dir_with_another_run_and_resume_never_mixes_runs(tm
     chex.assert_trees_all_equal(jax.device_get(state), reference[0])
     assert _metrics(out) == reference[1]
     assert (out / "notes.txt").read_text() == "mine"
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no leftovers
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".lock"]  # no leftovers
+
+
+def test_a_run_dir_has_one_writer_at_a_time(tmp_path):
+    out = tmp_path / "run"
+    _run(_tiny(), out)
+    held = ckpt.lock(out)  # as a run still going in another process would
+    try:
+        with pytest.raises(ckpt.RunDirError, match=r"in use by another running process"):
+            _run(_tiny(), out, resume=True)
+    finally:
+        held.close()
+    _run(_tiny(), out, resume=True)  # free again
 
 
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):

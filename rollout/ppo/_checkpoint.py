@@ -32,6 +32,7 @@ from typing import Any
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
+LOCK_FILE = ".lock"  # held (flock) by the process that writes the run
 #: Version of the run directory layout (1 was the npz checkpoint format, not readable).
 FORMAT = 2
 _CKPT = re.compile(r"^ckpt_(\d{8})$")
@@ -104,6 +105,29 @@ def check_writable(out: str | os.PathLike) -> None:
         raise RunDirError(
             f"--out {out} is not a writable directory ({e.strerror or e}); give another path."
         ) from e
+
+
+def lock(out: Path) -> Any:
+    """An exclusive lock on ``out`` while a run writes there; refuses if another process has it.
+
+    Returns the open lock file: the lock lasts until it is closed or the process ends (even by
+    SIGKILL), so a dead run never leaves a stale lock. A no-op where ``fcntl`` is missing.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    f = (out / LOCK_FILE).open("a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RunDirError(
+            f"--out {out} is in use by another running process; wait for it to end (or stop "
+            "it), or choose another --out."
+        ) from None
+    return f
 
 
 def new_record(config: dict[str, Any]) -> dict[str, Any]:

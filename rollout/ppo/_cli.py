@@ -116,14 +116,16 @@ def train(
     warn = warn or (lambda line: print(line, file=sys.stderr))
     run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
     owned = learner is None  # close what we open (env_on='cpu' worker processes)
-    if learner is None:
-        learner = Learner(config, devices=devices)
     try:
+        if learner is None:
+            learner = Learner(config, devices=devices)
         state, rows = run.open(learner) if run is not None else (learner.init(), [])
         return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
     finally:
-        if owned:
+        if owned and learner is not None:
             learner.close()
+        if run is not None:
+            run.close()
 
 
 class _Run:
@@ -136,14 +138,28 @@ class _Run:
 
         self.out, self.config, self.warn = out, config, warn
         self.main = jax.process_index() == 0  # the one process that writes files
-        found = ckpt.inspect(out)  # every process checks before anyone writes
-        if resume:
-            self.record = ckpt.check_resume(found, config.to_dict())
-        else:
-            ckpt.check_fresh(found, overwrite)
-            self.record = ckpt.new_record(config.to_dict())
+        self.lock = None
+        self._check(resume, overwrite)  # before anything is written
+        # One writer per run directory (a second run or resume on it is refused); then check
+        # again, as another process may have written until we got the lock.
+        self.lock = ckpt.lock(out) if self.main else None
+        try:
+            self._check(resume, overwrite)
+        except Exception:
+            self.close()
+            raise
         self.resume, self.overwrite = resume, overwrite
         self.saved_at = -1
+
+    def _check(self, resume: bool, overwrite: bool) -> None:
+        from rollout.ppo import _checkpoint as ckpt
+
+        found = ckpt.inspect(self.out)  # every process checks before anyone writes
+        if resume:
+            self.record = ckpt.check_resume(found, self.config.to_dict())
+        else:
+            ckpt.check_fresh(found, overwrite)
+            self.record = ckpt.new_record(self.config.to_dict())
 
     def open(self, learner: Any) -> tuple[Any, list[dict[str, Any]]]:
         """The state to start from (restored or fresh) and the metric rows so far."""
@@ -199,6 +215,11 @@ class _Run:
         if self.main:
             rows = _read_rows(self.out / ckpt.METRICS_FILE)
             plot_curves(rows, self.out / ckpt.CURVE_FILE, self.config.env)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
 
 def _on_main_then_all(fn: Callable[[], Any]) -> None:
