@@ -272,26 +272,45 @@ def gather_metrics_to_host(tree: Any) -> Any:
     return jax.tree_util.tree_map(to_host, tree)
 
 
-def save_checkpoint(directory: str | os.PathLike[str], tree: Any, *, force: bool = False) -> str:
-    """Writes ``tree`` (sharded arrays included) to ``directory``, collectively.
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    tree: Any,
+    *,
+    force: bool = False,
+    metadata: dict[str, Any] | None = None,
+) -> str:
+    """Writes ``tree`` (sharded arrays included) to ``directory``, collectively and atomically.
 
     Every process calls it with the same directory, which all processes must see (one machine,
-    or a shared file system / bucket across hosts); each writes the shards it holds, process 0
-    writes the metadata. Returns the absolute path. Waits until the write is complete.
+    or a shared file system / bucket across hosts); each writes the shards it holds (nothing is
+    gathered onto one host), process 0 writes the metadata. The checkpoint is written into a
+    temporary sibling and renamed when complete, so ``directory`` either holds a whole
+    checkpoint or does not exist. ``metadata``: a JSON-able dict stored with it (read it back
+    with :func:`checkpoint_metadata`). Returns the absolute path once the write is complete.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
-      >>> path = save_checkpoint(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones(3)})
-      >>> restore_checkpoint(path, {"w": jnp.zeros(3)})["w"].tolist()
-      [1.0, 1.0, 1.0]
+      >>> path = save_checkpoint(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones(3)},
+      ...                        metadata={"step": 3})
+      >>> restore_checkpoint(path, {"w": jnp.zeros(3)})["w"].tolist(), checkpoint_metadata(path)
+      ([1.0, 1.0, 1.0], {'step': 3})
     """
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(directory))
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, tree, force=force)
+        checkpointer.save(path, tree, force=force, custom_metadata=metadata)
         checkpointer.wait_until_finished()
     return path
+
+
+def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata`` dict given to :func:`save_checkpoint` (``{}`` if none was given)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(directory))
+    with ocp.StandardCheckpointer() as checkpointer:
+        return dict(checkpointer.metadata(path).custom_metadata or {})
 
 
 def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:

@@ -13,6 +13,7 @@ Example (alone, or as ``python -m ensemble.launch -n 2 --devices-per-process 2 -
 
 from ensemble._distributed import (
     ProcessInfo,
+    checkpoint_metadata,
     gather_metrics_to_host,
     initialize,
     is_main_process,
@@ -24,6 +25,7 @@ from ensemble._distributed import (
 
 __all__ = [
     "ProcessInfo",
+    "checkpoint_metadata",
     "gather_metrics_to_host",
     "initialize",
     "is_main_process",

@@ -44,8 +44,19 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 LOOPBACK = "127.0.0.1"
+#: Output of a process that fails *because* a peer failed (JAX's coordination service, gloo).
+#: Such a process may end before the one that failed first (still tearing down), so it is
+#: blamed only if no other process fails within the grace period.
+PEER_FAILURE_MARKERS = (
+    "another task died",
+    "task has disconnected",
+    "Polled an error from coordination service",
+    "Pair is not connected",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
 
-__all__ = ["free_port", "launch", "main", "process_env"]
+__all__ = ["free_port", "launch", "main", "port_in_use", "process_env"]
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -53,6 +64,28 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something (e.g. another run's coordinator) listens on ``host:port``.
+
+    Binding the port is the test: it fails while any socket listens there (on ``host`` or on
+    every interface). Ports held only by closed connections (TIME_WAIT) count as free.
+
+    Example:
+      >>> import socket
+      >>> with socket.socket() as s:
+      ...     s.bind((LOOPBACK, 0)); s.listen()
+      ...     port_in_use(s.getsockname()[1])
+      True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def process_env(
@@ -104,6 +137,10 @@ def launch(
     0 when every process exits 0. Otherwise the code of the first process that failed (128 + the
     signal number when it was killed by a signal), after the others were stopped; 124 when
     ``timeout`` seconds passed; 128 + signum when the launcher itself got SIGINT / SIGTERM.
+    "First" is the order in which the processes ended (a waiting thread per process notes it),
+    so a rank that exits because another one failed is not blamed for it. A ``port`` that is
+    already in use (another run's coordinator) is refused with ``OSError`` before anything
+    starts: joining that run's coordinator would abort it.
 
     Example:
       >>> import io, sys
@@ -123,6 +160,14 @@ def launch(
         raise ValueError("no command given: python -m ensemble.launch -n 2 -- python train.py")
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
+    if port is not None:
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}.")
+        if port_in_use(port):
+            raise OSError(
+                f"port {port} is already in use on {LOOPBACK} (another run's coordinator?); "
+                "nothing was started. Pick another --port, or leave it out to use a free one."
+            )
     out = _binary(stdout or sys.stdout)
     err = _binary(stderr or sys.stderr)
     port = port or free_port()
@@ -149,12 +194,17 @@ def launch(
                 preexec_fn=_die_with_parent if _fork_is_safe() else None,
             )
         )
+    ended: list[tuple[int, int]] = []  # (rank, exit code) in the order the processes ended
+    followers: set[int] = set()  # ranks whose output says a peer failed
+    pumps: dict[int, list[threading.Thread]] = {}
     for rank, proc in enumerate(procs):
         for src, dst in ((proc.stdout, out), (proc.stderr, err)):
-            prefix = f"[rank {rank}] "
-            t = threading.Thread(target=_pump, args=(src, dst, prefix, lock), daemon=True)
+            args = (src, dst, rank, lock, followers)
+            t = threading.Thread(target=_pump, args=args, daemon=True)
             t.start()
             threads.append(t)
+            pumps.setdefault(rank, []).append(t)
+        threading.Thread(target=_reap, args=(proc, rank, ended, lock), daemon=True).start()
 
     received: list[int] = []
     kill_at: list[float] = []
@@ -175,21 +225,28 @@ def launch(
             old[sig] = signal.signal(sig, forward)
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    code = 0
+    code, first, failed_at = 0, None, None
     try:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            with lock:
+                done = list(ended)
+            failed = [(r, c) for r, c in done if c != 0]
             if failed and code == 0 and not received:
-                rank, c = failed[0]
+                failed_at = failed_at or time.monotonic()
+                for r, _ in failed:  # read what they printed last (a peer-failure line?)
+                    for t in pumps[r]:
+                        t.join(timeout=0.5)
+                first = _first_failure(failed, followers, time.monotonic() - failed_at, grace)
+            if first is not None and code == 0 and not received:
+                rank, c = first
                 code = 128 - c if c < 0 else c
-                alive = [r for r, c2 in enumerate(codes) if c2 is None]
+                alive = sorted(set(range(len(procs))) - {r for r, _ in done})
                 note(
                     f"rank {rank} {_describe(c)}; stopping the other processes {alive} "
                     f"(SIGTERM, then SIGKILL after {grace:g} s)."
                 )
                 _stop(procs, grace)
-            if all(c is not None for c in codes):
+            if len(done) == len(procs):
                 break
             if kill_at and time.monotonic() > kill_at[0]:
                 for p in procs:
@@ -211,12 +268,14 @@ def launch(
             signal.signal(sig, handler)
     if received and code == 0:
         code = 128 + received[0]
+    if first is not None:
+        note(f"exit code {code}: rank {first[0]} failed first ({_describe(first[1])}).")
     return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point: ``python -m ensemble.launch -n N [options] -- command ...``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m ensemble.launch",
         description="Run a command as N processes of one JAX run on this machine (loopback, "
         "gloo CPU collectives). Use ensemble.distributed.initialize() in the command.",
@@ -249,8 +308,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace=args.grace,
         )
     except (ValueError, OSError) as e:
-        parser.error(str(e))
-        return 2  # unreachable; parser.error exits
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a mistake in one line and exits 2 (argparse would add the usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see python -m ensemble.launch --help)\n")
 
 
 # -- internals -------------------------------------------------------------------------------
@@ -280,15 +346,42 @@ def _binary(stream: Any) -> Any:
         return _TextSink(stream)
 
 
-def _pump(src: IO[bytes], dst: IO[bytes], prefix: str, lock: threading.Lock) -> None:
-    head = prefix.encode()
+def _pump(
+    src: IO[bytes], dst: IO[bytes], rank: int, lock: threading.Lock, followers: set[int]
+) -> None:
+    """Copies a process's output line by line, prefixed ``[rank k]``; notes peer-failure lines."""
+    head = f"[rank {rank}] ".encode()
+    markers = [m.encode() for m in PEER_FAILURE_MARKERS]
     for line in iter(src.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
+            if any(m in line for m in markers):
+                followers.add(rank)
             dst.write(head + line)
             dst.flush()
     src.close()
+
+
+def _first_failure(
+    failed: list[tuple[int, int]], followers: set[int], waited: float, patience: float
+) -> tuple[int, int] | None:
+    """The (rank, code) to blame among ``failed`` (in exit order), or None to wait a little.
+
+    The first to end that did not report a failed peer; if all of them did, their peer is
+    probably still ending: wait up to ``patience`` seconds for it, then blame the first.
+    """
+    roots = [f for f in failed if f[0] not in followers]
+    if roots:
+        return roots[0]
+    return failed[0] if waited >= patience else None
+
+
+def _reap(proc: subprocess.Popen[bytes], rank: int, ended: list, lock: threading.Lock) -> None:
+    """Waits for one process and notes it in ``ended`` the moment it ends (exit order)."""
+    code = proc.wait()
+    with lock:
+        ended.append((rank, code))
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

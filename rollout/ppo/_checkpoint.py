@@ -1,115 +1,475 @@
-"""Checkpoints of the whole train state: params, optimizer, env states, normaliser stats, keys.
+"""Run directories of ``rollout.ppo``: which run a directory holds, and its checkpoints.
 
-A checkpoint is a directory ``ckpt_<update>/`` with ``state.npz`` (every leaf of the train state,
-in tree order) and ``meta.json`` (the config, the update counter and each leaf's path, shape and
-dtype). Writing gathers the state to the host once (saving is one of the few places where a member
-may leave its device); restoring puts every leaf straight back onto its shard with
-``jax.device_put(..., learner.state_shardings())``. Because the state holds the raw RNG keys and
-the update counter, a restored run continues exactly as the uninterrupted one would have.
+A run directory holds one run:
+
+- ``run.json``: the run's identity (a random ``run_id``, the config, when it started);
+- ``metrics.jsonl``: one JSON row per PPO update; ``learning_curve.png``;
+- ``ckpt_<update>/``: orbax checkpoints (``ensemble.distributed.save_checkpoint``) of the whole
+  train state. Every process writes the shards of its own members (nothing member-shaped is
+  gathered onto one host); orbax writes into a temporary sibling and renames it when complete,
+  so a ``ckpt_*`` directory is always whole. Its metadata records the run id, the update, how
+  many metric rows belong to it and a per-member checksum of every leaf, so a resumed run cuts
+  ``metrics.jsonl`` back to exactly the checkpoint and a damaged checkpoint is never used.
+
+Nothing here overwrites what a run wrote unless asked: a fresh run refuses a directory that
+holds another run (``--resume`` continues it, ``--overwrite`` moves it away first).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
 import json
 import os
+import re
 import shutil
-import tempfile
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "learning_curve.png"
+LOCK_FILE = ".lock"  # held (flock) by the process that writes the run
+#: Version of the run directory layout (1 was the npz checkpoint format, not readable).
+FORMAT = 2
+_CKPT = re.compile(r"^ckpt_(\d{8})$")
+_SET_ASIDE = re.compile(r"^ckpt_\d{8}\.unreadable$")
+_TMP = (".orbax-checkpoint-tmp", ".trash-")  # left by a run killed while saving / deleting
+#: Config fields a resumed run may change (only upwards: a longer run).
+EXTENDABLE = ("total_steps",)
 
-from rollout.ppo._config import PPOConfig
 
-_PREFIX = "ckpt_"
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; the message says what to do instead."""
 
 
-def save(directory: str | os.PathLike, state: Any, config: PPOConfig, keep: int = 2) -> Path:
-    """Writes ``state`` to ``directory/ckpt_<update>/`` atomically; keeps the ``keep`` newest."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """What a directory holds, read without writing anything."""
+
+    path: Path
+    record: dict[str, Any] | None  # run.json, or None
+    files: tuple[Path, ...]  # entries a run writes (run.json, metrics, plot, checkpoints)
+    legacy: bool  # checkpoints of the old npz format
+
+    @property
+    def empty(self) -> bool:
+        return not self.files
+
+
+# ---------------------------------------------------------------------- run directory
+
+
+def inspect(out: str | os.PathLike) -> RunDir:
+    """Reads what ``out`` holds; raises :class:`RunDirError` if it is not a usable directory."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a directory; give a directory path.")
+    if not out.exists():
+        return RunDir(out, None, (), False)
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as e:
+        raise RunDirError(f"--out {out} cannot be read ({e.strerror}); give another path.") from e
+    files = tuple(
+        out / n
+        for n in names
+        if n in (RUN_FILE, METRICS_FILE, CURVE_FILE) or _CKPT.match(n) or _SET_ASIDE.match(n)
+    )
+    legacy = any((p / "state.npz").exists() for p in files if _CKPT.match(p.name))
+    record = None
+    if (out / RUN_FILE).exists():
+        try:
+            record = json.loads((out / RUN_FILE).read_text())
+            if not isinstance(record, dict) or "run_id" not in record or "config" not in record:
+                raise ValueError("no run_id / config")
+        except (OSError, ValueError) as e:
+            raise RunDirError(
+                f"{out / RUN_FILE} is unreadable ({e}); move it away or use --overwrite."
+            ) from e
+    return RunDir(out, record, files, legacy)
+
+
+def check_writable(out: str | os.PathLike) -> None:
+    """Creates ``out`` if needed and checks a file can be written there (a probe, removed)."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(
+            f"--out {out} is not a writable directory ({e.strerror or e}); give another path."
+        ) from e
+
+
+def lock(out: Path) -> Any:
+    """An exclusive lock on ``out`` while a run writes there; refuses if another process has it.
+
+    Returns the open lock file: the lock lasts until it is closed or the process ends (even by
+    SIGKILL), so a dead run never leaves a stale lock. A no-op where ``fcntl`` is missing.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    f = (out / LOCK_FILE).open("a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RunDirError(
+            f"--out {out} is in use by another running process; wait for it to end (or stop "
+            "it), or choose another --out."
+        ) from None
+    return f
+
+
+def new_record(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``run.json`` of a fresh run of ``config`` (a ``PPOConfig.to_dict()``)."""
+    return {
+        "format": FORMAT,
+        "run_id": uuid.uuid4().hex,
+        "seed": config.get("seed"),
+        "config": config,
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def check_fresh(run: RunDir, overwrite: bool) -> None:
+    """A fresh run may start in ``run.path`` (empty of run files, or ``overwrite``)."""
+    if run.empty or overwrite:
+        return
+    what = _describe(run)
+    raise RunDirError(
+        f"--out {run.path} already holds {what}; continue it with --resume, start over with "
+        "--overwrite (removes that run's files), or choose another --out."
+    )
+
+
+def check_resume(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
+    """The ``run.json`` a resumed run of ``config`` continues; refuses what cannot resume.
+
+    ``config`` may differ from the saved one only in :data:`EXTENDABLE` fields, and only upwards.
+    """
+    if run.record is None:
+        if run.legacy:
+            raise RunDirError(
+                f"--out {run.path} holds checkpoints of the old npz format, which this version "
+                "cannot read; start over with --overwrite or choose another --out."
+            )
+        if not run.empty:
+            raise RunDirError(
+                f"--out {run.path} holds run files but no {RUN_FILE}, so it is not a run this "
+                "version can continue; start over with --overwrite or choose another --out."
+            )
+        raise RunDirError(
+            f"nothing to resume in --out {run.path} (no {RUN_FILE}); drop --resume to start a "
+            "fresh run."
+        )
+    saved = run.record["config"]
+    diffs = config_differences(saved, config)
+    if diffs:
+        raise RunDirError(
+            f"--resume: the run in {run.path} was started with another config ({diffs}); only "
+            "--total-steps may grow. Leave those flags out to use the saved values, or start "
+            "a new run in another --out."
+        )
+    if not checkpoints(run.path):
+        raise RunDirError(
+            f"--resume: {run.path} holds run {run.record['run_id'][:8]} but no checkpoint (it "
+            "stopped before its first one); start over with --overwrite."
+        )
+    return {**run.record, "config": config}
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """``'members 4 -> 2, seed 0 -> 1'``: the changes a resume refuses ('' if none)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if a == b:
+            continue
+        if key in EXTENDABLE and isinstance(a, int) and isinstance(b, int) and b > a:
+            continue
+        out.append(f"{key} {a!r} -> {b!r}")
+    return ", ".join(out)
+
+
+def start(out: Path, record: dict[str, Any], *, overwrite: bool) -> None:
+    """Process 0: moves an old run away (``overwrite``) and writes ``run.json`` exclusively."""
+    out.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(out)
+    if overwrite:
+        remove_run(out)
+    tmp = out / f".{RUN_FILE}.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps(record, indent=1))
+    try:
+        os.link(tmp, out / RUN_FILE)  # fails if another run's run.json appeared meanwhile
+    except FileExistsError:
+        raise RunDirError(
+            f"--out {out} got another run's {RUN_FILE} while this one started; choose another "
+            "--out."
+        ) from None
+    finally:
+        tmp.unlink()
+
+
+def update_record(out: Path, record: dict[str, Any]) -> None:
+    """Process 0: rewrites ``run.json`` atomically (a resume that extends the run)."""
+    _atomic_write(out / RUN_FILE, json.dumps(record, indent=1))
+
+
+def remove_run(out: Path) -> None:
+    """Removes the files a run wrote in ``out`` (never anything else); crash-safe.
+
+    Everything is first renamed into one hidden directory (each rename is atomic), run.json
+    first, so a crash midway leaves no half run behind that could be resumed.
+    """
+    trash = out / f".trash-{uuid.uuid4().hex}"
+    trash.mkdir()
+    names = [RUN_FILE] + [p.name for p in inspect(out).files if p.name != RUN_FILE]
+    for name in names:
+        if (out / name).exists():
+            os.rename(out / name, trash / name)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+def metrics_rows(out: Path) -> int:
+    """Number of complete rows in ``metrics.jsonl``."""
+    path = out / METRICS_FILE
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_bytes().split(b"\n") if line.strip())
+
+
+def cut_metrics(out: Path, rows: int, update: int) -> None:
+    """Process 0: cuts ``metrics.jsonl`` back to its first ``rows`` rows (a checkpoint's)."""
+    path = out / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    keep = [line for line in lines if line.strip()][:rows]
+    last = json.loads(keep[-1]).get("update") if keep else 0
+    if len(keep) < rows or (rows and last != update):
+        raise RunDirError(
+            f"{path} has {len(keep)} rows ending at update {last}, but checkpoint "
+            f"{_name(update)} was written after {rows} rows ending at update {update}; the file "
+            "was changed. Restore it, or start over with --overwrite."
+        )
+    _atomic_write(path, "".join(line + "\n" for line in keep))
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def checkpoints(out: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories in ``out``, oldest first (whole ones: orbax renames when done)."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if _CKPT.match(p.name) and p.is_dir())
+
+
+def save(
+    out: Path, state: Any, *, run_id: str, rows: int, config: dict[str, Any], keep: int = 2
+) -> Path:
+    """Writes ``state`` to ``out/ckpt_<update>``; collective (every process calls it).
+
+    Keeps the ``keep`` newest checkpoints. Returns the checkpoint's path.
+    """
+    import jax
+
+    from ensemble.distributed import save_checkpoint
+
     update = int(jax.device_get(state.update))
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    # Collective: with several processes every one calls save(); members on other processes'
-    # devices come over once (process_allgather), and only process 0 writes.
+    path = out / _name(update)
+    meta = {
+        "format": FORMAT,
+        "run_id": run_id,
+        "update": update,
+        "metrics_rows": rows,
+        "config": config,
+        "checksums": fingerprints(state),
+    }
+    if not path.exists():  # it exists only if this exact state was saved already
+        save_checkpoint(path, state, metadata=meta)
+    if jax.process_index() == 0:
+        for old in checkpoints(out)[:-keep]:
+            _discard(old)
+        _clean_leftovers(out)
+    return path
+
+
+def restore_latest(
+    out: Path, run_id: str, like: Any, warn: Callable[[str], None]
+) -> tuple[Any, dict[str, Any]]:
+    """The newest checkpoint of ``run_id`` that restores whole, and its metadata.
+
+    ``like``: ``jax.ShapeDtypeStruct`` leaves with shardings (each leaf goes straight onto its
+    devices). A checkpoint that fails (unreadable, another run, checksum mismatch) is reported
+    through ``warn`` in one line and the previous one is tried; those newer than the one used
+    are renamed ``*.unreadable`` (kept, out of the way of new checkpoints). Collective.
+    """
+    tried = []
+    found = checkpoints(out)
+    for i in range(len(found) - 1, -1, -1):
+        path = found[i]
+        try:
+            state, meta = _restore_one(path, run_id, like)
+            reason = "failed on another process"
+        except Exception as e:
+            state, reason = None, _one_line(e)
+        if _all_processes(state is not None):
+            if found[i + 1 :]:
+                _barrier_then_on_main(functools.partial(_set_aside, found[i + 1 :]))
+            return state, meta
+        tried.append(path.name)
+        warn(f"warning: checkpoint {path} cannot be restored ({reason}); trying the one before.")
+    raise RunDirError(
+        f"--resume: no checkpoint in {out} can be restored (tried {', '.join(tried) or 'none'}; "
+        "reasons above); start over with --overwrite."
+    )
+
+
+def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any]]:
+    import jax
+
+    from ensemble.distributed import checkpoint_metadata, restore_checkpoint
+
+    meta = checkpoint_metadata(path)
+    if meta.get("run_id") != run_id:
+        raise RunDirError(f"written by run {str(meta.get('run_id'))[:8]}, not this run")
+    if _name(int(meta.get("update", -1))) != path.name:
+        raise RunDirError(f"its metadata says update {meta.get('update')}")
+    state = restore_checkpoint(path, like)
+    sums = fingerprints(state)
+    if sums != meta.get("checksums"):
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
+        bad = [p for p, a, b in zip(paths, sums, meta.get("checksums") or []) if a != b]
+        raise RunDirError(f"checksum mismatch in {bad[:3] or 'the leaf list'}")
+    if int(jax.device_get(state.update)) != meta["update"]:
+        raise RunDirError(f"its state is at update {int(state.update)}")
+    return state, meta
+
+
+def fingerprints(tree: Any) -> list[list[int]]:
+    """Per leaf, one 32-bit checksum per member (row of the leading axis); collective.
+
+    Computed where the shards live (only ``[n]`` numbers come back), position-weighted over the
+    raw bits, so a zeroed, truncated or shuffled leaf does not pass for the saved one.
+    """
+    import jax
+
     from ensemble.distributed import gather_metrics_to_host
 
-    host = gather_metrics_to_host([x for _, x in leaves])
-    arrays = {f"leaf_{i:04d}": np.asarray(a) for i, a in enumerate(host)}
-    final = directory / f"{_PREFIX}{update:08d}"
-    if jax.process_index() != 0:
-        _wait_for_writer(update)
-        return final
-    meta = {
-        "update": update,
-        "config": config.to_dict(),
-        "leaves": [
-            {"path": jax.tree_util.keystr(p), "shape": list(a.shape), "dtype": str(a.dtype)}
-            for (p, _), a in zip(leaves, arrays.values())
-        ],
-    }
-    # Write into a temporary sibling, then rename: a crash never leaves a half checkpoint.
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=directory))
-    np.savez(tmp / "state.npz", **arrays)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in checkpoints(directory)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in directory.glob(".tmp_ckpt_*"):  # left by a run killed while saving
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    _wait_for_writer(update)
-    return final
+    sums = _fingerprint_program()(jax.tree_util.tree_leaves(tree))  # one compile per structure
+    return [[int(v) for v in s] for s in gather_metrics_to_host(sums)]
 
 
-def _wait_for_writer(update: int) -> None:
-    """No process reads (resume) or moves on before process 0 has written the checkpoint."""
+@functools.cache
+def _fingerprint_program():
+    import jax
+    import jax.numpy as jnp
+
+    def bits(x):
+        if x.dtype == jnp.bool_:
+            return x.astype(jnp.uint32)
+        size = x.dtype.itemsize
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
+        return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+    def one(x):
+        b = bits(x)
+        b = b.reshape(1, -1) if x.ndim == 0 else b.reshape(x.shape[0], -1)
+        w = jnp.arange(b.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        return jnp.sum((b ^ (b >> 16)) * w, axis=1, dtype=jnp.uint32)
+
+    return jax.jit(lambda leaves: [one(x) for x in leaves])
+
+
+# ---------------------------------------------------------------------- internals
+
+
+def _name(update: int) -> str:
+    return f"ckpt_{update:08d}"
+
+
+def _describe(run: RunDir) -> str:
+    if run.record is not None:
+        cfg = run.record.get("config", {})
+        n = len(checkpoints(run.path))
+        return (
+            f"run {run.record['run_id'][:8]} ({cfg.get('env')}, {cfg.get('members')} members, "
+            f"{n} checkpoint{'s' * (n != 1)})"
+        )
+    if run.legacy:
+        return "a run with checkpoints of the old npz format (not readable by this version)"
+    return "run files (" + ", ".join(p.name for p in run.files[:4]) + ")"
+
+
+def _discard(path: Path) -> None:
+    """Deletes a directory so it vanishes at once (rename) even if the delete is cut short."""
+    trash = path.with_name(f".trash-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _set_aside(paths: list[Path]) -> None:
+    for path in paths:
+        target = path.with_name(f"{path.name}.unreadable")
+        if target.exists():
+            _discard(target)
+        os.rename(path, target)
+
+
+def _clean_leftovers(out: Path) -> None:
+    for p in out.iterdir():
+        if any(t in p.name for t in _TMP) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _one_line(e: BaseException) -> str:
+    """The gist of an error: its first line, without TensorStore's long details."""
+    lines = str(e).strip().splitlines()
+    first = (lines[0] if lines else "").split(" See full TensorStore details")[0][:160]
+    return first if isinstance(e, RunDirError) else f"{type(e).__name__}: {first}"
+
+
+def _all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (all must agree on which checkpoint to use)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _barrier_then_on_main(fn: Callable[[], Any]) -> None:
+    """Runs ``fn`` on process 0 once every process got here (all reads are done)."""
+    import jax
+
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(f"rollout.ppo checkpoint {update}")
-
-
-def checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.glob(f"{_PREFIX}*") if (p / "meta.json").exists()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(directory: str | os.PathLike) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(path) / "meta.json").read_text())
-
-
-def restore(path: str | os.PathLike, shapes: Any, shardings: Any) -> Any:
-    """Loads a checkpoint into the structure of ``shapes``, each leaf onto its sharding."""
-    path = Path(path)
-    meta = read_meta(path)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    shard_leaves = jax.tree_util.tree_leaves(shardings)
-    with np.load(path / "state.npz") as data:
-        arrays = [data[f"leaf_{i:04d}"] for i in range(len(data.files))]
-    if len(arrays) != len(leaves):
-        raise ValueError(
-            f"checkpoint {path} has {len(arrays)} arrays but this learner's state has "
-            f"{len(leaves)} leaves; it was written by a different configuration or version."
-        )
-    for i, (a, want) in enumerate(zip(arrays, leaves)):
-        if tuple(a.shape) != tuple(want.shape) or a.dtype != want.dtype:
-            where = meta["leaves"][i]["path"] if i < len(meta.get("leaves", [])) else f"#{i}"
-            raise ValueError(
-                f"checkpoint leaf {where} is {a.dtype}{list(a.shape)}, the learner expects "
-                f"{want.dtype}{list(want.shape)}."
-            )
-    placed = [jax.device_put(a, s) for a, s in zip(arrays, shard_leaves)]
-    return jax.tree_util.tree_unflatten(treedef, placed)
+        multihost_utils.sync_global_devices("rollout.ppo restore done")
+    if jax.process_index() == 0:
+        fn()

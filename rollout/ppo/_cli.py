@@ -7,14 +7,20 @@ line first, configures the CPU devices, and only then imports the learner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from rollout.ppo._checkpoint import RunDirError
+from rollout.ppo._config import canonical_env
 
 _THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -54,25 +60,42 @@ def configure_devices(num_cpu_devices: int) -> None:
             ) from e
 
 
+class Interrupted(Exception):
+    """Training stopped on SIGINT / SIGTERM after writing a checkpoint (``code``: 128 + signal)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.code = 128 + signum
+
+
 def train(
     config: Any,
     out: str | os.PathLike | None = None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     checkpoint_every: int = 10,
     devices: Sequence[Any] | None = None,
     learner: Any = None,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    stop: Callable[[], int | None] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """Trains ``config`` to ``config.total_steps``; returns the final state and the metric rows.
 
-    With ``out``: one JSON row per update in ``out/metrics.jsonl``, the learning curves in
-    ``out/learning_curve.png``, and a checkpoint every ``checkpoint_every`` jitted calls (and at
-    the end) in ``out/``. ``resume=True`` continues from the newest checkpoint there, exactly as
-    the uninterrupted run would (metric rows past the checkpoint are dropped and recomputed).
+    With ``out`` (a run directory, see ``rollout.ppo._checkpoint``): ``run.json`` (the run's
+    identity), one JSON row per update in ``metrics.jsonl``, the learning curves in
+    ``learning_curve.png``, and a checkpoint every ``checkpoint_every`` jitted calls and at the
+    end. A fresh run refuses a directory holding another run unless ``overwrite=True`` (which
+    removes that run's files). ``resume=True`` continues from the newest checkpoint that restores
+    whole, exactly as the uninterrupted run would (metric rows past it are cut and recomputed);
+    ``config.total_steps`` may be larger than the saved run's (a longer run), nothing else may
+    differ. Errors about the directory are :class:`RunDirError` (a ``ValueError``).
     ``learner``: reuse an existing :class:`Learner` for ``config`` (and its compiled programs).
-    ``on_update``: called with each metric row as it arrives.
+    ``on_update``: called with each metric row as it arrives. ``stop``: polled after every
+    jitted call; when it returns a signal number, a checkpoint is written and
+    :class:`Interrupted` raised. ``warn``: where one-line notes go (default stderr).
 
     Example:
       >>> import jax
@@ -82,64 +105,160 @@ def train(
       >>> sorted(rows[-1])[:3], rows[-1]["env_steps"]
       (['approx_kl', 'clipfrac', 'entropy'], 1024)
     """
+    from rollout.ppo._learner import Learner
+
+    if resume and out is None:
+        raise ValueError("resume=True needs out= (the run directory with the checkpoints).")
+    if resume and overwrite:
+        raise ValueError("resume=True and overwrite=True exclude each other.")
+    if learner is not None and learner.config != config:
+        raise ValueError("learner= was built for a different config than config=.")
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
+    owned = learner is None  # close what we open (env_on='cpu' worker processes)
+    try:
+        if learner is None:
+            learner = Learner(config, devices=devices)
+        state, rows = run.open(learner) if run is not None else (learner.init(), [])
+        return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
+    finally:
+        if owned and learner is not None:
+            learner.close()
+        if run is not None:
+            run.close()
+
+
+class _Run:
+    """One run directory as :func:`train` uses it: identity, metrics, checkpoints."""
+
+    def __init__(self, out: Path, config: Any, resume: bool, overwrite: bool, warn) -> None:
+        import jax
+
+        from rollout.ppo import _checkpoint as ckpt
+
+        self.out, self.config, self.warn = out, config, warn
+        self.main = jax.process_index() == 0  # the one process that writes files
+        self.lock = None
+        self._check(resume, overwrite)  # before anything is written
+        # One writer per run directory (a second run or resume on it is refused); then check
+        # again, as another process may have written until we got the lock.
+        self.lock = ckpt.lock(out) if self.main else None
+        try:
+            self._check(resume, overwrite)
+        except Exception:
+            self.close()
+            raise
+        self.resume, self.overwrite = resume, overwrite
+        self.saved_at = -1
+
+    def _check(self, resume: bool, overwrite: bool) -> None:
+        from rollout.ppo import _checkpoint as ckpt
+
+        found = ckpt.inspect(self.out)  # every process checks before anyone writes
+        if resume:
+            self.record = ckpt.check_resume(found, self.config.to_dict())
+        else:
+            ckpt.check_fresh(found, overwrite)
+            self.record = ckpt.new_record(self.config.to_dict())
+
+    def open(self, learner: Any) -> tuple[Any, list[dict[str, Any]]]:
+        """The state to start from (restored or fresh) and the metric rows so far."""
+        import jax
+
+        from rollout.ppo import _checkpoint as ckpt
+
+        if not self.resume:
+            _on_main_then_all(lambda: ckpt.start(self.out, self.record, overwrite=self.overwrite))
+            # Every process takes process 0's run id.
+            self.record = json.loads((self.out / ckpt.RUN_FILE).read_text())
+            return learner.init(), []
+        shapes, shardings = learner.state_shapes(), learner.state_shardings()
+        like = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+        state, meta = ckpt.restore_latest(self.out, self.record["run_id"], like, self.warn)
+        done = meta["update"]
+        self.saved_at = done
+
+        def cut() -> None:
+            ckpt.cut_metrics(self.out, meta["metrics_rows"], done)
+            ckpt.update_record(self.out, self.record)  # a longer total_steps, if asked
+
+        _on_main_then_all(cut)
+        return state, _read_rows(self.out / ckpt.METRICS_FILE)
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        from rollout.ppo import _checkpoint as ckpt
+
+        if self.main:
+            _append_rows(self.out / ckpt.METRICS_FILE, rows)
+
+    def save(self, state: Any, rows: int) -> Path:
+        """A checkpoint of ``state`` (collective); ``rows``: metric rows written so far."""
+        import jax
+
+        from rollout.ppo import _checkpoint as ckpt
+
+        update = int(jax.device_get(state.update))
+        path = self.out / f"ckpt_{update:08d}"
+        if update != self.saved_at:
+            ckpt.save(
+                self.out, state, run_id=self.record["run_id"], rows=rows,
+                config=self.config.to_dict(),
+            )  # fmt: skip
+            self.saved_at = update
+        return path
+
+    def finish(self) -> None:
+        from rollout.ppo import _checkpoint as ckpt
+
+        if self.main:
+            rows = _read_rows(self.out / ckpt.METRICS_FILE)
+            plot_curves(rows, self.out / ckpt.CURVE_FILE, self.config.env)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
+
+def _on_main_then_all(fn: Callable[[], Any]) -> None:
+    """``fn`` on process 0 once all processes are here; the others wait until it is done."""
     import jax
 
-    from rollout.ppo import _checkpoint as ckpt
-    from rollout.ppo._learner import METRIC_NAMES, Learner, to_host
+    if jax.process_count() == 1:
+        fn()
+        return
+    from jax.experimental import multihost_utils
 
-    owned = learner is None  # close what we open (env_on='cpu' worker processes)
-    if learner is None:
-        learner = Learner(config, devices=devices)
-    elif learner.config != config:
-        raise ValueError("learner= was built for a different config than config=.")
+    multihost_utils.sync_global_devices("rollout.ppo run dir: checked")
+    if jax.process_index() == 0:
+        fn()
+    multihost_utils.sync_global_devices("rollout.ppo run dir: written")
+
+
+def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop):
+    """The training loop of :func:`train` from ``state`` (whose metric rows are ``rows``)."""
+    import jax
+
+    from rollout.ppo._learner import to_host
+
     cfg = learner.config
-    out = Path(out) if out is not None else None
-    rows: list[dict[str, Any]] = []
-    state = None
-    if resume:
-        if out is None:
-            raise ValueError("resume=True needs out= (the directory with the checkpoints).")
-        path = ckpt.latest(out)
-        if path is not None:
-            saved = ckpt.read_meta(path)["config"]
-            mine = cfg.to_dict()
-            diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-            if diff:
-                raise ValueError(
-                    f"--resume: checkpoint {path} was written with a different config; "
-                    f"differences in {diff} (saved {[saved.get(k) for k in diff]}, now "
-                    f"{[mine.get(k) for k in diff]})."
-                )
-            state = ckpt.restore(path, learner.state_shapes(), learner.state_shardings())
-    if state is None:
-        state = learner.init()
     done = int(jax.device_get(state.update))  # replicated: every process has it
-    main = jax.process_index() == 0  # the one process that writes metrics and the plot
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        rows = _read_rows(out / "metrics.jsonl", upto=done) if done else []
-        if main:
-            _write_rows(out / "metrics.jsonl", rows)
-
     bar = _progress(cfg, done, enabled=progress)
-    calls = 0
-    start, steps_at_start = None, done  # throughput: from the end of the first (compiling) call
+    calls, start, steps_at_start, sps = 0, None, done, None
     try:
         while done < cfg.num_updates:
+            signum = _stop_requested(stop)
+            if signum is not None:
+                raise _interrupt(run, state, len(rows), signum, done, cfg)
             k = min(cfg.updates_per_call, cfg.num_updates - done)
             state, metrics = learner.update(state, k)
-            host = to_host(metrics)  # [n, k] scalars per member: the only gather
-            new_rows = []
-            for j in range(k):
-                u = done + j + 1
-                row: dict[str, Any] = {"update": u, "env_steps": u * cfg.batch_size}
-                for name in METRIC_NAMES:
-                    row[name] = [_json_float(v) for v in host[name][:, j]]
-                new_rows.append(row)
+            new_rows = _rows(to_host(metrics), done, k, cfg.batch_size)  # the only gather
             done += k
             calls += 1
-            if start is None:
-                start, steps_at_start, sps = time.perf_counter(), done, None
+            if start is None:  # throughput: from the end of the first (compiling) call
+                start, steps_at_start = time.perf_counter(), done
             else:
                 elapsed = time.perf_counter() - start
                 sps = (done - steps_at_start) * cfg.batch_size * cfg.members / max(elapsed, 1e-9)
@@ -148,22 +267,60 @@ def train(
                 if on_update is not None:
                     on_update(row)
             rows.extend(new_rows)
-            if out is not None:
-                if main:
-                    _append_rows(out / "metrics.jsonl", new_rows)
+            if run is not None:
+                run.append(new_rows)
                 if calls % checkpoint_every == 0 or done >= cfg.num_updates:
-                    ckpt.save(out, state, cfg)  # collective: every process calls it
+                    run.save(state, len(rows))  # collective: every process calls it
             if bar is not None:
                 bar.update(k * cfg.batch_size)
                 bar.set_postfix_str(_postfix(new_rows[-1]["returns"], sps), refresh=False)
     finally:
         if bar is not None:
             bar.close()
-        if owned:
-            learner.close()
-    if out is not None and rows and main:
-        plot_curves(_read_rows(out / "metrics.jsonl"), out / "learning_curve.png", cfg.env)
+    if run is not None and rows:
+        run.finish()
     return state, rows
+
+
+def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict[str, Any]]:
+    from rollout.ppo._learner import METRIC_NAMES
+
+    rows = []
+    for j in range(k):
+        u = done + j + 1
+        row: dict[str, Any] = {"update": u, "env_steps": u * batch_size}
+        for name in METRIC_NAMES:
+            row[name] = [_json_float(v) for v in host[name][:, j]]
+        rows.append(row)
+    return rows
+
+
+def _stop_requested(stop: Callable[[], int | None] | None) -> int | None:
+    """The signal to stop on; with several processes, all agree (any one asked: all stop)."""
+    import jax
+
+    signum = stop() if stop is not None else None
+    if jax.process_count() == 1:
+        return signum
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    every = multihost_utils.process_allgather(np.asarray(signum or 0, np.int32))
+    asked = [int(s) for s in np.ravel(every) if s]
+    return asked[0] if asked else None
+
+
+def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupted:
+    """Writes a checkpoint of ``state`` and says how to resume (the caller raises it)."""
+    name = signal.Signals(signum).name
+    if run is None:
+        return Interrupted(signum, f"{name}: stopped at update {done}/{cfg.num_updates}.")
+    run.save(state, rows)
+    return Interrupted(
+        signum,
+        f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue "
+        f"with: python -m rollout.ppo --resume --out {run.out}",
+    )
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
@@ -218,7 +375,7 @@ def _json_float(v: Any) -> float | None:
     return None if not math.isfinite(v) else float(f"{v:.7g}")  # float32 has ~7 digits
 
 
-def _read_rows(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+def _read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
@@ -229,13 +386,8 @@ def _read_rows(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a crash
             continue
-        if upto is None or row.get("update", 0) <= upto:
-            rows.append(row)
+        rows.append(row)
     return rows
-
-
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -247,34 +399,73 @@ def _append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------- command line
 
 
+class UsageError(ValueError):
+    """A mistake on the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a mistake in one line (not usage + error) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see python -m rollout.ppo --help)\n")
+
+
 def _floats(text: str) -> float | tuple[float, ...]:
-    values = tuple(float(v) for v in text.replace(",", " ").split())
+    try:
+        values = tuple(float(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        values = ()
     if not values:
-        raise argparse.ArgumentTypeError("expected one number or a list like 3e-4,1e-3")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number or a list of numbers like 3e-4,1e-3"
+        )
     return values[0] if len(values) == 1 else values
 
 
+#: CLI defaults of the config flags; on --resume the saved run's values are used instead.
+_DEFAULTS = {"env": "cartpole", "members": 4, "seed": 0, "env_on": "device"}
+#: config flags: (flag attribute, PPOConfig field).
+_CONFIG_FLAGS = (
+    ("env", "env"),
+    ("members", "members"),
+    ("seed", "seed"),
+    ("env_on", "env_on"),
+    ("total_steps", "total_steps"),
+    ("lr", "learning_rate"),
+    ("ent_coef", "ent_coef"),
+    ("clip_coef", "clip_coef"),
+    ("num_envs", "num_envs"),
+    ("num_steps", "num_steps"),
+    ("updates_per_call", "updates_per_call"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m rollout.ppo",
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
+        epilog="--resume takes the config from the run in --out; only --total-steps may grow.",
     )
-    p.add_argument("--env", default="cartpole", help="cartpole (CartPole-v1) or pendulum")
-    p.add_argument("--members", type=int, default=4, help="number of agents (default 4)")
+    p.add_argument("--env", default=None, help="cartpole (CartPole-v1) or pendulum")
+    p.add_argument("--members", type=int, default=None, help="number of agents (default 4)")
     p.add_argument(
         "--total-steps",
         type=int,
         default=None,
         help="env steps per member (default: 500k CartPole, 1M Pendulum)",
     )
-    p.add_argument("--out", default="runs/ppo", help="output dir: metrics.jsonl, PNG, checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="root seed; members get split keys")
+    p.add_argument("--out", default="runs/ppo", help="run dir: run.json, metrics, PNG, checkpoints")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument(
+        "--overwrite", action="store_true", help="remove the run already in --out and start anew"
+    )
+    p.add_argument("--seed", type=int, default=None, help="root seed; members get split keys")
     p.add_argument(
         "--env-on",
         choices=("device", "cpu"),
-        default="device",
-        help="envs vmapped next to each member, or on host CPU cores via rollout.on_cpu",
+        default=None,
+        help="envs vmapped next to each member (default), or on host CPU cores (rollout.on_cpu)",
     )
     p.add_argument("--lr", type=_floats, default=None, help="learning rate, or one per member")
     p.add_argument("--ent-coef", type=_floats, default=None, help="entropy coef, or one per member")
@@ -290,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU-only hosts: simulated devices for the members (default: cpu_devices_for)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     g = p.add_argument_group(
         "several processes / hosts",
         "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
@@ -303,83 +495,183 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m rollout.ppo`` and the ``ensemble-ppo`` console script."""
+    """Entry point of ``python -m rollout.ppo`` and the ``ensemble-ppo`` console script.
+
+    Exit codes: 0 done; 2 a mistake in the arguments or the run directory (one line on stderr
+    says what to do); 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint; 1 an
+    unexpected error (``--debug`` shows its traceback).
+    """
     args = build_parser().parse_args(argv)
-    if args.members <= 0:
-        print(f"error: --members must be positive, got {args.members}", file=sys.stderr)
+    try:
+        with _Signals() as signals:
+            return _main(args, signals)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return e.code
+    except (UsageError, RunDirError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if args.debug:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(
+            f"error: {type(e).__name__}: {first} (run again with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _main(args: argparse.Namespace, signals: _Signals) -> int:
+    from rollout.ppo import _checkpoint as ckpt
+
+    _check_numbers(args)
+    found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
+    config = _config_from_args(args, found)
+    if args.resume:
+        ckpt.check_resume(found, config.to_dict())
+    else:
+        ckpt.check_fresh(found, args.overwrite)
+    ckpt.check_writable(args.out)
     cores = os.cpu_count() or 1
     from ensemble import _distributed as distributed
 
-    procs = args.num_processes or int(os.environ.get(distributed.ENV_NUM_PROCESSES) or 1)
-    if args.members % procs:
-        print(
-            f"error: --members {args.members} must be a multiple of the number of processes "
-            f"({procs}): every process holds the same number of members.",
-            file=sys.stderr,
+    procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
+    if config.members % procs:
+        raise UsageError(
+            f"--members {config.members} must be a multiple of the number of processes "
+            f"({procs}): every process holds the same number of members."
         )
-        return 2
     # Devices per process for this process's members (on CPU-only hosts).
-    learner_devices = args.devices or cpu_devices_for(args.members // procs, cores)
+    learner_devices = args.devices or cpu_devices_for(config.members // procs, cores)
     configure_devices(max(learner_devices, cores))
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-
+    signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
+    devices, n_dev = _learner_devices(info, learner_devices)
+    try:
+        config.validate(num_devices=n_dev)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     import jax
 
-    from rollout.ppo._config import PPOConfig
-
-    overrides: dict[str, Any] = {"members": args.members, "seed": args.seed}
-    overrides["env_on"] = args.env_on
-    for flag, field in (
-        ("total_steps", "total_steps"),
-        ("lr", "learning_rate"),
-        ("ent_coef", "ent_coef"),
-        ("clip_coef", "clip_coef"),
-        ("num_envs", "num_envs"),
-        ("num_steps", "num_steps"),
-        ("updates_per_call", "updates_per_call"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides[field] = value
-    try:
-        config = PPOConfig.for_env(args.env, **overrides)
-        # On a CPU-only host the members use the first `learner_devices` CPU devices; on an
-        # accelerator host, all accelerators.
-        # Each process contributes its first `learner_devices` devices, in process order, so
-        # every process holds members (jax.devices() lists all processes' devices).
-        devices = (
-            [
-                d
-                for p in range(info.num_processes)
-                for d in [d for d in jax.devices() if d.process_index == p][:learner_devices]
-            ]
-            if jax.default_backend() == "cpu"
-            else None
-        )
-        n_dev = len(devices) if devices is not None else jax.device_count()
-        from rollout.ppo._env import known_envs
-
-        config.validate(num_devices=n_dev, known_envs=known_envs())
-    except (ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     print(
         f"ensemble PPO: env={config.env} members={config.members} processes={info.num_processes} "
         f"devices={n_dev}x{jax.default_backend()} env_on={config.env_on} "
-        f"total_steps/member={config.num_updates * config.batch_size} out={args.out}",
+        f"total_steps/member={config.num_updates * config.batch_size} out={args.out}"
+        f"{' (resumed)' if args.resume else ''}",
         file=sys.stderr,
     )
     _, rows = train(
         config,
         args.out,
         resume=args.resume,
+        overwrite=args.overwrite,
         progress=not args.no_progress and info.is_main,
         checkpoint_every=args.checkpoint_every,
         devices=devices,
+        stop=signals.received,
+        warn=lambda line: print(line, file=sys.stderr) if info.is_main else None,
     )
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Flags outside the config that must be positive (the config checks its own)."""
+    for flag, low in (("checkpoint_every", 1), ("devices", 1), ("num_processes", 1)):
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}.")
+    if args.process_id is not None and args.process_id < 0:
+        raise UsageError(f"--process-id must be >= 0, got {args.process_id}.")
+
+
+def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
+    """The run's config: the flags given over the defaults (over the saved run's on --resume)."""
+    from rollout.ppo._config import PPOConfig
+    from rollout.ppo._env import known_envs
+
+    given = {f: getattr(args, a) for a, f in _CONFIG_FLAGS if getattr(args, a) is not None}
+    try:
+        if args.resume and found.record is not None:
+            saved = PPOConfig.from_dict(found.record["config"])
+            if "env" in given:
+                given["env"] = canonical_env(given["env"])
+            config = dataclasses.replace(saved, **given)
+        else:
+            given = {**{k: v for k, v in _DEFAULTS.items() if k not in given}, **given}
+            config = PPOConfig.for_env(given.pop("env"), **given)
+        config.validate(known_envs=known_envs())
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return config
+
+
+def _env_processes(name: str) -> int:
+    value = os.environ.get(name) or "1"
+    try:
+        procs = int(value)
+    except ValueError:
+        raise UsageError(f"${name}={value!r} must be a positive integer.") from None
+    if procs < 1:
+        raise UsageError(f"${name}={value!r} must be a positive integer.")
+    return procs
+
+
+def _learner_devices(info: Any, per_process: int) -> tuple[list[Any] | None, int]:
+    """The devices the members use, and how many.
+
+    On a CPU-only host each process contributes its first ``per_process`` CPU devices, in
+    process order (``jax.devices()`` lists all processes' devices); on accelerators, all.
+    """
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return None, jax.device_count()
+    devices = [
+        d
+        for p in range(info.num_processes)
+        for d in [d for d in jax.devices() if d.process_index == p][:per_process]
+    ]
+    return devices, len(devices)
+
+
+class _Signals:
+    """SIGINT / SIGTERM: the first asks training to stop after the current jitted call (and
+    write a checkpoint); a second one exits at once (the last checkpoint stays whole)."""
+
+    def __init__(self) -> None:
+        self._got: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def received(self) -> int | None:
+        return self._got[0] if self._got else None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._got.append(signum)
+        name = signal.Signals(signum).name
+        if len(self._got) > 1:
+            sys.stderr.write(f"{name} again: exiting now; the last checkpoint is kept.\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        sys.stderr.write(f"{name}: stopping after the current update to write a checkpoint.\n")
+        sys.stderr.flush()
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old = signal.signal(sig, self._handle)
+                self._old.setdefault(sig, old)
+
+    def __enter__(self) -> _Signals:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,488 @@
+"""Runs of rollout.ppo never lose or mix data: run identity, resume, damaged checkpoints, CLI
+mistakes, signals, and SIGKILL at random points (between and during checkpoint writes).
+
+In-process tests share one tiny learner per config (compiles are the slow part); anything that
+sends a signal runs the CLI in a subprocess under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from ensemble.distributed import checkpoint_metadata
+from rollout.ppo import Learner, PPOConfig, main, train
+from rollout.ppo import _checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _tiny(**kw) -> PPOConfig:
+    base = dict(
+        members=2,
+        num_envs=2,
+        num_steps=16,
+        update_epochs=1,
+        num_minibatches=2,
+        total_steps=6 * 32,
+        updates_per_call=1,
+    )
+    base.update(kw)
+    return PPOConfig.for_env("cartpole", **base)
+
+
+_LEARNERS: dict[PPOConfig, Learner] = {}
+
+
+def _learner(cfg: PPOConfig) -> Learner:
+    if cfg not in _LEARNERS:
+        _LEARNERS[cfg] = Learner(cfg, devices=jax.devices()[:2])
+    return _LEARNERS[cfg]
+
+
+def _run(cfg, out, **kw):
+    return train(cfg, out, progress=False, learner=_learner(cfg), checkpoint_every=1, **kw)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(update: int):
+    def hook(row):
+        if row["update"] == update:
+            raise _Stop
+
+    return hook
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rows]
+
+
+def _metrics(out: Path):
+    return _strip(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted tiny run (seed 0): final state and metric rows."""
+    out = tmp_path_factory.mktemp("reference")
+    state, rows = _run(_tiny(), out)
+    return jax.device_get(state), _strip(rows)
+
+
+# ---------------------------------------------------------------------- run identity
+
+
+def test_fresh_run_refuses_a_dir_with_another_run_and_resume_never_mixes_runs(tmp_path, reference):
+    out = tmp_path / "run"
+    old = _tiny(seed=1)
+    _run(old, out)  # an older run, complete, with its checkpoints
+    old_id = json.loads((out / "run.json").read_text())["run_id"]
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ckpt.RunDirError, match=r"already holds run .*--resume.*--overwrite"):
+        _run(_tiny(), out)
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
+
+    # --overwrite: the old run's files go; a new run starts, is killed, and resumes from ITS
+    # checkpoint (not the older run's newer one), ending exactly like the uninterrupted run.
+    (out / "notes.txt").write_text("mine")  # not a run file: never removed
+    with pytest.raises(_Stop):
+        _run(_tiny(), out, overwrite=True, on_update=_stop_at(3))
+    record = json.loads((out / "run.json").read_text())
+    assert record["run_id"] != old_id and record["config"]["seed"] == 0
+    assert [p.name for p in ckpt.checkpoints(out)] == ["ckpt_00000001", "ckpt_00000002"]
+    state, _ = _run(_tiny(), out, resume=True)
+    chex.assert_trees_all_equal(jax.device_get(state), reference[0])
+    assert _metrics(out) == reference[1]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".lock"]  # no leftovers
+
+
+def test_a_run_dir_has_one_writer_at_a_time(tmp_path):
+    out = tmp_path / "run"
+    _run(_tiny(), out)
+    held = ckpt.lock(out)  # as a run still going in another process would
+    try:
+        with pytest.raises(ckpt.RunDirError, match=r"in use by another running process"):
+            _run(_tiny(), out, resume=True)
+    finally:
+        held.close()
+    _run(_tiny(), out, resume=True)  # free again
+
+
+def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ckpt.RunDirError, match=r"nothing to resume .*drop --resume"):
+        _run(_tiny(), out, resume=True)
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    with pytest.raises(ckpt.RunDirError, match=r"no run.json"):
+        _run(_tiny(), out, resume=True)
+    with pytest.raises(ckpt.RunDirError, match=r"already holds run files \(metrics.jsonl\)"):
+        _run(_tiny(), out)
+    # A run killed before its first checkpoint: run.json and rows, nothing to resume from.
+    (out / "metrics.jsonl").unlink()
+    with pytest.raises(_Stop):
+        train(_tiny(), out, progress=False, learner=_learner(_tiny()), on_update=_stop_at(2))
+    rows = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ckpt.RunDirError, match=r"no checkpoint .*--overwrite"):
+        _run(_tiny(), out, resume=True)
+    assert (out / "metrics.jsonl").read_text() == rows
+
+
+def test_old_npz_runs_are_named_not_misread(tmp_path):
+    (tmp_path / "ckpt_00000004").mkdir(parents=True)
+    (tmp_path / "ckpt_00000004" / "state.npz").write_bytes(b"PK")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ckpt.RunDirError, match="old npz format"):
+        _run(_tiny(), tmp_path, resume=True)
+    with pytest.raises(ckpt.RunDirError, match="old npz format"):
+        _run(_tiny(), tmp_path)
+
+
+# ---------------------------------------------------------------------- damaged checkpoints
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "zero":
+        path.write_bytes(bytes(len(data)))
+    elif how == "garble":
+        path.write_bytes(bytes(b ^ 0x5A if i % 5 == 0 else b for i, b in enumerate(data)))
+    elif how == "flip":  # one bit in the middle
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x01
+        path.write_bytes(bytes(b))
+    elif how == "delete":
+        path.unlink()
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_checkpoint_is_reported_in_one_line_and_the_previous_one_used(
+    tmp_path, reference
+):
+    cut = tmp_path / "cut"
+    with pytest.raises(_Stop):
+        _run(_tiny(), cut, on_update=_stop_at(5))  # checkpoints 3 and 4 exist
+    cases = [
+        ("data", "truncate"),
+        ("data", "zero"),
+        ("data", "garble"),
+        ("data", "flip"),
+        ("data", "delete"),
+        ("_METADATA", "garble"),
+        ("manifest.ocdbt", "delete"),
+        ("_CHECKPOINT_METADATA", "zero"),
+        ("all", "delete"),
+    ]
+    for where, how in cases:
+        out = tmp_path / f"{where}-{how}"
+        shutil.copytree(cut, out)
+        newest = ckpt.checkpoints(out)[-1]
+        if where == "all":
+            shutil.rmtree(newest)
+        else:
+            _damage(_largest_file(newest) if where == "data" else newest / where, how)
+        notes: list[str] = []
+        state, _ = _run(_tiny(), out, resume=True, warn=notes.append)
+        chex.assert_trees_all_equal(jax.device_get(state), reference[0])
+        assert _metrics(out) == reference[1], (where, how)
+        if where != "all":
+            assert len(notes) == 1 and "\n" not in notes[0], notes
+            assert f"checkpoint {newest} cannot be restored" in notes[0], notes
+            assert (out / f"{newest.name}.unreadable").is_dir()  # kept, out of the way
+
+    # Nothing restores: a clear error, and the files stay as they are.
+    out = tmp_path / "none"
+    shutil.copytree(cut, out)
+    for c in ckpt.checkpoints(out):
+        _damage(_largest_file(c), "zero")
+    with pytest.raises(ckpt.RunDirError, match=r"no checkpoint in .* can be restored"):
+        _run(_tiny(), out, resume=True, warn=lambda line: None)
+    assert len(ckpt.checkpoints(out)) == 2
+
+
+def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
+    out = tmp_path / "run"
+    state, _ = _run(_tiny(), out)
+    meta = checkpoint_metadata(ckpt.checkpoints(out)[-1])
+    assert meta["update"] == 6 and meta["metrics_rows"] == 6
+    assert meta["run_id"] == json.loads((out / "run.json").read_text())["run_id"]
+    # One checksum per member for every member-shaped leaf, equal to a numpy recomputation.
+    leaves = jax.tree_util.tree_leaves(jax.device_get(state))
+    assert [len(s) for s in meta["checksums"]] == [
+        max(1, np.ndim(x) and x.shape[0]) for x in leaves
+    ]
+    for x, sums in zip(leaves, meta["checksums"]):
+        assert sums == _numpy_checksum(np.asarray(x))
+    # Restoring puts every leaf straight onto its member shard.
+    learner = _learner(_tiny())
+    like = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        learner.state_shapes(),
+        learner.state_shardings(),
+    )
+    back, _ = ckpt.restore_latest(out, meta["run_id"], like, warn=print)
+    same = jax.tree_util.tree_map(lambda a, s: a.sharding == s, back, learner.state_shardings())
+    assert all(jax.tree_util.tree_leaves(same))
+
+
+def _numpy_checksum(x: np.ndarray) -> list[int]:
+    """The checksum of ``ckpt.fingerprints`` computed another way (numpy, uint64 then mod)."""
+    if x.dtype == bool:
+        bits = x.astype(np.uint64)
+    else:
+        bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint64)
+    rows = bits.reshape(1, -1) if x.ndim == 0 else bits.reshape(x.shape[0], -1)
+    w = (np.arange(rows.shape[1], dtype=np.uint64) * 2654435761 + 1) % 2**32
+    mixed = rows ^ (rows >> 16)
+    return [int(v) for v in ((mixed * w) % 2**32).sum(axis=1) % 2**32]
+
+
+# ---------------------------------------------------------------------- longer runs
+
+
+def test_resume_may_extend_total_steps_and_the_lr_schedule_follows_the_new_total(tmp_path):
+    out = tmp_path / "run"
+    short, longer = _tiny(), _tiny(total_steps=10 * 32)
+    _run(short, out)
+    with pytest.raises(ckpt.RunDirError, match=r"\(gamma 0.99 -> 0.9, seed 0 -> 3\)"):
+        _run(_tiny(gamma=0.9, seed=3), out, resume=True)
+    _, rows = _run(longer, out, resume=True)
+    assert json.loads((out / "run.json").read_text())["config"]["total_steps"] == 10 * 32
+    assert [r["update"] for r in rows] == list(range(1, 11))
+    # Linear annealing to 0: update u (1-based) uses lr0 * (1 - (u - 1) / N), N the total in
+    # force when it ran: 6 updates for the first run, 10 after the extension.
+    lr0 = short.learning_rate
+    want = [lr0 * (1 - (u - 1) / (6 if u <= 6 else 10)) for u in range(1, 11)]
+    got = [r["learning_rate"][0] for r in rows]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # Shrinking it back is refused.
+    with pytest.raises(ckpt.RunDirError, match=r"\(total_steps 320 -> 192\); only --total-steps"):
+        _run(short, out, resume=True)
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+@contextlib.contextmanager
+def _count_compiles():
+    events: list[str] = []
+
+    def listener(name, *args, **kwargs):
+        if "compile" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _cli_error(argv, capsys) -> str:
+    """Runs main(argv) in-process; asserts exit 2, no compile; returns the single stderr line."""
+    with _count_compiles() as compiles:
+        try:
+            code = main([*argv, "--no-progress"])
+        except SystemExit as e:  # argparse
+            code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert compiles == [], argv
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("keep me")
+    line = _cli_error(["--out", str(a_file)], capsys)
+    assert f"--out {a_file} is a file" in line
+    assert a_file.read_text() == "keep me"
+    with pytest.raises(ckpt.RunDirError, match="is a file"):  # --debug: the real exception
+        main(["--out", str(a_file), "--debug"])
+    assert "not a writable directory" in _cli_error(["--out", str(a_file / "sub")], capsys)
+    assert "not a writable directory" in _cli_error(["--out", "/proc/ppo-run"], capsys)
+    out = str(tmp_path / "run")
+    assert "nothing to resume" in _cli_error(["--out", out, "--resume"], capsys)
+    assert "not allowed with argument" in _cli_error(
+        ["--out", out, "--resume", "--overwrite"], capsys
+    )
+    assert "'abc' is not a number" in _cli_error(["--out", out, "--lr", "abc"], capsys)
+    assert "--checkpoint-every must be >= 1, got 0" in _cli_error(
+        ["--out", out, "--checkpoint-every", "0"], capsys
+    )
+    assert "members must be a positive integer" in _cli_error(
+        ["--out", out, "--members", "0"], capsys
+    )
+    assert "learning_rate has 3 values" in _cli_error(
+        ["--out", out, "--members", "2", "--lr", "1e-3,2e-3,3e-3"], capsys
+    )
+    assert not Path(out).exists()  # nothing written by a refused command
+
+
+def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = _tiny()
+    _run(cfg, out)
+    line = _cli_error(["--out", str(out), "--members", "4", "--seed", "2"], capsys)
+    assert "already holds run" in line and "--resume" in line and "--overwrite" in line
+    line = _cli_error(["--out", str(out), "--resume", "--members", "4", "--seed", "2"], capsys)
+    assert "(members 2 -> 4, seed 0 -> 2)" in line
+    # The saved config (and flags equal to it) resume; the run is complete: nothing to do.
+    rows = (out / "metrics.jsonl").read_text()
+    assert main(["--out", str(out), "--resume", "--members", "2", "--no-progress"]) == 0
+    assert (out / "metrics.jsonl").read_text() == rows
+
+
+# ---------------------------------------------------------------------- signals, SIGKILL
+
+
+def _env(cache: Path | None = None) -> dict[str, str]:
+    drop = ("JAX_", "XLA_", "ENSEMBLE_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = str(ROOT)
+    env["XLA_FLAGS"] = THREAD_FLAGS
+    if cache is not None:  # runs of one test share compiled programs (the same program)
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
+
+
+_CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps", "16",
+             "--updates-per-call", "1", "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
+
+
+def _start(out: Path, *extra: str, total: int = 12, cache: Path | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32)]
+    return subprocess.Popen(
+        [*cmd, "--out", str(out), *extra],
+        cwd=ROOT,
+        env=_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _rows(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _wait(proc: subprocess.Popen, until, timeout: float = 120.0, poll: float = 0.002) -> bool:
+    """Polls ``until()`` while ``proc`` runs; False if it ended first."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        if proc.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(poll)
+    return True
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig):
+    out = tmp_path / "run"
+    proc = _start(out, total=400)
+    try:
+        assert _wait(proc, lambda: _rows(out) >= 2, poll=0.05), proc.communicate()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(signal.Signals(sig).name) and f"--resume --out {out}" in last, err
+    newest = ckpt.checkpoints(out)[-1]
+    meta = checkpoint_metadata(newest)
+    assert meta["metrics_rows"] == meta["update"] == _rows(out)  # rows == the checkpoint's
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """3 kills: during a checkpoint write (its temporary directory exists), at a random row,
+    after a random delay; each followed by --resume. Final checkpoint and metrics must equal
+    those of an uninterrupted run."""
+    rng = random.Random(7)
+    total, cache = 12, tmp_path / "jax-cache"
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32),
+         "--out", str(ref)],
+        cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "run"
+    writing = lambda: out.is_dir() and any(".orbax-checkpoint-tmp" in p for p in os.listdir(out))
+    kills = []
+    for kind in ("during-write", "at-row", "after-delay"):
+        resume = ("--resume",) if ckpt.checkpoints(out) else ("--overwrite",)
+        proc = _start(out, *resume, total=total, cache=cache)
+        try:
+            start_rows = _rows(out)
+            if kind == "during-write":
+                assert _wait(proc, lambda n=start_rows: _rows(out) >= n + 2 and writing())
+            elif kind == "at-row":
+                target = start_rows + rng.randint(1, 3)
+                assert _wait(proc, lambda n=target: _rows(out) >= n)
+            else:
+                assert _wait(proc, lambda n=start_rows: _rows(out) > n, poll=0.01)
+                time.sleep(rng.uniform(0.0, 0.3))
+            proc.kill()
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        kills.append((kind, _rows(out), [p.name for p in out.iterdir()]))
+    assert _rows(out) < total, kills  # the kills landed before the end
+
+    proc = _start(out, "--resume", total=total, cache=cache)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert _metrics(out) == _metrics(ref), kills
+    a, b = (ckpt.checkpoints(d)[-1] for d in (out, ref))
+    assert a.name == b.name == f"ckpt_{total:08d}"
+    ma, mb = checkpoint_metadata(a), checkpoint_metadata(b)
+    assert ma["checksums"] == mb["checksums"], kills  # every leaf, every member, bit for bit
+    # And the restored parameters themselves (not only their checksums).
+    cfg = PPOConfig.from_dict(json.loads((ref / "run.json").read_text())["config"])
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    like = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        learner.state_shapes(),
+        learner.state_shardings(),
+    )
+    states = [ckpt.restore_latest(d, checkpoint_metadata(c)["run_id"], like, print)[0]
+              for d, c in ((out, a), (ref, b))]  # fmt: skip
+    chex.assert_trees_all_equal(*jax.device_get(states))
