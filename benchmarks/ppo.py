@@ -138,7 +138,9 @@ def learn(envs=("cartpole", "pendulum"), members: int = 4) -> list[dict]:
         cfg = PPOConfig.for_env(env, members=members, updates_per_call=10)
         out = ROOT / "runs" / f"bench_ppo_{env}"  # metrics + checkpoints (not committed)
         t0 = time.perf_counter()
-        _, metrics = train(cfg, out, progress=True, checkpoint_every=10**9, devices=jax.devices())
+        _, metrics = train(
+            cfg, out, overwrite=True, progress=True, checkpoint_every=10**9, devices=jax.devices()
+        )
         wall = time.perf_counter() - t0
         final = np.array([r["returns"] for r in metrics[-10:]], dtype=float).mean(axis=0)
         goal = 475.0 if env == "cartpole" else -250.0

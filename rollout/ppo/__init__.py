@@ -14,7 +14,8 @@ The command line (``python -m rollout.ppo --help``) trains, logs ``metrics.jsonl
 learning curves and checkpoints; :func:`train` is the same loop as a function.
 """
 
-from rollout.ppo._cli import main, plot_curves, train
+from rollout.ppo._checkpoint import RunDirError
+from rollout.ppo._cli import Interrupted, main, plot_curves, train
 from rollout.ppo._config import PPOConfig
 from rollout.ppo._gae import gae
 from rollout.ppo._learner import (
@@ -29,9 +30,11 @@ from rollout.ppo._networks import ActorCritic
 __all__ = [
     "METRIC_NAMES",
     "ActorCritic",
+    "Interrupted",
     "Learner",
     "MemberState",
     "PPOConfig",
+    "RunDirError",
     "RunningStats",
     "TrainState",
     "gae",
