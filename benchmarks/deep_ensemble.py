@@ -20,7 +20,7 @@ times, the ways interleaved so that load from other processes hits all alike; th
 Not a test: it times things. Run it on a quiet machine::
 
     python benchmarks/deep_ensemble.py            # writes benchmarks/results/deep_ensemble.*
-    python benchmarks/deep_ensemble.py --members 2,8 --hidden 128,1024 --epochs 5 --repeats 3
+    python benchmarks/deep_ensemble.py --members 2,8 --hidden 128,1024 --repeats 5
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def machine() -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'n':>3} {'hidden':>6} {'way':>16} {'member-steps/s':>15} {'x loop':>7} "
+        f"{'n':>3} {'hidden':>6} {'epochs':>6} {'way':>16} {'member-steps/s':>15} {'x loop':>7} "
         f"{'goal':>7} {'max|diff|':>9}"
     )
     lines = [head]
@@ -244,7 +244,7 @@ def format_table(rows: list[dict]) -> str:
             goal = f">={way['goal_x_loop']:.1f}" if way["goal_x_loop"] else ""
             diff = way["max_abs_param_diff_vs_loop"]
             lines.append(
-                f"{row['members']:>3} {row['hidden']:>6} {way['way']:>16} "
+                f"{row['members']:>3} {row['hidden']:>6} {row['epochs']:>6} {way['way']:>16} "
                 f"{way['member_steps_per_s']:>15,.0f} {way['x_loop']:>6.2f}x {goal:>7} "
                 f"{'' if diff is None else f'{diff:.1e}':>9}"
             )
@@ -281,15 +281,17 @@ def main(argv: list[str] | None = None) -> dict:
     ints = lambda s: [int(v) for v in s.split(",")]
     parser.add_argument("--members", type=ints, default=[2, 8], help="ensemble sizes, e.g. 2,8")
     parser.add_argument("--hidden", type=ints, default=[128, 1024], help="MLP widths")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--epochs", type=int, default=0, help="per run (0: 20 x 128 / hidden, at least 2)"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker-loop", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_loop:
         return worker_loop(args.worker_loop)
-    if min(args.members + args.hidden + [args.epochs, args.repeats]) < 1:
-        parser.error("--members, --hidden, --epochs and --repeats must be >= 1")
+    if min(args.members + args.hidden + [args.repeats]) < 1 or args.epochs < 0:
+        parser.error("--members, --hidden and --repeats must be >= 1, --epochs >= 0")
     import rollout
 
     rollout.configure_cpu_devices(len(os.sched_getaffinity(0)))
@@ -297,9 +299,11 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"machine": machine(), "rows": []}
     for hidden in args.hidden:
         for members in args.members:
-            row = bench_one(de, members, hidden, args.epochs, args.repeats)
+            # Enough steps that a small model's run lasts about as long as a big one's.
+            epochs = args.epochs or max(2, round(20 * 128 / hidden))
+            row = bench_one(de, members, hidden, epochs, args.repeats)
             report["rows"].append(row)
-            print(format_table([row]).splitlines()[-len(row["ways"]) :], flush=True)
+            print("\n".join(format_table([row]).splitlines()[1:]), flush=True)
     table = format_table(report["rows"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "deep_ensemble.txt").write_text(table + "\n")
