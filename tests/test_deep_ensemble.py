@@ -1,0 +1,219 @@
+"""examples/deep_ensemble.py: metrics vs sklearn, members vs single-model training, the CLI."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+sklearn_metrics = pytest.importorskip("sklearn.metrics")
+
+import ensemble  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "deep_ensemble.py"
+
+
+@pytest.fixture(scope="module")
+def de():
+    spec = importlib.util.spec_from_file_location("deep_ensemble", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["deep_ensemble"] = module  # linen dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("deep_ensemble", None)
+
+
+def _random_probs(rng, n=400, classes=10, concentration=0.3):
+    return rng.dirichlet(np.full(classes, concentration), n), rng.integers(0, classes, n)
+
+
+def test_metrics_match_sklearn(de):
+    rng = np.random.default_rng(0)
+    probs, y = _random_probs(rng)
+    labels = np.arange(10)
+    assert de.accuracy(probs, y) == pytest.approx(
+        sklearn_metrics.accuracy_score(y, probs.argmax(1))
+    )
+    assert de.nll(probs, y) == pytest.approx(
+        sklearn_metrics.log_loss(y, probs, labels=labels), rel=1e-9
+    )
+    assert de.brier(probs, y) == pytest.approx(
+        sklearn_metrics.brier_score_loss(y, probs, labels=labels, scale_by_half=False), rel=1e-9
+    )
+    scipy_stats = pytest.importorskip("scipy.stats")
+    np.testing.assert_allclose(de.entropy(probs), scipy_stats.entropy(probs, axis=1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_auroc_matches_sklearn(de, discrete):
+    rng = np.random.default_rng(1)
+    neg, pos = rng.normal(0, 1, 300), rng.normal(0.7, 1, 200)
+    if discrete:  # disagreement-like scores: many ties
+        neg, pos = np.round(neg * 2) / 8, np.round(pos * 2) / 8
+    labels = np.r_[np.zeros(len(neg)), np.ones(len(pos))]
+    expected = sklearn_metrics.roc_auc_score(labels, np.r_[neg, pos])
+    assert de.auroc(neg, pos) == pytest.approx(expected, abs=1e-12)
+    assert de.auroc(pos, neg) == pytest.approx(1 - expected, abs=1e-12)
+
+
+def test_ece_hand_computed(de):
+    # 4 bins of width 1/4, each bin (lo, hi]: confidences 0.75 and 0.5 sit on bin edges.
+    probs = np.array(
+        [[0.75, 0.125, 0.125], [0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.125, 0.875, 0.0]]
+    )
+    y = np.array([0, 1, 0, 2])  # right, wrong, right, wrong
+    # bin 1: {0.5 wrong} gap 0.5; bin 2: {0.75 right} gap 0.25; bin 3: {1 right, 0.875 wrong}
+    # accuracy 0.5, confidence 0.9375, gap 0.4375.  (0.5 + 0.25 + 2 * 0.4375) / 4 = 0.40625
+    assert de.ece(probs, y, bins=4) == pytest.approx(0.40625, abs=1e-12)
+    b = de.calibration_bins(probs, y, bins=4)
+    np.testing.assert_array_equal(b["count"], [0, 1, 1, 2])
+    # 15 bins: 20 examples all at confidence 0.95, 16 of them right: |0.8 - 0.95| = 0.15.
+    probs = np.tile([0.95, 0.05], (20, 1))
+    y = np.r_[np.zeros(16, int), np.ones(4, int)]
+    assert de.ece(probs, y, bins=15) == pytest.approx(0.15, abs=1e-12)
+    assert de.ece(np.tile([0.5, 0.5], (4, 1)), np.array([0, 0, 1, 1]), 15) == pytest.approx(0.0)
+
+
+def test_batch_order_per_member(de):
+    order = de.batch_order(3, 100, 16, 2, seed=0, bootstrap=False)
+    assert order.shape == (2 * 6, 3, 16)
+    epoch0 = order[:6].transpose(1, 0, 2).reshape(3, -1)
+    assert all(len(np.unique(row)) == 96 for row in epoch0)  # a shuffle: no repeats in an epoch
+    assert not np.array_equal(epoch0[0], epoch0[1])  # each member its own order
+    boot = de.batch_order(3, 100, 16, 1, seed=0, bootstrap=True)[:, 0].ravel()
+    assert len(np.unique(boot)) < 90  # a resample drawn with replacement repeats examples
+    with pytest.raises(ValueError, match="exceeds"):
+        de.batch_order(2, 10, 16, 1, seed=0, bootstrap=False)
+
+
+def _train_alone(de, cfg, params, data, order_i):
+    """Member i the way a single model is trained: plain jitted step, plain optax.adam."""
+    loss_fn = de.make_loss(de.make_model(cfg))
+    tx = optax.adam(cfg.lr)
+    x, y = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+
+    @jax.jit
+    def step(p, s, idx):
+        grads = jax.grad(loss_fn)(p, idx, x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    state = tx.init(params)
+    for idx in order_i:
+        params, state = step(params, state, idx)
+    return params
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("members,devices", [(4, 2)])  # 2 members per device, 2 devices
+def test_member_equals_training_alone(de, members, devices):
+    cfg = de.Config(members=members, devices=devices, hidden=32, epochs=2, seed=3)
+    data = de.load_digits(cfg.test_fraction, cfg.seed)
+    ens, params = de.build(cfg, data.x_train)
+    init = jax.device_get(params)  # the step donates params
+    params, losses, order = de.train(cfg, ens, params, data)
+    assert losses.shape == (len(order), members) and np.all(np.isfinite(losses))
+    trained = jax.device_get(params)
+    for i in (0, members - 1):
+        start = jax.tree.map(lambda a, i=i: a[i], init)
+        alone = _train_alone(de, cfg, start, data, order[:, i])
+        for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(trained)):
+            np.testing.assert_allclose(np.asarray(a), b[i], atol=1e-5, rtol=0)
+    # Members start apart (own init keys) and end apart.
+    k = init["Dense_0"]["kernel"]
+    assert not np.allclose(k[0], k[1])
+    # predict(): member probabilities are the plain model's, the mean is their average.
+    pred = de.predict(ens, params, data.x_test[:50])
+    plain = ens.model.apply({"params": ensemble.member(params, 1)}, jnp.asarray(data.x_test[:50]))
+    np.testing.assert_allclose(pred["members"][1], jax.nn.softmax(plain), atol=1e-6)
+    np.testing.assert_allclose(pred["mean"], pred["members"].mean(0), atol=1e-6)
+    assert np.all(pred["mutual_info"] > -1e-9)
+
+
+def test_cli_rejects_bad_input(de, capsys):
+    for argv, message in [
+        (["--members", "0"], "--members must be >= 1"),
+        (["--test-fraction", "0.9"], "--test-fraction must be in"),
+        (["--model", "resnet"], "invalid choice"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            de.main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        de.main(["--members", "2", "--devices", "3", "--epochs", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--devices 3" in err[0]
+
+
+@pytest.mark.timeout(150)
+def test_example_runs_end_to_end(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    argv = [
+        "--members",
+        "2",
+        "--epochs",
+        "3",
+        "--hidden",
+        "16",
+        "--lr",
+        "0.01",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "deep_ensemble.txt",
+        "deep_ensemble.json",
+        "reliability.png",
+    }
+    report = json.loads((tmp_path / "deep_ensemble.json").read_text())
+    assert len(report["members"]) == 2 and report["config"]["epochs"] == 3
+    assert set(report["ood_auroc"]["entropy"]) == {"rotated", "inverted", "shuffled", "noise"}
+    assert 0.5 < report["ensemble"]["accuracy"] <= 1
+    assert "ensemble" in (tmp_path / "deep_ensemble.txt").read_text()
+    assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_step_has_no_cross_device_traffic(de, model):
+    """Members split over devices train without collectives (the CNN too: no grouped conv)."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    cfg = de.Config(members=4, devices=2, hidden=16, model=model)
+    data = de.load_digits()
+    ens, params = de.build(cfg, data.x_train)
+    step = ensemble.train_step(
+        de.make_loss(ens.model),
+        optax.adam(1e-3),
+        n=ens.n,
+        mesh=ens.mesh,
+        per_member_batch=(True, False, False),
+    )
+    x, y = jax.device_put((data.x_train, data.y_train), NamedSharding(ens.mesh, PartitionSpec()))
+    idx = np.zeros((4, 8), np.int32)
+    text = step.lower(params, step.init(params), idx, x, y).compile().as_text()
+    collectives = re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute)\(", text)
+    assert collectives == [], sorted(set(collectives))
