@@ -95,6 +95,10 @@ def _img(h, c=4):
     return jax.random.normal(jax.random.key(7), (2, h, h, c))
 
 
+# BatchNorm over a batch of 2 is ill-conditioned (gradients through a 2-sample variance); 8 rows.
+BN_X = jax.random.normal(jax.random.key(8), (8, 4))
+
+
 # name -> (module, input, apply kwargs, mutable collections, rng streams)
 LINEN_ZOO = {
     "dense": (nn.Dense(3), jnp.ones((2, 5)), {}, False, ()),
@@ -106,8 +110,8 @@ LINEN_ZOO = {
     "grouped_conv": (conv(4, (3, 3), feature_group_count=2), _img(4), {}, False, ()),
     "depthwise_conv": (conv(4, (3, 3), feature_group_count=4), _img(4), {}, False, ()),
     "conv_transpose": (nn.ConvTranspose(3, (3, 3), strides=(2, 2)), _img(2), {}, False, ()),
-    "batchnorm_train": (BatchNormNet(), _img(1)[:, 0, 0], {"train": True}, ["batch_stats"], ()),
-    "batchnorm_eval": (BatchNormNet(), _img(1)[:, 0, 0], {"train": False}, False, ()),
+    "batchnorm_train": (BatchNormNet(), BN_X, {"train": True}, ["batch_stats"], ()),
+    "batchnorm_eval": (BatchNormNet(), BN_X, {"train": False}, False, ()),
     "layernorm": (nn.LayerNorm(), _img(2), {}, False, ()),
     "groupnorm": (nn.GroupNorm(num_groups=2), _img(2), {}, False, ()),
     "dropout": (DropoutNet(), jnp.ones((2, 5)), {}, False, ("dropout",)),
@@ -248,8 +252,8 @@ NNX_ZOO = {
         False,
         False,
     ),
-    "batchnorm_train": (NNXBatchNorm, _img(1)[:, 0, 0], True, False),
-    "batchnorm_eval": (NNXBatchNorm, _img(1)[:, 0, 0], False, False),
+    "batchnorm_train": (NNXBatchNorm, BN_X, True, False),
+    "batchnorm_eval": (NNXBatchNorm, BN_X, False, False),
     "layernorm": (lambda r: nnx.LayerNorm(4, rngs=r), _img(2), False, False),
     "groupnorm": (lambda r: nnx.GroupNorm(4, num_groups=2, rngs=r), _img(2), False, False),
     "dropout": (NNXDropout, jnp.ones((2, 5)), True, True),
