@@ -290,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU-only hosts: simulated devices for the members (default: cpu_devices_for)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--log",
+        default="",
+        help="extra metric outputs next to metrics.jsonl: tensorboard, wandb (comma-separated)",
+    )
     g = p.add_argument_group(
         "several processes / hosts",
         "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
@@ -307,6 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.members <= 0:
         print(f"error: --members must be positive, got {args.members}", file=sys.stderr)
+        return 2
+    from rollout.ppo import _loggers
+
+    try:
+        log_names = _loggers.parse_log_flag(args.log)  # bad name / missing package: before JAX
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     cores = os.cpu_count() or 1
     from ensemble import _distributed as distributed
@@ -371,14 +383,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"total_steps/member={config.num_updates * config.batch_size} out={args.out}",
         file=sys.stderr,
     )
-    _, rows = train(
-        config,
-        args.out,
-        resume=args.resume,
-        progress=not args.no_progress and info.is_main,
-        checkpoint_every=args.checkpoint_every,
-        devices=devices,
-    )
+    try:  # only the main process logs, as it alone writes metrics.jsonl
+        logs = _loggers.open_loggers(log_names if info.is_main else (), args.out, config.to_dict())
+    except Exception as e:  # e.g. W&B online without a login
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"error: --log {args.log}: {first}", file=sys.stderr)
+        return 2
+    with logs:
+        _, rows = train(
+            config,
+            args.out,
+            resume=args.resume,
+            progress=not args.no_progress and info.is_main,
+            checkpoint_every=args.checkpoint_every,
+            devices=devices,
+            on_update=logs.write,
+        )
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
