@@ -192,8 +192,16 @@ def _run_evaluate(*args, timeout=240):
 def test_evaluate_cli_prints_a_row_per_member_and_the_ensemble(cartpole, tmp_path):
     learner, state = cartpole
     export.export_members(learner, state, tmp_path, members=[0, 3])
-    proc = _run_evaluate(tmp_path, "--episodes", "2", "--seed", "1")
+    video = tmp_path / "episode.gif"
+    proc = _run_evaluate(tmp_path, "--episodes", "2", "--seed", "1", "--video", video)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # A video, or one line saying why not (gymnasium's renderer needs pygame).
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("video")]
+    assert len(notes) == 1, proc.stderr
+    if notes[0].startswith("video skipped: "):
+        assert not video.exists()
+    else:
+        assert notes[0].startswith(f"video: {video} (") and video.stat().st_size > 0
     lines = proc.stdout.strip().splitlines()
     row = re.compile(r"^(member_\d+|ensemble) +2 +(-?\d+\.\d\d) \+- (\d+\.\d\d)$")
     assert lines[0].split() == ["policy", "episodes", "return", "mean", "+-", "std"]

@@ -15,6 +15,7 @@ one episode of the ensemble's policy (of the member, for a single one) from gymn
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,6 +120,9 @@ def format_table(results: dict[str, np.ndarray]) -> str:
 def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> str:
     """Records one gymnasium episode to ``path``; returns a one-line note of what happened."""
     gym_id = meta.get("gymnasium_id") or meta["env"]
+    # gymnasium's classic-control renderer is pygame: no audio and no window needed here.
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     try:
         import gymnasium as gym
         import imageio.v2 as imageio
