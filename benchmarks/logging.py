@@ -61,7 +61,12 @@ def _run(learner, arm: str, config) -> dict:
         t0 = time.perf_counter()
         logs.close()
         close_s = time.perf_counter() - t0
-    return {"env_steps_per_s": rows[-1]["env_steps_per_s"], "wall_s": wall, "close_s": close_s}
+    return {
+        "env_steps_per_s": rows[-1]["env_steps_per_s"],
+        "wall_s": wall,
+        "close_s": close_s,
+        "writer_cpu_s": logs.cpu_s,  # the writer thread's CPU time over the whole run
+    }
 
 
 def throughput(config, devices, rounds: int, arms: tuple[str, ...], seed: int = 0) -> dict:
@@ -99,6 +104,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "median_ratio_to_none": statistics.median(ratios),
             "ratios": ratios,
             "median_close_s": statistics.median(r["close_s"] for r in rs),
+            # CPU the writer thread took, per second of training (one core = 1.0).
+            "writer_cpu_per_train_s": statistics.median(
+                r["writer_cpu_s"] / r["wall_s"] for r in rs
+            ),
             "env_steps_per_s": sps,
         }
     return out
@@ -167,12 +176,14 @@ def main() -> None:
         flush=True,
     )
     summary = summarize(throughput(cfg, devices, args.rounds, ARMS))
-    print(f"\n{'loggers':<20} {'env steps/s':>12} {'vs none':>8} {'close s':>8}")
+    print(f"\n{'loggers':<20} {'env steps/s':>12} {'vs none':>8} {'close s':>8} {'writer CPU':>11}")
     for arm, s in summary.items():
         print(
             f"{arm:<20} {s['median_env_steps_per_s']:>12,.0f} "
-            f"{s['median_ratio_to_none']:>8.3f} {s['median_close_s']:>8.3f}"
+            f"{s['median_ratio_to_none']:>8.3f} {s['median_close_s']:>8.3f} "
+            f"{100 * s['writer_cpu_per_train_s']:>10.2f}%"
         )
+    print("(median over rounds; writer CPU: the logger thread's CPU time / training wall time)")
     cost = row_cost(cfg.members)
     print(
         f"\n(b) per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "

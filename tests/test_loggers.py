@@ -28,10 +28,9 @@ def _cli_env() -> dict[str, str]:
 
 def _tfrecords(path: Path) -> list[bytes]:
     """Records of a TFRecord file (8-byte length, its masked CRC, data, the data's masked CRC)."""
-    from tensorboardX.crc32c import crc32c
 
     def masked_crc32c(data: bytes) -> int:  # the TFRecord format's rotate-and-add mask
-        crc = crc32c(data)
+        crc = _crc32c(data)
         return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
     data, pos, out = path.read_bytes(), 0, []
@@ -46,6 +45,16 @@ def _tfrecords(path: Path) -> list[bytes]:
         out.append(body)
         pos += 16 + length
     return out
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: a reference independent of the writer's."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
 
 
 def _tensorboard_scalars(directory: Path) -> dict[tuple[str, int], float]:

@@ -17,6 +17,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -170,6 +171,8 @@ class Loggers:
     def __init__(self, loggers: Sequence[Logger] = ()) -> None:
         self.loggers = list(loggers)
         self._live = list(loggers)  # those that have not failed
+        #: CPU seconds the writer thread has spent writing rows (for benchmarks).
+        self.cpu_s = 0.0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         if self.loggers:
@@ -198,9 +201,11 @@ class Loggers:
 
     def _drain(self) -> None:
         while (row := self._queue.get()) is not None:
+            start = time.thread_time()
             for logger in list(self._live):
                 if not _report(logger, "write", lambda lg=logger: lg.write(row)):
                     self._live.remove(logger)
+            self.cpu_s += time.thread_time() - start
 
 
 def _report(logger: Any, what: str, fn: Any) -> bool:
