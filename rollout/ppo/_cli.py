@@ -389,16 +389,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
-    with logs:
-        _, rows = train(
-            config,
-            args.out,
-            resume=args.resume,
-            progress=not args.no_progress and info.is_main,
-            checkpoint_every=args.checkpoint_every,
-            devices=devices,
-            on_update=logs.write,
-        )
+    _, rows = train(
+        config,
+        args.out,
+        resume=args.resume,
+        progress=not args.no_progress and info.is_main,
+        checkpoint_every=args.checkpoint_every,
+        devices=devices,
+        on_update=logs.write,
+    )
+    logs.close()  # (also at exit if training raised)
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")

@@ -12,6 +12,7 @@ the device for the next update).
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
@@ -178,6 +179,8 @@ class Loggers:
         if self.loggers:
             self._thread = threading.Thread(target=self._drain, name="rollout-loggers", daemon=True)
             self._thread.start()
+            # Rows already handed over are written even if training stops with an exception.
+            atexit.register(self.close)
 
     def write(self, row: Mapping[str, Any]) -> None:
         if self._thread is not None:
@@ -192,6 +195,7 @@ class Loggers:
         for logger in self.loggers:  # failed ones too: they may hold open files
             _report(logger, "close", logger.close)
         self.loggers, self._live = [], []
+        atexit.unregister(self.close)
 
     def __enter__(self) -> Loggers:
         return self
