@@ -482,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    p.add_argument(
+        "--log",
+        default="",
+        help="extra metric outputs next to metrics.jsonl: tensorboard, wandb (comma-separated)",
+    )
     g = p.add_argument_group(
         "several processes / hosts",
         "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
@@ -535,6 +540,12 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     else:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
+    from rollout.ppo import _loggers
+
+    try:
+        log_names = _loggers.parse_log_flag(args.log)  # bad name / missing package: before JAX
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cores = os.cpu_count() or 1
     from ensemble import _distributed as distributed
 
@@ -564,6 +575,12 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         f"{' (resumed)' if args.resume else ''}",
         file=sys.stderr,
     )
+    try:  # only the main process logs, as it alone writes metrics.jsonl
+        logs = _loggers.open_loggers(log_names if info.is_main else (), args.out, config.to_dict())
+    except Exception as e:  # e.g. W&B online without a login
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"error: --log {args.log}: {first}", file=sys.stderr)
+        return 2
     _, rows = train(
         config,
         args.out,
@@ -574,7 +591,9 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         devices=devices,
         stop=signals.received,
         warn=lambda line: print(line, file=sys.stderr) if info.is_main else None,
+        on_update=logs.write,
     )
+    logs.close()  # (also at exit if training raised)
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")

@@ -1,0 +1,227 @@
+"""Does logging slow training? Env steps/s of ``train`` with and without ``--log`` loggers.
+
+(a) Training throughput: the same compiled learner trains the same run with no extra logger,
+    TensorBoard, W&B (offline) and both, in interleaved rounds (every round runs every arm, in a
+    shuffled order, so machine load drifts hit all arms alike). Reported per arm: the median over
+    rounds of the loop's env steps/s (all members, compile excluded, the number ``train`` itself
+    reports), its ratio to the no-logger arm per round, the time ``close()`` takes at the end
+    (flushing what the background thread still holds) and the CPU time of the logger thread per
+    second of training. Goal: <= 2% slower.
+(b) CPU cost per metric row: ``scalars`` + the logger's ``write`` (+ its flush), timed directly
+    on rows of the run's shape (what logging costs per PPO update).
+
+Not a test: it times things. Run it on a quiet machine::
+
+    python benchmarks/logging.py                       # CartPole defaults, 4 members, 5 rounds
+    python benchmarks/logging.py --rounds 3 --num-steps 32
+
+Writes ``benchmarks/results/logging.json`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/logging.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py
+# would shadow the rollout package (and this file the stdlib's logging): drop it, put ROOT first.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+ARMS = ("none", "tensorboard", "wandb", "tensorboard,wandb")
+
+
+def _run(learner, arm: str, config) -> dict:
+    """One training run with the loggers of ``arm``; the loop's env steps/s and close time."""
+    from rollout.ppo import _loggers, train
+
+    with tempfile.TemporaryDirectory() as out:
+        names = _loggers.parse_log_flag("" if arm == "none" else arm)
+        logs = _loggers.open_loggers(names, out, config.to_dict())
+        t0 = time.perf_counter()
+        _, rows = train(
+            config,
+            out,
+            progress=False,
+            learner=learner,
+            checkpoint_every=10**9,  # only the final checkpoint, after the last timing
+            on_update=logs.write,
+        )
+        wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logs.close()
+        close_s = time.perf_counter() - t0
+    return {
+        "env_steps_per_s": rows[-1]["env_steps_per_s"],
+        "wall_s": wall,
+        "close_s": close_s,
+        "writer_cpu_s": logs.cpu_s,  # the writer thread's CPU time over the whole run
+    }
+
+
+def throughput(config, devices, rounds: int, arms: tuple[str, ...], seed: int = 0) -> dict:
+    from rollout.ppo import Learner
+
+    learner = Learner(config, devices=devices)
+    try:
+        _run(learner, "none", config)  # compile once, outside the timings
+        order = random.Random(seed)
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for r in range(rounds):
+            shuffled = list(arms)
+            order.shuffle(shuffled)
+            for arm in shuffled:
+                runs[arm].append(_run(learner, arm, config))
+            base = runs["none"][-1]["env_steps_per_s"]
+            print(
+                f"  round {r + 1}/{rounds}: "
+                + ", ".join(f"{a} {runs[a][-1]['env_steps_per_s'] / base:.3f}" for a in arms),
+                flush=True,
+            )
+    finally:
+        learner.close()
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    base = [r["env_steps_per_s"] for r in runs["none"]]
+    out = {}
+    for arm, rs in runs.items():
+        sps = [r["env_steps_per_s"] for r in rs]
+        ratios = [s / b for s, b in zip(sps, base)]
+        out[arm] = {
+            "median_env_steps_per_s": statistics.median(sps),
+            "median_ratio_to_none": statistics.median(ratios),
+            "ratios": ratios,
+            "median_close_s": statistics.median(r["close_s"] for r in rs),
+            # CPU the writer thread took, per second of training (one core = 1.0).
+            "writer_cpu_per_train_s": statistics.median(
+                r["writer_cpu_s"] / r["wall_s"] for r in rs
+            ),
+            "env_steps_per_s": sps,
+        }
+    return out
+
+
+def row_cost(members: int, rows: int = 300) -> dict[str, float]:
+    """CPU microseconds per metric row for ``scalars`` and each logger (write + close).
+
+    Process CPU time, not wall time: on a loaded machine wall time counts the time the process
+    waits for a core. It includes tensorboardX's own writer thread (checksums, file writes),
+    not W&B's separate service process.
+    """
+    import math
+
+    from rollout.ppo import METRIC_NAMES, _loggers
+
+    def row(u: int) -> dict:
+        r = {"update": u, "env_steps": 512 * u, "env_steps_per_s": 1e4}
+        for name in METRIC_NAMES:
+            r[name] = [float(f"{math.sin(u + i):.7g}") for i in range(members)]
+        return r
+
+    data = [row(u + 1) for u in range(rows)]
+    out = {}
+    t0 = time.process_time()
+    for r in data:
+        _loggers.scalars(r)
+    out["scalars_us"] = (time.process_time() - t0) / rows * 1e6
+    with tempfile.TemporaryDirectory() as d:
+        for name in ("tensorboard", "wandb"):
+            (logger,) = _loggers.open_loggers(_loggers.parse_log_flag(name), d).loggers
+            t0 = time.process_time()
+            for r in data:
+                logger.write(r)
+            logger.close()  # flushes: the records are checksummed and written by now
+            out[f"{name}_write_us"] = (time.process_time() - t0) / rows * 1e6
+    out["scalars_per_row"] = len(_loggers.scalars(data[0]))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--members", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--updates", type=int, default=48, help="PPO updates per run")
+    p.add_argument("--num-steps", type=int, default=128, help="rollout length per update")
+    args = p.parse_args()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import rollout
+
+    n_dev = rollout.configure_cpu_devices(os.cpu_count() or 1)
+    import jax
+
+    from rollout.ppo import PPOConfig
+
+    devices = jax.devices()[: min(n_dev, args.members)]
+    cfg = PPOConfig.for_env(
+        "cartpole", members=args.members, num_steps=args.num_steps, updates_per_call=8
+    )
+    cfg = PPOConfig.for_env(
+        "cartpole",
+        members=args.members,
+        num_steps=args.num_steps,
+        updates_per_call=8,
+        total_steps=args.updates * cfg.batch_size,
+    )
+    print(
+        f"(a) CartPole n={cfg.members} on {len(devices)} CPU devices, {cfg.num_updates} updates "
+        f"of {cfg.batch_size} steps/member, {args.rounds} interleaved rounds",
+        flush=True,
+    )
+    summary = summarize(throughput(cfg, devices, args.rounds, ARMS))
+    print(f"\n{'loggers':<20} {'env steps/s':>12} {'vs none':>8} {'close s':>8} {'writer CPU':>11}")
+    for arm, s in summary.items():
+        print(
+            f"{arm:<20} {s['median_env_steps_per_s']:>12,.0f} "
+            f"{s['median_ratio_to_none']:>8.3f} {s['median_close_s']:>8.3f} "
+            f"{100 * s['writer_cpu_per_train_s']:>10.2f}%"
+        )
+    print("(median over rounds; writer CPU: the logger thread's CPU time / training wall time)")
+    cost = row_cost(cfg.members)
+    print(
+        f"\n(b) CPU per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "
+        f"scalars {cost['scalars_us']:.0f} us, tensorboard {cost['tensorboard_write_us']:.0f}"
+        f" us, wandb {cost['wandb_write_us']:.0f} us (process CPU time, W&B service excluded)"
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": "python benchmarks/logging.py " + " ".join(sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "versions": _versions(),
+        "config": cfg.to_dict(),
+        "devices": len(devices),
+        "rounds": args.rounds,
+        "throughput": summary,
+        "row_cost": cost,
+    }
+    (RESULTS / "logging.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {RESULTS / 'logging.json'}")
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("jax", "tensorboardX", "wandb"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Evaluate exported members: ``python -m rollout.ppo.evaluate DIR [--episodes N] [--seed S]``.
+
+Runs ``N`` deterministic episodes (argmax / mean action) per member of an export written by
+:mod:`rollout.ppo.export`, and the same episodes for the ensemble's averaged policy (mean of the
+members' action probabilities for discrete actions, mean of their mean actions for continuous),
+and prints the mean +- std of the episode return for each. Every policy sees the same ``N``
+initial states (drawn from ``--seed``), so the rows compare policies, not luck.
+
+Episodes run in the project's JAX envs (``rollout.envs``: all ``N`` at once, jitted); an env id
+that ``rollout.envs`` does not know runs in gymnasium, if installed. ``--video PATH`` records
+one episode of the ensemble's policy (of the member, for a single one) from gymnasium's
+``rgb_array`` rendering with imageio; where either is missing it says so in one line and skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Policy = Callable[[Any], Any]
+
+
+def reset_keys(seed: int, episodes: int) -> Any:
+    """The episodes' reset keys: the same for every policy evaluated with ``seed``."""
+    import jax
+
+    return jax.random.split(jax.random.key(seed), episodes)
+
+
+def ensemble_act(members: Sequence[Any]) -> Policy:
+    """The ensemble's deterministic policy: argmax of the mean probabilities, or the mean
+    action (clipped into the box) for continuous actions."""
+    import jax.numpy as jnp
+
+    if members[0].discrete:
+        return lambda obs: jnp.argmax(
+            sum(m.probs(obs) for m in members) / len(members), axis=-1
+        ).astype(jnp.int32)
+    return lambda obs: members[0].clip_action(sum(m.head(obs) for m in members) / len(members))
+
+
+def episode_returns(policy: Policy, env_id: str, keys: Any) -> np.ndarray:
+    """Undiscounted return of one episode per key, all episodes at once (``rollout.envs``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rollout import envs
+
+    env = envs.make(env_id, auto_reset=False)
+
+    @jax.jit
+    def run(keys):
+        state, obs = jax.vmap(env.reset)(keys)
+
+        def step(carry, _):
+            state, obs, total, live = carry
+            state, obs, reward, term, trunc, _ = jax.vmap(env.step)(state, policy(obs), keys)
+            total = total + jnp.where(live, reward.astype(jnp.float32), 0.0)
+            return (state, obs, total, live & ~(term | trunc)), None
+
+        start = (state, obs, jnp.zeros(len(keys), jnp.float32), jnp.ones(len(keys), bool))
+        (_, _, total, _), _ = jax.lax.scan(step, start, None, length=env.max_episode_steps)
+        return total
+
+    return np.asarray(run(keys), np.float64)
+
+
+def gymnasium_returns(policy: Policy, env_id: str, episodes: int, seed: int) -> np.ndarray:
+    """Returns of ``episodes`` gymnasium episodes (seeds ``seed``, ``seed + 1``, ...)."""
+    import gymnasium as gym
+    import jax
+
+    act = jax.jit(policy)
+    env = gym.make(env_id)
+    out = []
+    for e in range(episodes):
+        obs, _ = env.reset(seed=seed + e)
+        total, done = 0.0, False
+        while not done:
+            action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
+            obs, reward, term, trunc, _ = env.step(action)
+            total += float(reward)
+            done = term or trunc
+        out.append(total)
+    env.close()
+    return np.asarray(out)
+
+
+def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.ndarray]:
+    """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
+    there are several members)."""
+    from rollout import envs
+
+    policies = {f"member_{m.meta['member']}": m.act for m in members}
+    if len(members) > 1:
+        policies["ensemble"] = ensemble_act(members)
+    env_id = members[0].meta["env"]
+    if str(env_id).lower() in {name.lower() for name in envs.ENV_NAMES}:
+        keys = reset_keys(seed, episodes)
+        return {name: episode_returns(p, env_id, keys) for name, p in policies.items()}
+    return {name: gymnasium_returns(p, env_id, episodes, seed) for name, p in policies.items()}
+
+
+def format_table(results: dict[str, np.ndarray]) -> str:
+    """One line per policy: name, episodes, mean +- std of the return."""
+    lines = [f"{'policy':<12} {'episodes':>8} {'return mean':>12} +- std"]
+    for name, returns in results.items():
+        lines.append(
+            f"{name:<12} {len(returns):>8} {np.mean(returns):>12.2f} +- {np.std(returns):.2f}"
+        )
+    return "\n".join(lines)
+
+
+def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> str:
+    """Records one gymnasium episode to ``path``; returns a one-line note of what happened."""
+    gym_id = meta.get("gymnasium_id") or meta["env"]
+    # gymnasium's classic-control renderer is pygame: no audio and no window needed here.
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    try:
+        import gymnasium as gym
+        import imageio.v2 as imageio
+        import jax
+
+        env = gym.make(gym_id, render_mode="rgb_array")
+        obs, _ = env.reset(seed=seed)
+        frames = [env.render()]
+    except Exception as e:  # gymnasium / imageio / a renderer (pygame) missing
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"video skipped: cannot render {gym_id} ({type(e).__name__}: {first})"
+    act, done = jax.jit(policy), False
+    while not done:
+        action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
+        obs, _, term, trunc, _ = env.step(action)
+        frames.append(env.render())
+        done = term or trunc
+    env.close()
+    fps = int(env.metadata.get("render_fps", 30))
+    try:
+        # GIF takes a frame duration in ms, video formats a frame rate.
+        timing = {"duration": 1000 / fps} if path.endswith(".gif") else {"fps": fps}
+        imageio.mimsave(path, frames, **timing)
+    except Exception as e:  # e.g. .mp4 without imageio-ffmpeg
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"video skipped: cannot write {path} ({first}); try a .gif path"
+    return f"video: {path} ({len(frames)} frames)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rollout.ppo.evaluate",
+        description="Deterministic episodes of exported PPO members and of their ensemble.",
+    )
+    p.add_argument("directory", help="an export (member_<i>/ subdirectories) or one member")
+    p.add_argument("--episodes", type=int, default=10, help="episodes per policy (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the episodes' initial states")
+    p.add_argument("--video", default=None, help="record one episode (.gif, or .mp4 with ffmpeg)")
+    return p
+
+
+def _load(directory: str) -> list[Any]:
+    from rollout.ppo import export
+
+    members = [export.read_member(p) for p in export.member_dirs(directory)]
+    first = members[0].meta
+    for m in members[1:]:
+        for key in ("env", "network"):
+            if m.meta[key] != first[key]:
+                raise export.NotAnExport(
+                    f"members {first['member']} and {m.meta['member']} differ in {key!r}; "
+                    "evaluate members of one run together."
+                )
+    return members
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m rollout.ppo.evaluate``; 2 on bad input (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    if args.episodes <= 0:
+        print(f"error: --episodes must be positive, got {args.episodes}", file=sys.stderr)
+        return 2
+    if not Path(args.directory).exists():
+        print(f"error: {args.directory} does not exist; pass an export directory.", file=sys.stderr)
+        return 2
+    try:
+        members = _load(args.directory)
+    except ValueError as e:  # NotAnExport
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(evaluate(members, args.episodes, args.seed)))
+    if args.video:
+        policy = ensemble_act(members) if len(members) > 1 else members[0].act
+        print(record_video(policy, members[0].meta, args.video, args.seed), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

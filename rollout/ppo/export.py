@@ -1,0 +1,329 @@
+"""Exported members: one self-contained directory per PPO agent, loadable without the trainer.
+
+:func:`export_members` writes, for each member ``i``, ``<directory>/member_<i>/`` with
+
+- ``member.json``: ``{"format": "rollout.ppo.member", "version": 1, "member": i, "env": ...,
+  "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
+  "hparams": {...}, "config": {...}}`` where ``network`` holds ``kind`` ("ActorCritic"),
+  ``obs_shape``, ``hidden`` (layer widths), ``action_dim``, ``discrete`` and ``activation``
+  ("tanh"); ``obs_norm`` holds ``enabled``, ``clip`` and ``epsilon``; ``action`` holds the
+  continuous action box ``low`` / ``high`` (``null``: unbounded or discrete).
+- ``params.npz``: the actor-critic's arrays, named ``<layer>/<kernel|bias>`` (``actor_0``,
+  ``actor_1``, ..., ``actor_out``, ``critic_0``, ..., ``critic_out``) plus ``log_std`` for
+  continuous actions. A Dense layer is ``x @ kernel + bias``.
+- ``obs_norm.npz``: ``mean``, ``var`` (observation shape) and ``count`` of the running
+  observation statistics.
+
+The policy is: ``z = clip((obs - mean) / sqrt(var + epsilon), -clip, clip)`` when
+``obs_norm.enabled`` (else ``z = obs``); ``h = activation(h @ kernel + bias)`` through the actor
+layers; ``head = h @ actor_out.kernel + actor_out.bias``; the deterministic action is
+``argmax(head)`` (discrete) or ``clip(head, low, high)`` (continuous: the mean of the Gaussian).
+
+Each member is taken from its own shards (``ensemble.member``): exporting member ``i`` copies
+member ``i``'s arrays to the host and nothing else. With several processes, each process writes
+the members its devices hold.
+
+Example:
+  >>> import jax, numpy as np, tempfile
+  >>> from rollout.ppo import Learner, PPOConfig
+  >>> from rollout.ppo.export import export_members, load_member
+  >>> learner = Learner(PPOConfig.for_env("cartpole", members=jax.device_count(),
+  ...                                     total_steps=512))
+  >>> out = tempfile.mkdtemp()
+  >>> paths = export_members(learner, learner.init(), out, members=[0, 3])
+  >>> [p.name for p in paths]
+  ['member_0', 'member_3']
+  >>> act = jax.jit(load_member(paths[1]))
+  >>> act(np.zeros((5, 4), np.float32)).shape
+  (5,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "rollout.ppo.member"
+VERSION = 1
+#: The learner's observation normalisation: clip and epsilon of ``Learner._normalize``.
+OBS_CLIP, OBS_EPSILON = 10.0, 1e-8
+_GYMNASIUM_IDS = {"cartpole": "CartPole-v1", "pendulum": "Pendulum-v1"}
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+}
+
+
+class NotAnExport(ValueError):
+    """The directory is not a member written by :func:`export_members`."""
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def export_members(
+    learner: Any,
+    state: Any,
+    directory: str | os.PathLike,
+    members: Sequence[int] | None = None,
+) -> list[Path]:
+    """Writes members of a live train state as self-contained directories; returns their paths.
+
+    Args:
+      learner: the :class:`~rollout.ppo.Learner` that made ``state``.
+      state: its :class:`~rollout.ppo.TrainState` (not modified, not donated).
+      directory: created if needed; member ``i`` goes to ``directory/member_<i>``.
+      members: which members (default: all). With several processes only the members held by
+        this process's devices are written (and returned).
+    """
+    return _export(learner.config, learner.spec, learner.normalize_obs, state, directory, members)
+
+
+def export_from_state(
+    config: Any,
+    state: Any,
+    directory: str | os.PathLike,
+    members: Sequence[int] | None = None,
+) -> list[Path]:
+    """:func:`export_members` from a :class:`~rollout.ppo.PPOConfig` and a train state alone.
+
+    For a state restored from a checkpoint, without building a learner (and its programs).
+    """
+    from rollout.ppo import _env as envlib
+
+    spec = envlib.spec_of(envlib.make_env(config.env))
+    normalize = (not spec.discrete) if config.normalize_obs is None else config.normalize_obs
+    return _export(config, spec, bool(normalize), state, directory, members)
+
+
+def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
+    n = config.members
+    chosen = list(range(n)) if members is None else [int(i) for i in members]
+    for i in chosen:
+        if not 0 <= i < n:
+            raise IndexError(f"member {i} out of range for members={n}.")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    env_steps = int(jax.device_get(state.update)) * config.batch_size
+    paths = []
+    for i in chosen:
+        if not _held_here(state.members.params, i, n):
+            continue  # another process holds this member and writes it
+        params, stats, hparams = member_arrays(state, i)
+        path = root / f"member_{i}"
+        path.mkdir(exist_ok=True)
+        flat = _flatten(jax.device_get(params))
+        _check_layout(flat, config.hidden, spec.discrete)
+        np.savez(path / "params.npz", **flat)
+        stats = jax.device_get(stats)
+        np.savez(
+            path / "obs_norm.npz",
+            mean=np.asarray(stats.mean, np.float32),
+            var=np.asarray(stats.var, np.float32),
+            count=np.asarray(stats.count, np.float32),
+        )
+        meta = _metadata(config, spec, normalize_obs, i, env_steps, jax.device_get(hparams))
+        (path / "member.json").write_text(json.dumps(meta, indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
+def member_arrays(state: Any, i: int) -> tuple[Any, Any, Any]:
+    """Member ``i``'s params, observation statistics and hyperparameters, still on its devices.
+
+    Assembled from the shards that hold member ``i`` (``ensemble.member``): no other member's
+    data moves.
+    """
+    import ensemble
+
+    ms = state.members
+    return (
+        ensemble.member(ms.params, i),
+        ensemble.member(ms.obs_stats, i),
+        ensemble.member(ms.hparams, i),
+    )
+
+
+def _held_here(tree: Any, i: int, n: int) -> bool:
+    leaf = jax.tree.leaves(tree)[0]
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+        return True
+    for shard in leaf.addressable_shards:
+        rows = shard.index[0]
+        if (rows.start or 0) <= i < (n if rows.stop is None else rows.stop):
+            return True
+    return False
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    flat: dict[str, np.ndarray] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = np.asarray(value, np.float32)
+    return flat
+
+
+def _check_layout(flat: dict[str, np.ndarray], hidden: Sequence[int], discrete: bool) -> None:
+    """The arrays must be the documented layout; a changed network must not export silently."""
+    want = {
+        f"{tower}_{k}/{p}"
+        for tower in ("actor", "critic")
+        for k in range(len(hidden))
+        for p in ("kernel", "bias")
+    }
+    want |= {f"{t}_out/{p}" for t in ("actor", "critic") for p in ("kernel", "bias")}
+    if not discrete:
+        want.add("log_std")
+    if set(flat) != want:
+        raise ValueError(
+            f"the actor-critic's parameters {sorted(flat)} are not the documented export "
+            f"layout {sorted(want)}; update rollout.ppo.export for the new network."
+        )
+
+
+def _metadata(config, spec, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
+    box = lambda a: None if a is None else np.asarray(a, np.float32).reshape(-1).tolist()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "member": i,
+        "env": config.env,
+        "gymnasium_id": _GYMNASIUM_IDS.get(config.env),
+        "env_steps": env_steps,
+        "network": {
+            "kind": "ActorCritic",
+            "obs_shape": list(spec.obs_shape),
+            "hidden": [int(h) for h in config.hidden],
+            "action_dim": int(spec.action_dim),
+            "discrete": bool(spec.discrete),
+            "activation": "tanh",
+        },
+        "obs_norm": {"enabled": bool(normalize_obs), "clip": OBS_CLIP, "epsilon": OBS_EPSILON},
+        "action": {
+            "low": None if spec.discrete else box(spec.action_low),
+            "high": None if spec.discrete else box(spec.action_high),
+        },
+        "hparams": {k: float(v) for k, v in hparams.items()},
+        "config": config.to_dict(),
+    }
+
+
+# ---------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExportedMember:
+    """One exported member, its arrays on one device. ``act`` is the deterministic policy."""
+
+    meta: dict[str, Any]
+    params: dict[str, jax.Array]
+    obs_mean: jax.Array
+    obs_var: jax.Array
+
+    @property
+    def discrete(self) -> bool:
+        return bool(self.meta["network"]["discrete"])
+
+    def normalize(self, obs: jax.Array) -> jax.Array:
+        norm = self.meta["obs_norm"]
+        obs = jnp.asarray(obs, jnp.float32)
+        if not norm["enabled"]:
+            return obs
+        z = (obs - self.obs_mean) / jnp.sqrt(self.obs_var + norm["epsilon"])
+        return jnp.clip(z, -norm["clip"], norm["clip"])
+
+    def head(self, obs: jax.Array) -> jax.Array:
+        """The policy head for raw observations ``[..., *obs_shape]``: logits, or the mean."""
+        act_fn = _ACTIVATIONS[self.meta["network"]["activation"]]
+        h = self.normalize(obs)
+        for k in range(len(self.meta["network"]["hidden"])):
+            h = act_fn(h @ self.params[f"actor_{k}/kernel"] + self.params[f"actor_{k}/bias"])
+        return h @ self.params["actor_out/kernel"] + self.params["actor_out/bias"]
+
+    def probs(self, obs: jax.Array) -> jax.Array:
+        """Discrete only: the action probabilities ``softmax(logits)``."""
+        return jax.nn.softmax(self.head(obs), axis=-1)
+
+    def clip_action(self, action: jax.Array) -> jax.Array:
+        """A continuous action clipped into the env's box (as the learner's env step does)."""
+        low, high = self.meta["action"]["low"], self.meta["action"]["high"]
+        if low is not None and high is not None:
+            action = jnp.clip(action, jnp.asarray(low), jnp.asarray(high))
+        return action
+
+    def act(self, obs: jax.Array) -> jax.Array:
+        """Deterministic actions for raw observations: argmax (int32) or the clipped mean."""
+        head = self.head(obs)
+        if self.discrete:
+            return jnp.argmax(head, axis=-1).astype(jnp.int32)
+        return self.clip_action(head)
+
+
+def read_member(directory: str | os.PathLike, device: jax.Device | None = None) -> ExportedMember:
+    """Reads one member directory; its arrays go to ``device`` (default: the first device).
+
+    Raises :class:`NotAnExport` (a ``ValueError``) when ``directory`` is not an exported member.
+    """
+    path = Path(directory)
+    meta_path = path / "member.json"
+    if not meta_path.is_file():
+        raise NotAnExport(f"{path} is not an exported member (no member.json).")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise NotAnExport(f"{meta_path} is not valid JSON ({e}).") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise NotAnExport(f"{meta_path} is not a {FORMAT} file.")
+    if meta.get("version") != VERSION:
+        raise NotAnExport(f"{meta_path} has format version {meta.get('version')}, not {VERSION}.")
+    if meta["network"].get("activation") not in _ACTIVATIONS:
+        raise NotAnExport(f"{meta_path}: unknown activation {meta['network'].get('activation')}.")
+    device = device or jax.devices()[0]
+    try:
+        with np.load(path / "params.npz") as f:
+            params = {k: jax.device_put(f[k], device) for k in f.files}
+        with np.load(path / "obs_norm.npz") as f:
+            mean, var = jax.device_put(f["mean"], device), jax.device_put(f["var"], device)
+    except (OSError, KeyError, ValueError) as e:
+        raise NotAnExport(f"{path}: cannot read the member's arrays ({e}).") from None
+    return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var)
+
+
+def load_member(
+    directory: str | os.PathLike, device: jax.Device | None = None
+) -> Callable[[jax.Array], jax.Array]:
+    """The deterministic policy ``act(obs) -> action`` of an exported member (jittable).
+
+    ``obs``: raw observations ``[..., *obs_shape]`` (normalisation is inside). Discrete:
+    ``argmax`` of the logits (int32); continuous: the Gaussian's mean clipped into the box.
+    """
+    return read_member(directory, device).act
+
+
+def member_dirs(directory: str | os.PathLike) -> list[Path]:
+    """The member directories of an export: ``directory`` itself if it is one, else its
+    ``member_<i>`` subdirectories in member order. Raises :class:`NotAnExport` if none."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise NotAnExport(f"{path} is not a directory.")
+    if (path / "member.json").is_file():
+        return [path]
+    found = [p for p in path.glob("member_*") if (p / "member.json").is_file()]
+    if not found:
+        raise NotAnExport(
+            f"{path} holds no exported members (member_<i>/member.json); write them with "
+            "rollout.ppo.export.export_members."
+        )
+    index = lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1
+    return sorted(found, key=lambda p: (index(p), p.name))

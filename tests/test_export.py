@@ -1,0 +1,228 @@
+"""Exported members: the loaded policy acts exactly like the learner's own network, each member
+is taken from its own devices, and ``python -m rollout.ppo.evaluate`` reports returns."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollout import envs
+from rollout.ppo import Learner, PPOConfig, evaluate, export
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMBERS, DEVICES = 4, 2
+
+
+def _trained(env: str, **overrides):
+    cfg = PPOConfig.for_env(
+        env,
+        members=MEMBERS,
+        total_steps=4 * 256,
+        num_envs=4,
+        num_steps=64,
+        num_minibatches=2,
+        update_epochs=2,
+        updates_per_call=2,
+        **overrides,
+    )
+    learner = Learner(cfg, devices=jax.devices()[:DEVICES])
+    state = learner.init()
+    for _ in range(2):
+        state, _ = learner.update(state, 2)
+    return learner, state
+
+
+@pytest.fixture(scope="module")
+def cartpole():
+    return _trained("cartpole")
+
+
+@pytest.fixture(scope="module")
+def pendulum():
+    return _trained("pendulum")  # continuous: observation normalisation on
+
+
+def _learner_actions(learner, state, i, obs):
+    """The learner's own deterministic action: its network on its own normalisation."""
+    ms = state.members
+    params = jax.tree.map(lambda x: np.asarray(x)[i], ms.params)  # plain slice: a reference
+    stats = jax.tree.map(lambda x: np.asarray(x)[i], ms.obs_stats)
+    pi, _ = learner.network.apply({"params": params}, learner._normalize(jnp.asarray(obs), stats))
+    if learner.spec.discrete:
+        return np.asarray(jnp.argmax(pi, axis=-1))
+    from rollout.ppo import _env as envlib
+
+    return np.asarray(envlib.to_env_action(pi[0], learner.spec))
+
+
+def _observations(learner, n=64):
+    rng = np.random.default_rng(0)
+    shape = learner.spec.obs_shape
+    # Mostly typical values, some huge ones (normalisation clip), some exactly at the mean.
+    obs = rng.normal(size=(n, *shape)) * np.r_[[1.0] * (n - 8), [50.0] * 8][:, None]
+    return obs.astype(np.float32)
+
+
+@pytest.mark.parametrize("which", ["cartpole", "pendulum"])
+def test_loaded_policy_acts_like_the_learner(which, request, tmp_path):
+    learner, state = request.getfixturevalue(which)
+    paths = export.export_members(learner, state, tmp_path)
+    assert [p.name for p in paths] == [f"member_{i}" for i in range(MEMBERS)]
+    obs = _observations(learner)
+    heads = []
+    for i, path in enumerate(paths):
+        act = jax.jit(export.load_member(path))
+        got = np.asarray(act(obs))
+        want = _learner_actions(learner, state, i, obs)
+        if learner.spec.discrete:
+            np.testing.assert_array_equal(got, want)
+            assert got.dtype == np.int32
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # Runs on one device.
+        assert act(obs).devices() == {jax.devices()[0]}
+        heads.append(np.asarray(export.read_member(path).head(obs)))
+    # Members differ (each its own params), so a mixed-up member index would show.
+    assert not np.allclose(heads[0], heads[1])
+    meta = json.loads((paths[1] / "member.json").read_text())
+    assert meta["member"] == 1 and meta["env"] == which
+    assert meta["env_steps"] == 4 * 256  # 4 updates of 4 envs x 64 steps
+    assert meta["obs_norm"]["enabled"] == (which == "pendulum")
+    assert meta["network"] == {
+        "kind": "ActorCritic",
+        "obs_shape": list(learner.spec.obs_shape),
+        "hidden": [64, 64],
+        "action_dim": learner.spec.action_dim,
+        "discrete": which == "cartpole",
+        "activation": "tanh",
+    }
+    with np.load(paths[1] / "obs_norm.npz") as f:
+        np.testing.assert_array_equal(f["mean"], np.asarray(state.members.obs_stats.mean)[1])
+        assert float(f["count"]) == float(np.asarray(state.members.obs_stats.count)[1])
+
+
+def test_export_takes_each_member_from_its_own_devices(cartpole):
+    _learner, state = cartpole
+    per_device = MEMBERS // DEVICES
+    for i in range(MEMBERS):
+        owner = jax.devices()[i // per_device]
+        for leaf in jax.tree.leaves(export.member_arrays(state, i)):
+            assert leaf.sharding.device_set == {owner}, i
+
+
+def test_export_from_state_equals_export_members(cartpole, tmp_path):
+    learner, state = cartpole
+    a = export.export_members(learner, state, tmp_path / "a", members=[2])
+    b = export.export_from_state(learner.config, state, tmp_path / "b", members=[2])
+    assert json.loads((a[0] / "member.json").read_text()) == json.loads(
+        (b[0] / "member.json").read_text()
+    )
+    for name in ("params.npz", "obs_norm.npz"):
+        with np.load(a[0] / name) as fa, np.load(b[0] / name) as fb:
+            assert fa.files == fb.files
+            for k in fa.files:
+                np.testing.assert_array_equal(fa[k], fb[k])
+    with pytest.raises(IndexError, match="member 4 out of range"):
+        export.export_members(learner, state, tmp_path / "c", members=[4])
+
+
+def _returns_by_hand(policy, env_name, keys):
+    """Episode returns stepped one at a time in Python with the bare env (no auto-reset)."""
+    env = envs.make(env_name, auto_reset=False)
+    out = []
+    for key in keys:
+        key = jax.random.wrap_key_data(key)
+        state, obs = env.reset(key)
+        total, done = 0.0, False
+        while not done:
+            action = policy(np.asarray(obs)[None])[0]
+            state, obs, reward, term, trunc, _ = env.step(state, action, key)
+            total += float(reward)
+            done = bool(term) or bool(trunc)
+        out.append(total)
+    return np.asarray(out)
+
+
+def test_evaluation_returns_equal_a_step_by_step_loop(cartpole, tmp_path):
+    learner, state = cartpole
+    paths = export.export_members(learner, state, tmp_path, members=[0, 1])
+    members = [export.read_member(p) for p in paths]
+    result = evaluate.evaluate(members, episodes=3, seed=5)
+    keys = np.asarray(jax.random.key_data(evaluate.reset_keys(5, 3)))
+    act = jax.jit(members[1].act)
+    np.testing.assert_allclose(result["member_1"], _returns_by_hand(act, "cartpole", keys))
+
+    # The ensemble's policy: argmax of the members' mean action probabilities. (Compared on
+    # observations and through the same batched runner: near-tied probabilities make a
+    # step-by-step loop's last-bit float differences flip actions in a long episode.)
+    def ens(obs):
+        return jnp.argmax((members[0].probs(obs) + members[1].probs(obs)) / 2, axis=-1)
+
+    obs = _observations(learner)
+    np.testing.assert_array_equal(evaluate.ensemble_act(members)(obs), ens(obs))
+    ref = evaluate.episode_returns(ens, "cartpole", evaluate.reset_keys(5, 3))
+    np.testing.assert_array_equal(result["ensemble"], ref)
+
+
+def test_ensemble_of_continuous_members_is_the_mean_action(pendulum, tmp_path):
+    learner, state = pendulum
+    members = [export.read_member(p) for p in export.export_members(learner, state, tmp_path)]
+    obs = _observations(learner)
+    want = np.clip(np.mean([np.asarray(m.head(obs)) for m in members], axis=0), -2.0, 2.0)
+    np.testing.assert_allclose(evaluate.ensemble_act(members)(obs), want, rtol=1e-5, atol=1e-6)
+
+
+def _run_evaluate(*args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "rollout.ppo.evaluate", *map(str, args)]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_cli_prints_a_row_per_member_and_the_ensemble(cartpole, tmp_path):
+    learner, state = cartpole
+    export.export_members(learner, state, tmp_path, members=[0, 3])
+    video = tmp_path / "episode.gif"
+    proc = _run_evaluate(tmp_path, "--episodes", "2", "--seed", "1", "--video", video)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A video, or one line saying why not (gymnasium's renderer needs pygame).
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("video")]
+    assert len(notes) == 1, proc.stderr
+    if notes[0].startswith("video skipped: "):
+        assert not video.exists()
+    else:
+        assert notes[0].startswith(f"video: {video} (") and video.stat().st_size > 0
+    lines = proc.stdout.strip().splitlines()
+    row = re.compile(r"^(member_\d+|ensemble) +2 +(-?\d+\.\d\d) \+- (\d+\.\d\d)$")
+    assert lines[0].split() == ["policy", "episodes", "return", "mean", "+-", "std"]
+    names = [row.match(line).group(1) for line in lines[1:]]
+    assert names == ["member_0", "member_3", "ensemble"]
+    # CartPole returns per episode lie in [1, 500].
+    for line in lines[1:]:
+        assert 1.0 <= float(row.match(line).group(2)) <= 500.0
+
+
+@pytest.mark.timeout(120)
+def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    cases = [
+        [str(tmp_path / "missing")],
+        [str(tmp_path)],  # exists, holds no member
+        [str(tmp_path), "--episodes", "0"],
+    ]
+    (tmp_path / "member_0").mkdir()
+    (tmp_path / "member_0" / "member.json").write_text("{not json")
+    cases.append([str(tmp_path / "member_0")])
+    for argv in cases:
+        assert evaluate.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)

@@ -1,0 +1,234 @@
+"""Standard loggers: TensorBoard event files and W&B (offline) hold what metrics.jsonl holds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout.ppo import _loggers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+# ---------------------------------------------------------------------- readers written here
+
+
+def _tfrecords(path: Path) -> list[bytes]:
+    """Records of a TFRecord file (8-byte length, its masked CRC, data, the data's masked CRC)."""
+
+    def masked_crc32c(data: bytes) -> int:  # the TFRecord format's rotate-and-add mask
+        crc = _crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    data, pos, out = path.read_bytes(), 0, []
+    while pos < len(data):
+        header = data[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header)
+        body = data[pos + 12 : pos + 12 + length]
+        assert struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])[0] == (
+            masked_crc32c(body)
+        )
+        out.append(body)
+        pos += 16 + length
+    return out
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: a reference independent of the writer's."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _tensorboard_scalars(directory: Path) -> dict[tuple[str, int], float]:
+    from tensorboardX.proto.event_pb2 import Event
+
+    got: dict[tuple[str, int], float] = {}
+    files = sorted(directory.glob("events.out.tfevents.*"))
+    assert files, f"no event file in {directory}"
+    for path in files:
+        for record in _tfrecords(path):
+            event = Event.FromString(record)
+            for value in event.summary.value:
+                got[(value.tag, event.step)] = value.simple_value
+    return got
+
+
+def _wandb_history(directory: Path) -> list[dict[str, float]]:
+    """History rows of an offline W&B run file (a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = directory.glob("wandb/offline-run-*/run-*.wandb")
+    data, block, pos, records, buf = path.read_bytes(), 32768, 7, [], b""
+    assert data[:4] == b":W&B"
+    while pos < len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST piece of a record
+            records.append(buf)
+            buf = b""
+    rows = []
+    for raw in records:
+        record = pb.Record.FromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
+# ---------------------------------------------------------------------- units
+
+
+def test_scalar_names_group_by_member_and_skip_missing_values():
+    row = {
+        "update": 3,
+        "env_steps": 768,
+        "returns": [20.0, None, 40.0],
+        "value_loss": [1.0, 2.0, float("nan")],
+        "env_steps_per_s": None,
+    }
+    assert _loggers.scalars(row) == {
+        "member_0/return": 20.0,
+        "member_2/return": 40.0,
+        "ensemble/return_mean": 30.0,
+        "ensemble/return_min": 20.0,
+        "ensemble/return_max": 40.0,
+        "member_0/value_loss": 1.0,
+        "member_1/value_loss": 2.0,
+        "ensemble/value_loss_mean": 1.5,
+    }
+    assert _loggers.scalars({"env_steps": 1, "returns": [None], "env_steps_per_s": 5.0}) == {
+        "perf/env_steps_per_s": 5.0
+    }
+
+
+def test_log_flag_names_and_errors():
+    assert _loggers.parse_log_flag("") == ()
+    assert _loggers.parse_log_flag("jsonl,tensorboard,tensorboard") == ("tensorboard",)
+    with pytest.raises(ValueError, match=r"unknown logger 'mlflow' in --log; choose from"):
+        _loggers.parse_log_flag("tensorboard,mlflow")
+
+
+def test_failing_logger_is_reported_once_and_dropped(capsys):
+    class Broken:
+        def __init__(self):
+            self.rows, self.closed = 0, False
+
+        def write(self, row):
+            self.rows += 1
+            raise OSError("disk full")
+
+        def close(self):
+            self.closed = True
+
+    class Good:
+        def __init__(self):
+            self.rows = []
+
+        def write(self, row):
+            self.rows.append(row["env_steps"])
+
+        def close(self):
+            pass
+
+    broken, good = Broken(), Good()
+    with _loggers.Loggers([broken, good]) as logs:
+        for step in (1, 2, 3):
+            logs.write({"env_steps": step})
+    assert good.rows == [1, 2, 3]
+    assert broken.rows == 1 and broken.closed
+    err = capsys.readouterr().err
+    assert err.count("disk full") == 1 and "logger off" in err
+
+
+def test_cli_unknown_logger_exits_2_before_training(tmp_path):
+    from rollout.ppo import main
+
+    rc = main(["--log", "tensorboard,mlflow", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert rc == 2
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+@pytest.mark.timeout(60)
+def test_cli_missing_package_exits_2_with_one_line(tmp_path):
+    # A None entry in sys.modules makes `import tensorboardX` fail as if it were not installed.
+    code = (
+        "import sys; sys.modules['tensorboardX'] = None\n"
+        "from rollout.ppo import main\n"
+        f"raise SystemExit(main(['--log', 'tensorboard', '--out', {str(tmp_path / 'r')!r}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_cli_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "needs the tensorboardX package" in lines[0]
+    assert "pip install 'sharded-ensembles[tensorboard]'" in lines[0]
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _expected(rows: list[dict]) -> dict[tuple[str, int], float]:
+    want = {}
+    for row in rows:
+        for tag, value in _loggers.scalars(row).items():
+            want[(tag, row["env_steps"])] = value
+    return want
+
+
+@pytest.mark.timeout(300)
+def test_cli_tensorboard_and_wandb_hold_the_metrics_rows(tmp_path):
+    try:  # W&B is optional: without it, TensorBoard alone is checked
+        import wandb
+    except ImportError:
+        wandb = None
+    log = "tensorboard,wandb" if wandb is not None else "tensorboard"
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
+    cmd += ["--total-steps", "1024", "--num-steps", "64", "--updates-per-call", "2"]
+    cmd += ["--out", str(out), "--no-progress", "--log", log]
+    proc = subprocess.run(
+        cmd, env=_cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["env_steps"] for r in rows] == [256, 512, 768, 1024]
+    want = _expected(rows)
+    # Every member's every metric at every update (those with a value) is there.
+    assert ("member_1/entropy", 256) in want and ("ensemble/return_mean", 1024) in want
+
+    got = _tensorboard_scalars(out / "tensorboard")
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-12), key
+
+    if wandb is not None:
+        history = _wandb_history(out)
+        assert [h["_step"] for h in history] == [r["env_steps"] for r in rows]
+        for h, row in zip(history, rows):
+            logged = {k: v for k, v in h.items() if not k.startswith("_")}
+            assert logged == pytest.approx(_loggers.scalars(row), rel=1e-12)
