@@ -259,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m rollout.ppo",
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
     )
-    p.add_argument("--env", default="cartpole", help="cartpole (CartPole-v1) or pendulum")
+    p.add_argument(
+        "--env",
+        default="cartpole",
+        help="cartpole (CartPole-v1), pendulum, or gymnasium:<id> (e.g. gymnasium:HalfCheetah-v5),"
+        " envpool:<task>, gymnax:<name>",
+    )
     p.add_argument("--members", type=int, default=4, help="number of agents (default 4)")
     p.add_argument(
         "--total-steps",

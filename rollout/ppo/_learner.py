@@ -143,6 +143,10 @@ class Learner:
       config: a :class:`PPOConfig` (validated here, before anything is compiled).
       mesh: an ensemble mesh (default ``ensemble.make_mesh(config.members, devices=devices)``).
       devices: devices for the default mesh (default: all).
+      env: an environment object instead of ``config.env``'s name: a functional env following
+        ``rollout.envs.Env`` (yours, or ``rollout.envs.make('gymnax:...')``), or a host env
+        (``rollout.envs.make('gymnasium:HalfCheetah-v5', **make_kwargs)``). ``config.env`` is
+        then only its label.
 
     Example:
       >>> import jax
@@ -162,12 +166,14 @@ class Learner:
         *,
         mesh: Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
+        env: Any = None,
     ) -> None:
         devices = list(mesh.devices.flat) if mesh is not None else devices
         num_devices = len(devices) if devices is not None else jax.device_count()
-        config.validate(num_devices=num_devices, known_envs=envlib.known_envs())
+        known = envlib.known_envs() if env is None else ()
+        config.validate(num_devices=num_devices, known_envs=known)
         self.config = config
-        self.env = envlib.make_env(config.env)
+        self.env = envlib.make_env(config.env) if env is None else env
         self.spec = envlib.spec_of(self.env)
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)
@@ -188,8 +194,8 @@ class Learner:
             learning_rate=config.per_member("learning_rate")[0],
             max_grad_norm=config.max_grad_norm,
         )
-        self._cpu_step: Any = None
-        self._env_step = self._make_env_step()
+        # Every member's envs behind one interface (reset / step on [n, num_envs, ...]).
+        self.envs = envlib.member_envs(self.env, config, self.mesh)
         self._programs: dict[int, Callable[..., Any]] = {}
         self._state_shardings: Any = None
 
@@ -215,17 +221,20 @@ class Learner:
             params
         )
 
-        def one(key):
-            key = jax.random.wrap_key_data(key)
-            key, k_env = jax.random.split(key)
-            env_state, obs = jax.vmap(self.env.reset)(jax.random.split(k_env, cfg.num_envs))
+        def keys(key):
+            key, k_env = jax.random.split(jax.random.wrap_key_data(key))
+            return jax.random.key_data(key), jax.random.split(k_env, cfg.num_envs)
+
+        rngs, env_keys = jax.vmap(keys, spmd_axis_name=MEMBER_AXIS)(member_keys)
+        env_state, obs = self.envs.reset(env_keys)  # all members' envs, [n, num_envs, ...]
+
+        def one(key, obs):
             obs = obs.astype(jnp.float32)
             obs_stats = RunningStats.zeros(self.spec.obs_shape)
             if self.normalize_obs:
                 obs_stats = obs_stats.update(obs)
             zeros = jnp.zeros((cfg.num_envs,), jnp.float32)
             return dict(
-                env_state=env_state,
                 obs=obs,
                 obs_stats=obs_stats,
                 ret_stats=RunningStats.zeros(()),
@@ -234,11 +243,13 @@ class Learner:
                 ep_length=zeros,
                 last_return=jnp.asarray(jnp.nan, jnp.float32),
                 last_length=jnp.asarray(jnp.nan, jnp.float32),
-                rng=jax.random.key_data(key),
+                rng=key,
             )
 
-        parts = jax.vmap(one, spmd_axis_name=MEMBER_AXIS)(member_keys)
-        members = MemberState(params=params, opt_state=opt_state, hparams=hparams, **parts)
+        parts = jax.vmap(one, spmd_axis_name=MEMBER_AXIS)(rngs, obs)
+        members = MemberState(
+            params=params, opt_state=opt_state, hparams=hparams, env_state=env_state, **parts
+        )
         return TrainState(members=members, update=jnp.zeros((), jnp.int32))
 
     def state_shardings(self) -> TrainState:
@@ -530,30 +541,12 @@ class Learner:
 
     # ------------------------------------------------------------------ environments
 
-    def _make_env_step(self) -> Callable[..., Any]:
-        """All members' env steps at once: ``[n, num_envs, ...]`` in, the same out."""
-        step = jax.vmap(self.env.step)  # one member's num_envs envs
-        if self.config.env_on == "device":
-            # Next to each member, on its device(s).
-            return jax.vmap(step, spmd_axis_name=MEMBER_AXIS)
-        cpu_step = self._cpu_step = _on_cpu(step)
-        n, e = self.config.members, self.config.num_envs
-
-        def on_host(env_state, action, keys):
-            # Members x envs become one batch of rows for the CPU workers (split over cores).
-            flat = lambda x: x.reshape(n * e, *x.shape[2:])
-            out = cpu_step(*jax.tree_util.tree_map(flat, (env_state, action, keys)))
-            return jax.tree_util.tree_map(lambda x: x.reshape(n, e, *x.shape[1:]), out)
-
-        return on_host
-
     def _step_envs(self, env_state: Any, action: jax.Array, keys: jax.Array) -> tuple:
-        return self._env_step(env_state, action, keys)
+        return self.envs.step(env_state, action, keys)
 
     def close(self) -> None:
-        """Stops the CPU env workers of ``env_on='cpu'`` (they also stop at interpreter exit)."""
-        if self._cpu_step is not None:
-            self._cpu_step.close()
+        """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit."""
+        self.envs.close()
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
@@ -564,12 +557,6 @@ def _adam_with_clip(learning_rate: float, max_grad_norm: float) -> optax.Gradien
     return optax.chain(
         optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, eps=1e-5)
     )
-
-
-def _on_cpu(step: Callable[..., Any]) -> Callable[..., Any]:
-    from rollout import on_cpu
-
-    return on_cpu(step, in_axes=0)
 
 
 def to_host(metrics: dict) -> dict[str, np.ndarray]:
