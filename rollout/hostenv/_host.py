@@ -6,18 +6,22 @@ places the envs of an n-member ensemble on worker processes and returns ``HostEn
 
     jit(update)
       └─ shard_map over the ensemble mesh: one call per device, on that device's members only
-           └─ io_callback(ordered=True) -> WorkerGroup of that device -> its worker processes
+           └─ io_callback -> the WorkerGroup of that device -> its worker processes
 
 Why the steps can be neither reordered, dropped nor duplicated:
 
-1. ``io_callback`` is an effect: XLA never removes it as dead code nor runs it twice, unlike
-   ``pure_callback``, which may be elided or recomputed. ``ordered=True`` also pins its order
-   relative to every other ordered effect of the program.
-2. Each step's actions depend on the previous step's observations (the policy reads them), a
-   data dependence no compiler may break.
-3. Verified, not assumed: the device-side env state carries a session id and a step counter
-   that the callback checks against the group's own (a step with a stale counter is an error),
-   and every worker checks the sequence number of each request against its own count.
+1. ``io_callback`` carries an IO effect and lowers to a custom call marked side-effecting, so
+   neither JAX nor XLA removes it as dead code, merges it with another or runs it twice (a
+   ``pure_callback`` may be elided or recomputed).
+2. Its order comes from data: step k+1's callback takes step k's returned ``HostState`` (and
+   actions computed from step k's observations), so it cannot start before step k returned.
+3. Verified, not assumed: ``HostState`` carries a session id and a step counter that the
+   callback checks against the group's own (a replayed or skipped step is an error), and every
+   worker checks the sequence number of each request against its own count.
+
+``ordered=True`` is not used: JAX chains ordered effects through a per-thread runtime token,
+and a callback that raised (an env error) leaves that token failed, so every later program with
+an ordered effect in the process would fail too. The data dependence already orders the steps.
 
 The env state itself stays in the workers; the device carries only ``HostState``: the session id,
 the step counter and the last observation (used when the envs restart, see ``HostEnvs.step``).
@@ -194,7 +198,6 @@ class HostEnvs:
         ]
         self._session: list[int | None] = [None] * self.num_groups
         self._t = [0] * self.num_groups
-        self._superseded: list[set[int]] = [set() for _ in range(self.num_groups)]
         self.restarts = 0  # times a group restarted its envs mid-run (resume, or after close)
         self._warned = threading.Event()
 
@@ -233,7 +236,7 @@ class HostEnvs:
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
-            outs = io_callback(host, local_types, g, lead, *local, ordered=True)
+            outs = io_callback(host, local_types, g, lead, *local, ordered=False)
             if not replicated:
                 return outs
             # Only the leader stepped the envs; share its result with the other replicas.
@@ -267,11 +270,12 @@ class HostEnvs:
         """One step of every env: ``(state, obs, reward, terminated, truncated, info)``.
 
         ``info``: ``final_obs`` (the observation the step reached, before an autoreset) and
-        ``done``. ``keys`` seed the envs only if they must restart: when ``state`` comes from a
-        checkpoint of another process (resume) or the workers were closed since. Host env states
-        cannot be saved, so then the episodes running in ``state`` end at this step: reported
-        as truncated with reward 0 and ``final_obs`` = their last observation (the learner
-        bootstraps them like a time limit), and the envs restart from reset seeded by ``keys``.
+        ``done``. ``keys`` seed the envs only if they must restart: when ``state`` is not the
+        envs' live session (a restored checkpoint, a state from before ``close()``, or one older
+        than the envs' latest reset). Host env states cannot be saved or rewound, so then the
+        episodes running in ``state`` end at this step, reported as truncated with reward 0 and
+        ``final_obs`` = their last observation (the learner bootstraps them like a time limit),
+        and the envs restart from reset, seeded by ``keys``.
         """
         obs_shape = self.env.observation_space.shape
         types = self._types(
@@ -305,8 +309,6 @@ class HostEnvs:
         if not group.running:
             group.start()
         obs = group.reset(seeds.reshape(-1))
-        if self._session[g] is not None:
-            self._superseded[g].add(self._session[g])
         session = secrets.randbits(32)
         self._session[g], self._t[g] = session, 0
         return session, self._unflat(obs, np.float32)
@@ -341,12 +343,8 @@ class HostEnvs:
                 return (session, t + 1, self._unflat(new_obs, np.float32),
                         self._unflat(reward, np.float32), self._unflat(term, bool),
                         self._unflat(trunc, bool), self._unflat(final, np.float32))  # fmt: skip
-            if s in self._superseded[g]:
-                raise HostEnvError(
-                    f"host env {self.env.name}, {group.label}: this train state belongs to an "
-                    "earlier reset of the envs (init() was called again since); step the state "
-                    "of the latest init() or restore a checkpoint"
-                )
+            # Not the live session: a restored checkpoint, a state from before close(), or an
+            # older state of this run. The envs cannot go back to it: restart them.
             return self._restart(g, session, t, obs, seeds)
 
     def _restart(self, g, session, t, obs, seeds) -> tuple[np.ndarray, ...]:
