@@ -452,7 +452,8 @@ def test_envpool_task_equals_envpool_called_directly():
         host.close()
     seeds = seeds_of(keys)
     for m in range(n):  # member m's pool, seeded with its first env's seed, stepped here
-        pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=e, seed=int(seeds[m, 0]))
+        seed = int(seeds[m, 0]) % (2**31 - e)  # EnvPool's seeds are int32
+        pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=e, seed=seed)
         o, _ = pool.reset()
         np.testing.assert_allclose(obs0[m], o, rtol=1e-6)
         ids = np.arange(e, dtype=np.int32)

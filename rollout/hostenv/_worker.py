@@ -83,8 +83,10 @@ class _EnvPool:
         if self.pool is not None:
             self.pool.close()
         kw = dict(num_threads=1, **self.kwargs)
+        # EnvPool takes int32 seeds, and env i of the pool gets seed + i.
+        seed = int(seeds[0]) % (2**31 - self.num_envs)
         self.pool = envpool.make(
-            self.task, env_type="gymnasium", num_envs=self.num_envs, seed=int(seeds[0]), **kw
+            self.task, env_type="gymnasium", num_envs=self.num_envs, seed=seed, **kw
         )
         obs, info = self.pool.reset()
         return np.asarray(obs)[np.argsort(info["env_id"])]
