@@ -183,16 +183,19 @@ def actions_for(env_id, T, n, e, seed=0):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("env_id", [WALK_ID, "hostenv_walk:WalkCont-v0"])
-def test_trajectories_equal_a_python_loop(env_id):
-    # 4 members on 2 devices, 3 envs each, 2 workers per device: rows split unevenly.
+@pytest.mark.parametrize(
+    "env_id, workers", [(WALK_ID, 2), ("hostenv_walk:WalkCont-v0", 2), (WALK_ID, 0)]
+)
+def test_trajectories_equal_a_python_loop(env_id, workers):
+    # 4 members on 2 devices, 3 envs each, 2 workers per device: rows split unevenly; or the
+    # envs in this process (workers_per_device=0).
     n, e, T = 4, 3, 30
-    host, mesh = bound(env_id, n, e, devices=2, workers_per_device=2)
+    host, mesh = bound(env_id, n, e, devices=2, workers_per_device=workers)
     try:
         keys = jax.random.split(jax.random.key(7), (n, e))
         actions = actions_for(env_id, T, n, e)
         obs0, steps = run_host(host, mesh, keys, actions)
-        assert len(host.pids) == 4
+        assert len(host.pids) == 2 * workers
     finally:
         host.close()
     ref0, ref = reference(env_id, seeds_of(keys), actions)
@@ -301,8 +304,9 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
 
 
 @pytest.mark.timeout(60)
-def test_env_exception_names_env_worker_and_traceback():
-    host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3)
+@pytest.mark.parametrize("workers", [1, 0])
+def test_env_exception_names_env_worker_and_traceback(workers):
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3, workers_per_device=workers)
     try:
         keys = jax.random.split(jax.random.key(0), (2, 2))
         actions = jnp.zeros((5, 2, 2), jnp.int32)
@@ -310,8 +314,9 @@ def test_env_exception_names_env_worker_and_traceback():
             run_host(host, mesh, keys, actions)
         text = str(info.value)
         assert "host env gymnasium:hostenv_walk:Walk-v0" in text
-        assert "worker 0 (pid" in text and "raised ValueError: the walk fell over at step 3" in text
-        assert "--- worker traceback ---" in text and "hostenv_walk.py" in text
+        where = "worker 0 (pid" if workers else f"in process {os.getpid()}"
+        assert where in text and "raised ValueError: the walk fell over at step 3" in text
+        assert "traceback ---" in text and "hostenv_walk.py" in text
         assert host.pids == []  # the failed groups stopped their workers
     finally:
         host.close()

@@ -235,3 +235,59 @@ def _close_all() -> None:
             group.close()
         except Exception:
             pass
+
+
+class InProcessGroup:
+    """The envs of one device's members in this process, stepped by the callback thread itself.
+
+    ``workers_per_device=0``: no process hop per step (faster for cheap envs), but the envs share
+    this process's interpreter, so pure-Python envs of different devices take turns on the GIL,
+    and an env that crashes the interpreter takes the learner with it. Same interface and error
+    messages as ``WorkerGroup``.
+    """
+
+    def __init__(self, backend: str, env_id: str, kwargs: dict[str, Any], rows: int, label: str):
+        self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
+        self.rows, self.label = rows, label
+        self.lock = threading.Lock()
+        self._envs: Any = None
+        self.failed: str | None = None
+
+    pids: list[int] = []  # noqa: RUF012  (no processes, ever)
+
+    @property
+    def running(self) -> bool:
+        return self._envs is not None
+
+    def start(self) -> None:
+        from rollout.hostenv._worker import _BACKENDS
+
+        self._envs = self._call(
+            lambda: _BACKENDS[self.backend](self.env_id, self.kwargs, self.rows)
+        )
+        self.failed = None
+
+    def close(self) -> None:
+        envs, self._envs = self._envs, None
+        if envs is not None:
+            envs.close()
+
+    def reset(self, seeds: np.ndarray) -> np.ndarray:
+        return self._call(lambda: self._envs.reset(seeds))
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
+        return self._call(lambda: self._envs.step(actions))
+
+    def _call(self, fn: Any) -> Any:
+        import traceback
+
+        if self.failed is not None:
+            raise HostEnvError(f"host envs were stopped after an error: {self.failed}")
+        try:
+            return fn()
+        except Exception as e:
+            where = f"host env {self.backend}:{self.env_id}, {self.label}, in process {os.getpid()}"
+            self.failed = f"{where} raised {type(e).__name__}: {e}"
+            self._envs = None
+            tb = traceback.format_exc()
+            raise HostEnvError(f"{self.failed}\n--- env traceback ---\n{tb}") from e

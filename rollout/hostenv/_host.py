@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from rollout.envs._core import Box, Discrete, Space
-from rollout.hostenv._group import HostEnvError, WorkerGroup
+from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
 
 class HostState(NamedTuple):
@@ -87,7 +87,8 @@ class HostEnv:
         imports ``module`` first, in every worker too).
       kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
       workers_per_device: worker processes per device's members (default: the CPU cores divided
-        by the devices, at least 1).
+        by the devices, at least 1); 0 steps the envs in this process instead, from the
+        callback thread of each device (no process hop per step; see ``InProcessGroup``).
       timeout: seconds one step may take before it is an error (default: no limit; a dead
         worker is an error within 0.2 s regardless).
     """
@@ -183,6 +184,13 @@ class HostEnvs:
         self.replicas = int(np.prod([s for a, s in shape.items() if a != "ensemble"]))
         self.per_group = members // self.num_groups
         rows = self.per_group * num_envs
+        if env.workers_per_device == 0:  # in this process, stepped by the callback threads
+            self.groups: list[Any] = [
+                InProcessGroup(env.backend, env.env_id, dict(env.kwargs), rows, self._label(g))
+                for g in range(self.num_groups)
+            ]
+            self._init_sessions()
+            return
         k = min(rows, env.workers_per_device or _default_workers(self.num_groups))
         counts = [len(c) for c in np.array_split(np.arange(rows), k)]
         self.groups = [
@@ -191,19 +199,22 @@ class HostEnvs:
                 env.env_id,
                 dict(env.kwargs),
                 counts,
-                label=f"device group {g} (members {self._members_of(g)})",
+                label=self._label(g),
                 timeout=env.timeout,
             )
             for g in range(self.num_groups)
         ]
+        self._init_sessions()
+
+    def _init_sessions(self) -> None:
         self._session: list[int | None] = [None] * self.num_groups
         self._t = [0] * self.num_groups
         self.restarts = 0  # times a group restarted its envs mid-run (resume, or after close)
         self._warned = threading.Event()
 
-    def _members_of(self, g: int) -> str:
+    def _label(self, g: int) -> str:
         a, b = g * self.per_group, (g + 1) * self.per_group - 1
-        return str(a) if a == b else f"{a}-{b}"
+        return f"device group {g} (members {a if a == b else f'{a}-{b}'})"
 
     @property
     def pids(self) -> list[int]:
