@@ -5,7 +5,9 @@ For each env id, n members with E envs each (n*E env instances), on this machine
 - ``ppo``: ``Learner.update`` env steps/s, all members together, the rollout stepping the envs in
   the host-env worker processes from inside the jitted update. Two settings: ``ppo-rollout``
   (``update_epochs=1, num_minibatches=1``: almost all time in the rollout) and ``ppo-full``
-  (CleanRL's 10 epochs x 32 minibatches for continuous actions, 4 x 4 for discrete).
+  (CleanRL's 10 epochs x 32 minibatches for continuous actions, 4 x 4 for discrete), and
+  ``ppo-inprocess``: as ``ppo-rollout`` with ``workers_per_device=0`` (the envs stepped in the
+  callback threads of this process, no process hop).
 - ``alone``: the same n*E env instances stepped with random actions by plain Python loops, one
   process per core (same-step autoreset): what the envs cost with no learner at all.
 - ``cleanrl``: a CleanRL-style rollout: ``gymnasium.vector.SyncVectorEnv`` over the n*E envs in
@@ -72,15 +74,19 @@ def alone(env_id: str, total_envs: int, steps: int, cores: int) -> float:
     return sum(s for s, _ in results) / max(t for _, t in results)
 
 
-def ppo(name: str, members: int, num_envs: int, num_steps: int, calls: int, **over) -> float:
+def ppo(
+    name: str, members: int, num_envs: int, num_steps: int, calls: int, workers=None, **over
+) -> float:
     import jax
 
+    from rollout import envs
     from rollout.ppo import Learner, PPOConfig
 
     cfg = PPOConfig.for_env(
         name, members=members, num_envs=num_envs, num_steps=num_steps, total_steps=10**8, **over
     )
-    learner = Learner(cfg, devices=jax.devices()[: _devices(members)])
+    env = envs.make(name, workers_per_device=workers)
+    learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
     try:
         state = learner.init()
         state, metrics = learner.update(state, 1)  # compile
@@ -176,6 +182,7 @@ def main() -> None:
         r["alone"] = alone(env_id, n * e, args.num_steps * args.calls, cores)
         r["ppo-rollout"] = ppo(name, update_epochs=1, num_minibatches=1, **common)
         r["ppo-full"] = ppo(name, **common)
+        r["ppo-inprocess"] = ppo(name, workers=0, update_epochs=1, num_minibatches=1, **common)
         r["cleanrl"] = cleanrl(env_id, n, e, args.num_steps * args.calls)
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -183,12 +190,12 @@ def main() -> None:
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    modes = ("alone", "ppo-rollout", "ppo-full", "cleanrl")
+    modes = ("alone", "ppo-rollout", "ppo-full", "ppo-inprocess", "cleanrl")
     lines = [
-        f"{'env':28s} " + " ".join(f"{m:>12s}" for m in modes) + "   (env steps/s, all members)"
+        f"{'env':28s} " + " ".join(f"{m:>13s}" for m in modes) + "   (env steps/s, all members)"
     ]
     for r in rows:
-        lines.append(f"{r['env']:28s} " + " ".join(f"{r[m]:12,.0f}" for m in modes))
+        lines.append(f"{r['env']:28s} " + " ".join(f"{r[m]:13,.0f}" for m in modes))
     text = "\n".join(lines)
     print(text)
     meta = {
