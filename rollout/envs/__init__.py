@@ -17,6 +17,10 @@ Environments (`make(name)`): 'cartpole' / 'CartPole-v1' and 'pendulum' / 'Pendul
 made sample by sample by a GRU synthesiser whose weights, `SynthParams` from
 `init_synth_params`, are the `params` input of every step).
 
+Other libraries' envs by prefix: 'gymnax:<name>' (a pure-JAX `GymnaxEnv` on this API),
+'gymnasium:<id>' and 'envpool:<task>' (a `rollout.hostenv.HostEnv`: stepped in CPU worker
+processes, bound to a learner's members with `HostEnv.bind`).
+
 `make(name)` wraps the env in `AutoReset` by default: finished episodes restart inside `step`
 and `info` carries `final_obs` (the true last observation), `done`, `episode_return` and
 `episode_length`.
@@ -71,23 +75,50 @@ _REGISTRY: dict[str, type[Env]] = {
 #: Names accepted by `make` (case-insensitive).
 ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v1", "audio")
 
+#: Prefixes of ids from other libraries: `gymnasium:<id>`, `envpool:<task>`, `gymnax:<name>`.
+ENV_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:", "gymnax:")
 
-def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
+
+def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
     """Build an environment by name.
 
     Args:
-      name: one of `ENV_NAMES` (case-insensitive).
+      name: one of `ENV_NAMES` (case-insensitive), or an id of another library:
+        - `'gymnasium:<id>'` (any registered id, e.g. `'gymnasium:HalfCheetah-v5'`, or
+          `'gymnasium:my_module:MyEnv-v0'`, which imports `my_module` first): a `HostEnv`,
+          stepped in CPU worker processes (see `rollout.hostenv`); `kwargs` go to
+          `gymnasium.make`, except `workers_per_device` and `timeout`, which go to `HostEnv`.
+        - `'envpool:<task>'` (e.g. `'envpool:HalfCheetah-v5'`): a `HostEnv` whose workers each
+          step one EnvPool pool; `kwargs` go to `envpool.make`.
+        - `'gymnax:<name>'` (e.g. `'gymnax:Acrobot-v1'`): a functional env (`GymnaxEnv`, in
+          `AutoReset` unless `auto_reset=False`); `kwargs` go to `gymnax.make`.
       auto_reset: wrap in `AutoReset` (default) so episodes restart inside `step` and `info`
         reports the true final observation and episode statistics; False gives the bare env.
+        (Host envs always reset finished episodes in the same step.)
       **kwargs: fields of the env's dataclass (e.g. `max_episode_steps=100`, `g=9.81`); for
         'audio' also `light=True` (`AudioSynth.light()`, a small configuration for tests).
 
     Raises:
-      ValueError: unknown name (the message lists the valid ones).
+      ValueError: unknown name (the message lists the valid ones), an id the other library does
+        not know, or that library not installed (the message says which extra to install).
     """
+    prefix, sep, rest = str(name).partition(":")
+    if sep and prefix in ("gymnasium", "envpool"):
+        from rollout.hostenv import HostEnv
+
+        host = {k: kwargs.pop(k) for k in ("workers_per_device", "timeout") if k in kwargs}
+        return HostEnv(prefix, rest, kwargs, **host)
+    if sep and prefix == "gymnax":
+        from rollout.envs._gymnax import GymnaxEnv
+
+        env = GymnaxEnv(rest, tuple(sorted(kwargs.items())))
+        return AutoReset(env) if auto_reset else env
     cls = _REGISTRY.get(str(name).lower())
     if cls is None:
-        raise ValueError(f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}")
+        raise ValueError(
+            f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}, or an id with a prefix "
+            f"{', '.join(ENV_PREFIXES)} (e.g. 'gymnasium:HalfCheetah-v5', 'gymnax:Acrobot-v1')"
+        )
     if cls is AudioSynth and kwargs.pop("light", False):
         env: Env = AudioSynth.light(**kwargs)
     else:
@@ -97,6 +128,7 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Env:
 
 __all__ = [
     "ENV_NAMES",
+    "ENV_PREFIXES",
     "AudioState",
     "AudioSynth",
     "AutoReset",

@@ -446,7 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
         epilog="--resume takes the config from the run in --out; only --total-steps may grow.",
     )
-    p.add_argument("--env", default=None, help="cartpole (CartPole-v1) or pendulum")
+    p.add_argument(
+        "--env",
+        default=None,
+        help="cartpole (CartPole-v1), pendulum, or gymnasium:<id> (e.g. gymnasium:HalfCheetah-v5),"
+        " envpool:<task>, gymnax:<name> (default cartpole)",
+    )
     p.add_argument("--members", type=int, default=None, help="number of agents (default 4)")
     p.add_argument(
         "--total-steps",

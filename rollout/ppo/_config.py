@@ -50,6 +50,26 @@ _ENV_DEFAULTS: dict[str, dict[str, Any]] = {
         max_grad_norm=0.5,
         total_steps=1_000_000,
     ),
+    # Other libraries' ids (gymnasium:, envpool:, gymnax:): CleanRL's ppo.py (discrete actions)
+    # and ppo_continuous_action.py (MuJoCo) defaults, picked by the env's action space.
+    "discrete": dict(
+        num_envs=4,
+        num_steps=128,
+        update_epochs=4,
+        num_minibatches=4,
+        learning_rate=2.5e-4,
+        ent_coef=0.01,
+        total_steps=500_000,
+    ),
+    "continuous": dict(
+        num_envs=1,
+        num_steps=2048,
+        update_epochs=10,
+        num_minibatches=32,
+        learning_rate=3e-4,
+        ent_coef=0.0,
+        total_steps=1_000_000,
+    ),
 }
 
 ENV_ALIASES = {
@@ -62,7 +82,12 @@ ENV_ALIASES = {
 
 
 def canonical_env(name: str) -> str:
-    """``'CartPole-v1'`` -> ``'cartpole'``; unknown names pass through (checked by ``validate``)."""
+    """``'CartPole-v1'`` -> ``'cartpole'``; unknown names pass through (checked by ``validate``).
+
+    Ids with a library prefix (``'gymnasium:HalfCheetah-v5'``) are case-sensitive: kept as given.
+    """
+    if ":" in str(name):
+        return str(name)
     return ENV_ALIASES.get(str(name).lower(), str(name).lower())
 
 
@@ -116,6 +141,10 @@ class PPOConfig:
         """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``), then ``overrides``."""
         name = canonical_env(env)
         base = dict(_ENV_DEFAULTS.get(name, {}))
+        if ":" in name:  # another library's id: defaults by action space (builds one env)
+            from rollout.ppo._env import env_family
+
+            base = dict(_ENV_DEFAULTS[env_family(name)])
         base.update(overrides)
         for key in PER_MEMBER_FIELDS:
             if isinstance(base.get(key), list):
@@ -157,7 +186,8 @@ class PPOConfig:
         for name in ("total_steps", "num_envs", "num_steps", "update_epochs", "num_minibatches"):
             _positive_int(self, name)
         _positive_int(self, "updates_per_call")
-        if known_envs and self.env not in known_envs:
+        prefix = self.env.partition(":")[0] + ":"
+        if known_envs and self.env not in known_envs and prefix not in known_envs:
             raise ValueError(
                 f"unknown env {self.env!r}; known envs: {sorted(known_envs)} "
                 "(aliases like 'CartPole-v1' work too)."

@@ -1,9 +1,20 @@
-"""What the learner needs to know about a ``rollout.envs`` environment, read off the env once."""
+"""The learner's view of environments: the spec read off an env, and its members' envs.
+
+The learner talks to environments through one interface, ``MemberEnvs``: ``reset(keys)`` and
+``step(state, action, keys)`` on member-major arrays ``[n, num_envs, ...]`` (the member axis
+sharded on the mesh). :func:`member_envs` builds it from
+
+- a functional env (``rollout.envs.Env``: CartPole, Pendulum, audio, gymnax, or your own):
+  vmapped next to each member (``env_on='device'``) or run on CPU cores (``env_on='cpu'``);
+- anything with ``bind(mesh, members, num_envs)`` returning such an object (``HostEnv``:
+  gymnasium and EnvPool envs in CPU worker processes).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +33,88 @@ class EnvSpec:
 
 
 def known_envs() -> tuple[str, ...]:
-    """Env names that ``rollout.envs.make`` accepts, lower-cased."""
+    """Env names that ``rollout.envs.make`` accepts, lower-cased, and the id prefixes
+    (``'gymnasium:'``, ``'envpool:'``, ``'gymnax:'``) of other libraries' envs."""
     from rollout import envs
 
-    return tuple(name.lower() for name in envs.ENV_NAMES)
+    return tuple(name.lower() for name in envs.ENV_NAMES) + envs.ENV_PREFIXES
 
 
 def make_env(name: str) -> Any:
+    """The env for a config's ``env`` string (``rollout.envs.make``)."""
     from rollout import envs
 
     return envs.make(name)
+
+
+def env_family(name: str) -> str:
+    """``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.
+
+    Builds the env once (for host envs: one instance in this process), so an unknown id or a
+    missing library is a ``ValueError`` here, before anything is compiled.
+    """
+    from rollout.envs import Discrete
+
+    env = make_env(name)
+    return "discrete" if isinstance(env.action_space, Discrete) else "continuous"
+
+
+class MemberEnvs(Protocol):
+    """All members' envs at once; every array is ``[members, num_envs, ...]``."""
+
+    def reset(self, keys: jax.Array) -> tuple[Any, jax.Array]: ...
+
+    def step(self, state: Any, action: jax.Array, keys: jax.Array) -> tuple: ...
+
+    def close(self) -> None: ...
+
+
+class FunctionalEnvs:
+    """A functional env for every member: vmapped on the members' devices, or on CPU cores."""
+
+    def __init__(self, env: Any, members: int, num_envs: int, on: str = "device"):
+        from ensemble import MEMBER_AXIS
+
+        self.env, self.on, self._cpu = env, on, None
+        per_member = functools.partial(jax.vmap, spmd_axis_name=MEMBER_AXIS)
+        self._reset = per_member(jax.vmap(env.reset))
+        step = jax.vmap(env.step)  # one member's num_envs envs
+        if on == "device":
+            self._step = per_member(step)
+            return
+        from rollout import on_cpu
+
+        cpu_step = self._cpu = on_cpu(step, in_axes=0)
+        n, e = members, num_envs
+
+        def on_host(env_state, action, keys):
+            # Members x envs become one batch of rows for the CPU workers (split over cores).
+            flat = lambda x: x.reshape(n * e, *x.shape[2:])
+            out = cpu_step(*jax.tree_util.tree_map(flat, (env_state, action, keys)))
+            return jax.tree_util.tree_map(lambda x: x.reshape(n, e, *x.shape[1:]), out)
+
+        self._step = on_host
+
+    def reset(self, keys: jax.Array) -> tuple[Any, jax.Array]:
+        return self._reset(keys)
+
+    def step(self, state: Any, action: jax.Array, keys: jax.Array) -> tuple:
+        return self._step(state, action, keys)
+
+    def close(self) -> None:
+        if self._cpu is not None:
+            self._cpu.close()
+
+
+def member_envs(env: Any, config: Any, mesh: Any) -> MemberEnvs:
+    """``env``'s instances for ``config.members`` members x ``config.num_envs`` on ``mesh``.
+
+    Host envs (with ``bind``) always step in their worker processes; ``config.env_on`` only
+    chooses where functional envs run.
+    """
+    if hasattr(env, "bind"):
+        return env.bind(mesh, config.members, config.num_envs)
+    return FunctionalEnvs(env, config.members, config.num_envs, config.env_on)
 
 
 def spec_of(env: Any) -> EnvSpec:
@@ -39,6 +122,11 @@ def spec_of(env: Any) -> EnvSpec:
     from rollout.envs import Discrete
 
     obs_shape = tuple(env.observation_space.shape)
+    if len(obs_shape) != 1:
+        raise ValueError(
+            f"{getattr(env, 'name', 'env')}: observations of shape {obs_shape} are not supported "
+            "(the PPO networks are MLPs on flat vectors); flatten them in the env."
+        )
     space = env.action_space
     if isinstance(space, Discrete):
         return EnvSpec(obs_shape, True, int(space.num_actions))

@@ -2,13 +2,13 @@
 
 Read :meth:`Learner._update` top to bottom: one PPO update of the whole ensemble (rollout, GAE,
 epochs of shuffled minibatches). The per-member pieces (:meth:`Learner._act`,
-:meth:`Learner._observe`, :meth:`Learner._learn`) are written for a single agent; ``jax.vmap``
-with ``spmd_axis_name='ensemble'`` runs them for every member. The env step sits between them at
-ensemble level, so it can run vmapped next to the members (``env_on='device'``) or on host CPU
-cores through ``rollout.on_cpu`` (``env_on='cpu'``) with the same code around it. The member-major
-train state, sharded on the mesh's ``'ensemble'`` axis, keeps each member on its own device(s):
-nothing member-shaped is ever gathered, and ``out_shardings`` equal the input shardings so the
-donated buffers are reused in place.
+:meth:`Learner._observe`, :meth:`Learner._learn`) are written for a single agent; the ensemble's
+member runner (``ens.members.map``, a manual member axis) runs them for every member. With a
+functional env on device, one member's whole update is one plain program next to its envs;
+host envs (CPU workers, gymnasium, EnvPool) step between the per-member pieces at ensemble
+level. The member-major train state, sharded on the mesh's ``'ensemble'`` axis, keeps each
+member on its own device(s): nothing member-shaped is ever gathered, and ``out_shardings`` equal
+the input shardings so the donated buffers are reused in place.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
-from ensemble import MEMBER_AXIS
 from rollout.ppo import _env as envlib
 from rollout.ppo import _networks as nets
 from rollout.ppo._config import PPOConfig
@@ -142,6 +141,10 @@ class Learner:
       config: a :class:`PPOConfig` (validated here, before anything is compiled).
       mesh: an ensemble mesh (default ``ensemble.make_mesh(config.members, devices=devices)``).
       devices: devices for the default mesh (default: all).
+      env: an environment object instead of ``config.env``'s name: a functional env following
+        ``rollout.envs.Env`` (yours, or ``rollout.envs.make('gymnax:...')``), or a host env
+        (``rollout.envs.make('gymnasium:HalfCheetah-v5', **make_kwargs)``). ``config.env`` is
+        then only its label.
 
     Example:
       >>> import jax
@@ -161,12 +164,14 @@ class Learner:
         *,
         mesh: Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
+        env: Any = None,
     ) -> None:
         devices = list(mesh.devices.flat) if mesh is not None else devices
         num_devices = len(devices) if devices is not None else jax.device_count()
-        config.validate(num_devices=num_devices, known_envs=envlib.known_envs())
+        known = envlib.known_envs() if env is None else ()
+        config.validate(num_devices=num_devices, known_envs=known)
         self.config = config
-        self.env = envlib.make_env(config.env)
+        self.env = envlib.make_env(config.env) if env is None else env
         self.spec = envlib.spec_of(self.env)
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)
@@ -187,8 +192,10 @@ class Learner:
             learning_rate=config.per_member("learning_rate")[0],
             max_grad_norm=config.max_grad_norm,
         )
-        self._cpu_step: Any = None
-        self._env_step = self._make_env_step()
+        # Every member's envs behind one interface (reset / step on [n, num_envs, ...]).
+        self.envs = envlib.member_envs(self.env, config, self.mesh)
+        # A functional env on device steps inside each member's own program (no host trip).
+        self._envs_beside_members = config.env_on == "device" and not hasattr(self.env, "bind")
         self._programs: dict[int, Callable[..., Any]] = {}
         self._state_shardings: Any = None
 
@@ -214,17 +221,20 @@ class Learner:
             params
         )
 
-        def one(key):
-            key = jax.random.wrap_key_data(key)
-            key, k_env = jax.random.split(key)
-            env_state, obs = jax.vmap(self.env.reset)(jax.random.split(k_env, cfg.num_envs))
+        def keys(key):
+            key, k_env = jax.random.split(jax.random.wrap_key_data(key))
+            return jax.random.key_data(key), jax.random.split(k_env, cfg.num_envs)
+
+        rngs, env_keys = self.ensemble.members.map(keys, (member_keys,), (0,))
+        env_state, obs = self.envs.reset(env_keys)  # all members' envs, [n, num_envs, ...]
+
+        def one(key, obs):
             obs = obs.astype(jnp.float32)
             obs_stats = RunningStats.zeros(self.spec.obs_shape)
             if self.normalize_obs:
                 obs_stats = obs_stats.update(obs)
             zeros = jnp.zeros((cfg.num_envs,), jnp.float32)
             return dict(
-                env_state=env_state,
                 obs=obs,
                 obs_stats=obs_stats,
                 ret_stats=RunningStats.zeros(()),
@@ -233,11 +243,13 @@ class Learner:
                 ep_length=zeros,
                 last_return=jnp.asarray(jnp.nan, jnp.float32),
                 last_length=jnp.asarray(jnp.nan, jnp.float32),
-                rng=jax.random.key_data(key),
+                rng=key,
             )
 
-        parts = self.ensemble.members.map(one, (member_keys,), (0,))
-        members = MemberState(params=params, opt_state=opt_state, hparams=hparams, **parts)
+        parts = self.ensemble.members.map(one, (rngs, obs), (0, 0))
+        members = MemberState(
+            params=params, opt_state=opt_state, hparams=hparams, env_state=env_state, **parts
+        )
         return TrainState(members=members, update=jnp.zeros((), jnp.int32))
 
     def state_shardings(self) -> TrainState:
@@ -329,7 +341,7 @@ class Learner:
         one plain single-agent program, run once per member.
         """
         members = self.ensemble.members
-        if self.config.env_on == "device":
+        if self._envs_beside_members:
             return members.map(self._member_update, (ms, update), (0, None))
         per_member = lambda fn, *args: members.map(fn, args, (0,) * len(args))
         carry = self._rollout_carry(ms, (self.config.members,))
@@ -553,30 +565,12 @@ class Learner:
 
     # ------------------------------------------------------------------ environments
 
-    def _make_env_step(self) -> Callable[..., Any]:
-        """All members' env steps at once: ``[n, num_envs, ...]`` in, the same out."""
-        step = jax.vmap(self.env.step)  # one member's num_envs envs
-        if self.config.env_on == "device":
-            # Next to each member, on its device(s).
-            return jax.vmap(step, spmd_axis_name=MEMBER_AXIS)
-        cpu_step = self._cpu_step = _on_cpu(step)
-        n, e = self.config.members, self.config.num_envs
-
-        def on_host(env_state, action, keys):
-            # Members x envs become one batch of rows for the CPU workers (split over cores).
-            flat = lambda x: x.reshape(n * e, *x.shape[2:])
-            out = cpu_step(*jax.tree_util.tree_map(flat, (env_state, action, keys)))
-            return jax.tree_util.tree_map(lambda x: x.reshape(n, e, *x.shape[1:]), out)
-
-        return on_host
-
     def _step_envs(self, env_state: Any, action: jax.Array, keys: jax.Array) -> tuple:
-        return self._env_step(env_state, action, keys)
+        return self.envs.step(env_state, action, keys)
 
     def close(self) -> None:
-        """Stops the CPU env workers of ``env_on='cpu'`` (they also stop at interpreter exit)."""
-        if self._cpu_step is not None:
-            self._cpu_step.close()
+        """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit."""
+        self.envs.close()
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
@@ -587,12 +581,6 @@ def _adam_with_clip(learning_rate: float, max_grad_norm: float) -> optax.Gradien
     return optax.chain(
         optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, eps=1e-5)
     )
-
-
-def _on_cpu(step: Callable[..., Any]) -> Callable[..., Any]:
-    from rollout import on_cpu
-
-    return on_cpu(step, in_axes=0)
 
 
 def to_host(metrics: dict) -> dict[str, np.ndarray]:

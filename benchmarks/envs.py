@@ -1,0 +1,235 @@
+"""Host-env throughput: ensemble PPO on gymnasium envs against the envs alone and a CleanRL loop.
+
+For each env id, n members with E envs each (n*E env instances), on this machine's cores:
+
+- ``ppo``: ``Learner.update`` env steps/s, all members together, the rollout stepping the envs in
+  the host-env worker processes from inside the jitted update. Two settings: ``ppo-rollout``
+  (``update_epochs=1, num_minibatches=1``: almost all time in the rollout) and ``ppo-full``
+  (CleanRL's 10 epochs x 32 minibatches for continuous actions, 4 x 4 for discrete), and
+  ``ppo-inprocess``: as ``ppo-rollout`` with ``workers_per_device=0`` (the envs stepped in the
+  callback threads of this process, no process hop).
+- ``alone``: the same n*E env instances stepped with random actions by plain Python loops, one
+  process per core (same-step autoreset): what the envs cost with no learner at all.
+- ``cleanrl``: a CleanRL-style rollout: ``gymnasium.vector.SyncVectorEnv`` over the n*E envs in
+  this process, one jitted policy call per step from Python (the same actor-critic, vmapped over
+  the n members); rollout only, no learning.
+
+Not a test: it times things, on whatever else runs on the machine (the JSON records the load).
+Run it on a quiet machine::
+
+    python benchmarks/envs.py                                  # HalfCheetah-v5 and CartPole-v1
+    python benchmarks/envs.py --envs gymnasium:Hopper-v5 --members 2 --num-envs 4
+
+Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/envs.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py would
+# shadow the rollout package: drop it, and put the repository root first.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _alone_worker(env_id: str, num_envs: int, steps: int, seed: int) -> tuple[int, float]:
+    """Random actions, same-step autoreset, in a plain loop: (env steps, seconds)."""
+    import gymnasium
+
+    envs = [gymnasium.make(env_id) for _ in range(num_envs)]
+    for i, env in enumerate(envs):
+        env.reset(seed=seed + i)
+        env.action_space.seed(seed + i)
+    start = time.perf_counter()
+    for _ in range(steps):
+        for env in envs:
+            _, _, term, trunc, _ = env.step(env.action_space.sample())
+            if term or trunc:
+                env.reset()
+    return steps * num_envs, time.perf_counter() - start
+
+
+def alone(env_id: str, total_envs: int, steps: int, cores: int) -> float:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
+
+    counts = [len(c) for c in np.array_split(np.arange(total_envs), min(cores, total_envs))]
+    with ProcessPoolExecutor(len(counts), mp_context=mp.get_context("spawn")) as pool:
+        futures = [
+            pool.submit(_alone_worker, env_id, c, steps, 100 * i) for i, c in enumerate(counts)
+        ]
+        results = [f.result() for f in futures]
+    return sum(s for s, _ in results) / max(t for _, t in results)
+
+
+def ppo(
+    name: str, members: int, num_envs: int, num_steps: int, calls: int, workers=None, **over
+) -> float:
+    import jax
+
+    from rollout import envs
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig.for_env(
+        name, members=members, num_envs=num_envs, num_steps=num_steps, total_steps=10**8, **over
+    )
+    env = envs.make(name, workers_per_device=workers)
+    learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
+    try:
+        state = learner.init()
+        state, metrics = learner.update(state, 1)  # compile
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, metrics = learner.update(state, 1)
+        jax.block_until_ready(metrics)
+        return calls * cfg.batch_size * members / (time.perf_counter() - start)
+    finally:
+        learner.close()
+
+
+def cleanrl(env_id: str, members: int, num_envs: int, steps: int) -> float:
+    import gymnasium
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rollout.ppo import ActorCritic
+    from rollout.ppo import _networks as nets
+
+    n, e = members, num_envs
+    probe = gymnasium.make(env_id)
+    discrete = isinstance(probe.action_space, gymnasium.spaces.Discrete)
+    dim = probe.action_space.n if discrete else probe.action_space.shape[0]
+    obs_dim = probe.observation_space.shape[0]
+    probe.close()
+    vec = gymnasium.vector.SyncVectorEnv(
+        [lambda: gymnasium.make(env_id) for _ in range(n * e)],
+        autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP,
+    )
+    net = ActorCritic(action_dim=dim, discrete=discrete)
+    keys = jax.random.split(jax.random.key(0), n)
+    params = jax.vmap(net.init, in_axes=(0, None))(keys, jnp.zeros((1, obs_dim)))
+
+    @jax.jit
+    def policy(params, obs, key):  # one call per step: every member's actions for its envs
+        def one(p, o, k):
+            pi, value = net.apply(p, o)
+            return nets.sample(pi, k, discrete), value
+
+        return jax.vmap(one)(params, obs.reshape(n, e, -1), jax.random.split(key, n))
+
+    obs, _ = vec.reset(seed=0)
+    key = jax.random.key(1)
+
+    def run(k):
+        nonlocal obs, key
+        for _ in range(k):
+            key, sub = jax.random.split(key)
+            action, _ = policy(params, jnp.asarray(obs, jnp.float32), sub)
+            action = np.asarray(action).reshape(n * e, *np.shape(action)[2:])
+            obs, *_ = vec.step(action if discrete else np.clip(action, -1, 1))
+
+    run(5)  # compile
+    start = time.perf_counter()
+    run(steps)
+    out = steps * n * e / (time.perf_counter() - start)
+    vec.close()
+    return out
+
+
+def _devices(members: int) -> int:
+    import jax
+
+    d = min(len(jax.devices()), members)
+    while members % d:
+        d -= 1
+    return d
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument(
+        "--envs", nargs="+", default=["gymnasium:HalfCheetah-v5", "gymnasium:CartPole-v1"]
+    )
+    p.add_argument("--members", type=int, default=2)
+    p.add_argument("--num-envs", type=int, default=4, help="envs per member")
+    p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
+    p.add_argument("--calls", type=int, default=3, help="timed PPO updates")
+    args = p.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    import rollout
+
+    rollout.configure_cpu_devices(cores)
+    rows = []
+    for name in args.envs:
+        env_id = name.partition(":")[2]
+        n, e = args.members, args.num_envs
+        common = dict(members=n, num_envs=e, num_steps=args.num_steps, calls=args.calls)
+        r = {"env": name, "members": n, "envs_per_member": e, "cores": cores}
+        r["alone"] = alone(env_id, n * e, args.num_steps * args.calls, cores)
+        r["ppo-rollout"] = ppo(name, update_epochs=1, num_minibatches=1, **common)
+        r["ppo-full"] = ppo(name, **common)
+        r["ppo-inprocess"] = ppo(name, workers=0, update_epochs=1, num_minibatches=1, **common)
+        r["cleanrl"] = cleanrl(env_id, n, e, args.num_steps * args.calls)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    report(rows, args)
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    modes = ("alone", "ppo-rollout", "ppo-full", "ppo-inprocess", "cleanrl")
+    lines = [
+        f"{'env':28s} " + " ".join(f"{m:>13s}" for m in modes) + "   (env steps/s, all members)"
+    ]
+    for r in rows:
+        lines.append(f"{r['env']:28s} " + " ".join(f"{r[m]:13,.0f}" for m in modes))
+    text = "\n".join(lines)
+    print(text)
+    meta = {
+        "machine": platform.machine(),
+        "cores": rows[0]["cores"] if rows else None,
+        "loadavg_at_end": os.getloadavg(),
+        "command": "python benchmarks/envs.py " + " ".join(sys.argv[1:]),
+        "settings": vars(args),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "envs.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / "envs.txt").write_text(text + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        xs = np.arange(len(rows)) + i * width
+        ax.bar(xs, [r[m] for r in rows], width, label=m)
+    ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, [r["env"] for r in rows], fontsize=8)
+    ax.set_ylabel("env steps/s (all members)")
+    ax.set_yscale("log")
+    ax.set_title(f"host envs, n={rows[0]['members']} x {rows[0]['envs_per_member']} envs, "
+                 f"{rows[0]['cores']} cores")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "envs.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""``gymnax`` environments on the project's functional env API (``rollout.envs._core.Env``).
+
+gymnax envs are already pure JAX; the adapter only reorders their signatures:
+
+- gymnax ``reset(key, params) -> (obs, state)``      -> ours ``reset(key, params) -> (state, obs)``
+- gymnax ``step_env(key, state, action, params)``    -> ours ``step(state, action, key, params)``
+  returning ``(state, obs, reward, terminated, truncated, info)``, with ``truncated`` from
+  gymnax's own ``is_truncated`` (its time limit), and no auto-reset: ``rollout.envs.make`` wraps
+  the adapter in ``AutoReset``, which splits the step key exactly as gymnax's ``step`` does, so
+  the wrapped env reproduces gymnax's auto-resetting ``step`` bit for bit.
+
+``params`` is gymnax's ``EnvParams`` (``None``: the env's defaults), so a learner can change
+physics per call like any other ``params`` input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollout.envs._core import Box, Discrete, Env, Space
+
+
+def _gymnax():
+    try:
+        import gymnax
+    except ImportError:
+        raise ValueError(
+            "gymnax: ids need the optional gymnax package: pip install 'sharded-ensembles[gymnax]'"
+        ) from None
+    return gymnax
+
+
+def _space(space: Any, what: str, name: str) -> Space:
+    kind = type(space).__name__
+    if kind == "Discrete" and what == "action":
+        return Discrete(int(space.n))
+    if kind == "Box":
+        shape = tuple(space.shape)
+        low = np.broadcast_to(np.asarray(space.low, np.float64), shape).ravel()
+        high = np.broadcast_to(np.asarray(space.high, np.float64), shape).ravel()
+        return Box(shape, tuple(low), tuple(high))
+    raise ValueError(f"gymnax:{name}: {what} space {space} is not supported (Box or Discrete)")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GymnaxEnv(Env):
+    """A gymnax environment (``gymnax.make(env_id, **kwargs)``) as a ``rollout.envs.Env``."""
+
+    env_id: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    _env: Any = dataclasses.field(init=False, repr=False)
+    _params: Any = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        gymnax = _gymnax()
+        if self.env_id not in gymnax.registered_envs:
+            raise ValueError(
+                f"unknown gymnax env {self.env_id!r}; registered: "
+                f"{', '.join(gymnax.registered_envs)}"
+            )
+        env, params = gymnax.make(self.env_id, **dict(self.kwargs))
+        object.__setattr__(self, "_env", env)
+        object.__setattr__(self, "_params", params)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"gymnax:{self.env_id}"
+
+    @property
+    def gymnax_env(self) -> Any:
+        """The wrapped gymnax environment."""
+        return self._env
+
+    @property
+    def observation_space(self) -> Box:
+        return _space(self._env.observation_space(self._params), "observation", self.env_id)  # type: ignore[return-value]
+
+    @property
+    def action_space(self) -> Space:
+        return _space(self._env.action_space(self._params), "action", self.env_id)
+
+    @property
+    def max_episode_steps(self) -> int:
+        return int(self._params.max_steps_in_episode)
+
+    def default_params(self) -> Any:
+        return self._params
+
+    def reset(self, key: jax.Array, params: Any = None) -> tuple[Any, jax.Array]:
+        params = self._params if params is None else params
+        obs, state = self._env.reset_env(key, params)
+        return state, obs
+
+    def step(self, state: Any, action: jax.Array, key: jax.Array, params: Any = None) -> tuple:
+        params = self._params if params is None else params
+        obs, state, reward, terminated, info = self._env.step_env(key, state, action, params)
+        truncated = self._env.is_truncated(state, params)
+        reward = jnp.asarray(reward, jnp.float32)
+        return state, obs, reward, jnp.asarray(terminated), jnp.asarray(truncated), dict(info)

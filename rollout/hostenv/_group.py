@@ -1,0 +1,293 @@
+"""The parent side of the host-env workers: one ``WorkerGroup`` per device's members.
+
+A group owns a few worker processes (``_worker.py``) that hold the environment instances of the
+members on one device, split into contiguous row ranges. Every request goes to all of the group's
+workers at once and the group waits for all answers, checking every 0.2 s that each worker is
+still alive: a worker that raised, died or (with ``timeout``) stalled becomes a ``HostEnvError``
+naming the env, the worker, its pid and the members whose envs it held, never a hang.
+
+Workers are started with ``subprocess`` (a fresh interpreter, like ``rollout._pool``): forking a
+process that runs JAX is unsafe, and ``multiprocessing``'s spawn would re-run the user's
+``__main__``. They exit on ``close()``, at interpreter exit (``atexit``), and on their own when
+the parent dies (their socket closes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+_POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
+_live: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+class HostEnvError(RuntimeError):
+    """A host env worker failed: its env raised (type, message and traceback quoted), the worker
+    died (exit code or signal), or it did not answer within the timeout."""
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "did not answer"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+class _Worker:
+    def __init__(self, index: int, rows: range, env: dict[str, str]):
+        parent, child = socket.socketpair()
+        self.index, self.rows = index, rows
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", _WORKER, str(child.fileno())],
+            env=env,
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        self.conn = Connection(parent.detach())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class WorkerGroup:
+    """Worker processes holding ``sum(counts)`` env instances: ``counts[i]`` in worker ``i``.
+
+    Args:
+      backend: ``'gymnasium'`` or ``'envpool'``.
+      env_id: the id given to ``gymnasium.make`` / ``envpool.make``.
+      kwargs: keyword arguments for it.
+      counts: env instances per worker.
+      label: how errors name this group (e.g. ``'device group 3 (members 6-7)'``).
+      timeout: seconds a request may take before it is an error (None: no limit; a dead worker
+        is detected within 0.2 s regardless).
+      startup_timeout: seconds the workers may take to import the env library and build envs.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        env_id: str,
+        kwargs: dict[str, Any],
+        counts: Sequence[int],
+        label: str,
+        timeout: float | None = None,
+        startup_timeout: float = 120.0,
+    ):
+        self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
+        self.counts = [int(c) for c in counts]
+        self.label, self.timeout, self.startup_timeout = label, timeout, startup_timeout
+        self.lock = threading.Lock()  # one request at a time per group
+        self._workers: list[_Worker] = []
+        self._seq = 0
+        self._owner = os.getpid()
+        self.failed: str | None = None  # why the group stopped, for later calls
+        _live.add(self)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    @property
+    def running(self) -> bool:
+        return bool(self._workers)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker (MuJoCo, NumPy BLAS)
+        self._owner = os.getpid()
+        self._seq = 0
+        starts = np.cumsum([0, *self.counts])
+        self._workers = [
+            _Worker(i, range(starts[i], starts[i + 1]), env) for i in range(len(self.counts))
+        ]
+        for w in self._workers:
+            init = ("init", list(sys.path), self.backend, self.env_id, self.kwargs, len(w.rows))
+            self._send(w, init)
+        self._collect({w.conn: w for w in self._workers}, self.startup_timeout, starting=True)
+        self.failed = None
+
+    def close(self) -> None:
+        """Stops the workers (they are restarted by the next ``start``)."""
+        workers, self._workers = self._workers, []
+        if not workers or os.getpid() != self._owner:
+            return  # nothing running, or a forked child: the workers belong to the parent
+        for w in workers:
+            self._send(w, ("close",))
+        deadline = time.monotonic() + 5.0
+        for w in workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.conn.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def reset(self, seeds: np.ndarray) -> np.ndarray:
+        """Resets every env with its own seed; returns the stacked first observations."""
+        return self._request("reset", seeds)
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Steps every env; returns ``(obs, reward, terminated, truncated, final_obs)``."""
+        return self._request("step", actions)
+
+    def _request(self, kind: str, rows: np.ndarray) -> Any:
+        if self.failed is not None:
+            raise HostEnvError(f"host env workers were stopped after an error: {self.failed}")
+        if not self._workers:
+            raise HostEnvError(f"host env {self.env_id!r}, {self.label}: workers not started")
+        seq, self._seq = self._seq, self._seq + 1
+        for w in self._workers:
+            self._send(w, (kind, seq, rows[w.rows.start : w.rows.stop]))
+        answers = self._collect({w.conn: w for w in self._workers}, self.timeout)
+        parts = [answers[w.index] for w in self._workers]
+        if kind == "reset":
+            return np.concatenate(parts)
+        return tuple(np.concatenate(xs) for xs in zip(*parts))
+
+    @staticmethod
+    def _send(w: _Worker, msg: tuple) -> None:
+        try:
+            w.conn.send(msg)
+        except (OSError, ValueError):
+            pass  # a dead worker is reported by _collect, with its exit code
+
+    def _where(self, w: _Worker) -> str:
+        return (
+            f"host env {self.backend}:{self.env_id}, {self.label}, worker {w.index} "
+            f"(pid {w.pid}, envs {w.rows.start}-{w.rows.stop - 1} of the group)"
+        )
+
+    def _collect(
+        self, pending: dict[Any, _Worker], timeout: float | None, starting: bool = False
+    ) -> dict[int, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers: dict[int, Any] = {}
+        errors: list[str] = []
+        while pending:
+            for conn in wait(list(pending), timeout=_POLL_S):
+                w = pending.pop(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    errors.append(f"{self._where(w)} {self._exit(w)}")
+                    continue
+                if msg[0] == "err":
+                    _, _, name, text, tb = msg
+                    where = f"{self._where(w)} raised {name}: {text}"
+                    errors.append(f"{where}\n--- worker traceback ---\n{tb}")
+                else:
+                    answers[w.index] = msg[-1]
+            for conn, w in list(pending.items()):
+                if w.proc.poll() is not None:
+                    pending.pop(conn)
+                    errors.append(f"{self._where(w)} {self._exit(w)}")
+            if deadline is not None and pending and time.monotonic() > deadline:
+                what = "start" if starting else "answer"
+                names = ", ".join(f"worker {w.index} (pid {w.pid})" for w in pending.values())
+                errors.append(
+                    f"host env {self.backend}:{self.env_id}, {self.label}: {names} did not "
+                    f"{what} within {timeout:g} s"
+                )
+                break
+        if errors:
+            # The envs' states are now unknown: stop the group; the learner must start over.
+            self.failed = errors[0].split("\n")[0]
+            self.close()
+            raise HostEnvError("\n".join(errors))
+        return answers
+
+    @staticmethod
+    def _exit(w: _Worker) -> str:
+        try:
+            w.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return _exit_text(w.proc.poll())
+
+
+@atexit.register
+def _close_all() -> None:
+    for group in list(_live):
+        try:
+            group.close()
+        except Exception:
+            pass
+
+
+class InProcessGroup:
+    """The envs of one device's members in this process, stepped by the callback thread itself.
+
+    ``workers_per_device=0``: no process hop per step (faster for cheap envs), but the envs share
+    this process's interpreter, so pure-Python envs of different devices take turns on the GIL,
+    and an env that crashes the interpreter takes the learner with it. Same interface and error
+    messages as ``WorkerGroup``.
+    """
+
+    def __init__(self, backend: str, env_id: str, kwargs: dict[str, Any], rows: int, label: str):
+        self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
+        self.rows, self.label = rows, label
+        self.lock = threading.Lock()
+        self._envs: Any = None
+        self.failed: str | None = None
+
+    pids: list[int] = []  # noqa: RUF012  (no processes, ever)
+
+    @property
+    def running(self) -> bool:
+        return self._envs is not None
+
+    def start(self) -> None:
+        from rollout.hostenv._worker import _BACKENDS
+
+        self._envs = self._call(
+            lambda: _BACKENDS[self.backend](self.env_id, self.kwargs, self.rows)
+        )
+        self.failed = None
+
+    def close(self) -> None:
+        envs, self._envs = self._envs, None
+        if envs is not None:
+            envs.close()
+
+    def reset(self, seeds: np.ndarray) -> np.ndarray:
+        return self._call(lambda: self._envs.reset(seeds))
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
+        return self._call(lambda: self._envs.step(actions))
+
+    def _call(self, fn: Any) -> Any:
+        import traceback
+
+        if self.failed is not None:
+            raise HostEnvError(f"host envs were stopped after an error: {self.failed}")
+        try:
+            return fn()
+        except Exception as e:
+            where = f"host env {self.backend}:{self.env_id}, {self.label}, in process {os.getpid()}"
+            self.failed = f"{where} raised {type(e).__name__}: {e}"
+            self._envs = None
+            tb = traceback.format_exc()
+            raise HostEnvError(f"{self.failed}\n--- env traceback ---\n{tb}") from e

@@ -1,0 +1,394 @@
+"""Host environments (gymnasium, EnvPool) stepped from inside a jitted, member-sharded program.
+
+``HostEnv`` describes an environment (id, backend, ``make`` kwargs, spaces); ``HostEnv.bind``
+places the envs of an n-member ensemble on worker processes and returns ``HostEnvs``, whose
+``reset`` and ``step`` take and return member-major arrays ``[n, num_envs, ...]`` inside ``jit``:
+
+    jit(update)
+      └─ shard_map over the ensemble mesh: one call per device, on that device's members only
+           └─ io_callback -> the WorkerGroup of that device -> its worker processes
+
+Why the steps can be neither reordered, dropped nor duplicated:
+
+1. ``io_callback`` carries an IO effect and lowers to a custom call marked side-effecting, so
+   neither JAX nor XLA removes it as dead code, merges it with another or runs it twice (a
+   ``pure_callback`` may be elided or recomputed).
+2. Its order comes from data: step k+1's callback takes step k's returned ``HostState`` (and
+   actions computed from step k's observations), so it cannot start before step k returned.
+3. Verified, not assumed: ``HostState`` carries a session id and a step counter that the
+   callback checks against the group's own (a replayed or skipped step is an error), and every
+   worker checks the sequence number of each request against its own count.
+
+``ordered=True`` is not used: JAX chains ordered effects through a per-thread runtime token,
+and a callback that raised (an env error) leaves that token failed, so every later program with
+an ordered effect in the process would fail too. The data dependence already orders the steps.
+
+The env state itself stays in the workers; the device carries only ``HostState``: the session id,
+the step counter and the last observation (used when the envs restart, see ``HostEnvs.step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from rollout.envs._core import Box, Discrete, Space
+from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
+
+
+class HostState(NamedTuple):
+    """What the device holds of host envs: ``[n, num_envs]`` ids and counters, the last obs."""
+
+    session: jax.Array  # uint32: which reset of the workers this state belongs to
+    t: jax.Array  # int32: steps taken since that reset (checked on every step)
+    obs: jax.Array  # float32 [n, num_envs, *obs_shape]: the last observation
+
+
+def _space(space: Any, what: str, env_name: str) -> Space:
+    """A gymnasium Box / Discrete as a ``rollout.envs`` space."""
+    import gymnasium
+
+    if isinstance(space, gymnasium.spaces.Discrete) and what == "action":
+        if int(space.start) != 0:
+            raise ValueError(f"{env_name}: Discrete action spaces must start at 0, got {space}")
+        return Discrete(int(space.n))
+    if isinstance(space, gymnasium.spaces.Box):
+        low = np.asarray(space.low, np.float64).ravel()
+        high = np.asarray(space.high, np.float64).ravel()
+        return Box(tuple(space.shape), tuple(low), tuple(high))
+    raise ValueError(
+        f"{env_name}: {what} space {space} is not supported (a Box, or a Discrete action space); "
+        "wrap the env in a gymnasium wrapper that flattens it (e.g. FlattenObservation)."
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostEnv:
+    """An environment that runs in CPU worker processes: a gymnasium id or an EnvPool task.
+
+    Make one with ``rollout.envs.make('gymnasium:HalfCheetah-v5', **make_kwargs)`` (or
+    ``'envpool:...'``); the learner binds it to its members. The spaces are read once from one
+    env built here in the calling process (which also checks the id and kwargs early).
+
+    Attributes:
+      backend: ``'gymnasium'`` or ``'envpool'``.
+      env_id: the id (gymnasium: any registered id, including ``'module:EnvId-v0'``, which
+        imports ``module`` first, in every worker too).
+      kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
+      workers_per_device: worker processes per device's members (default: the CPU cores divided
+        by the devices, at least 1); 0 steps the envs in this process instead, from the
+        callback thread of each device (no process hop per step; see ``InProcessGroup``).
+      timeout: seconds one step may take before it is an error (default: no limit; a dead
+        worker is an error within 0.2 s regardless).
+    """
+
+    backend: str
+    env_id: str
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    workers_per_device: int | None = None
+    timeout: float | None = None
+    observation_space: Box = dataclasses.field(init=False)
+    action_space: Space = dataclasses.field(init=False)
+    max_episode_steps: int | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gymnasium", "envpool"):
+            raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
+        obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        set_("observation_space", _space(obs_space, "observation", self.name))
+        set_("action_space", _space(act_space, "action", self.name))
+        set_("max_episode_steps", limit)
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}:{self.env_id}"
+
+    @property
+    def unwrapped(self) -> HostEnv:
+        return self
+
+    def bind(self, mesh: Mesh, members: int, num_envs: int) -> HostEnvs:
+        """The envs of ``members`` agents (``num_envs`` each) on ``mesh``'s devices' workers."""
+        return HostEnvs(self, mesh, members, num_envs)
+
+
+def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None]:
+    """Observation space, action space and time limit of one env built in this process."""
+    if backend == "envpool":
+        try:
+            import envpool
+        except ImportError:
+            raise ValueError(
+                "envpool: ids need the optional EnvPool package: pip install 'sharded-ensembles"
+                "[envpool]' (EnvPool has wheels for Linux x86-64 only)."
+            ) from None
+        if env_id not in envpool.list_all_envs():
+            raise ValueError(f"unknown EnvPool task {env_id!r}; see envpool.list_all_envs().")
+        spec = envpool.make_spec(env_id, **kwargs)
+        limit = getattr(spec.config, "max_episode_steps", None)
+        return spec.observation_space, spec.action_space, limit
+    import gymnasium
+
+    try:
+        env = gymnasium.make(env_id, **kwargs)
+    except gymnasium.error.Error as e:
+        raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
+    except ModuleNotFoundError as e:
+        raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
+    try:
+        limit = env.spec.max_episode_steps if env.spec is not None else None
+        return env.observation_space, env.action_space, limit
+    finally:
+        env.close()
+
+
+def _default_workers(groups: int) -> int:
+    try:
+        import os
+
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = __import__("os").cpu_count() or 1
+    return max(1, cores // groups)
+
+
+class HostEnvs:
+    """The envs of an n-member ensemble, ``num_envs`` per member, in CPU worker processes.
+
+    The members on one device (a group of the mesh's ``'ensemble'`` axis) have their own
+    ``WorkerGroup``: ``workers_per_device`` processes that hold that group's envs, so each
+    device's members step their own envs on their own workers, and all groups step at once.
+    ``reset`` and ``step`` are traceable (use them inside ``jit``, with the mesh's shardings);
+    ``close()`` stops the workers.
+
+    When a member spans several devices (fewer members than devices), only the first device of
+    its group calls the workers; the others receive the result through a ``psum``.
+    """
+
+    def __init__(self, env: HostEnv, mesh: Mesh, members: int, num_envs: int):
+        self.env, self.mesh, self.members, self.num_envs = env, mesh, members, num_envs
+        shape = dict(mesh.shape)
+        self.num_groups = shape["ensemble"]
+        self.replicas = int(np.prod([s for a, s in shape.items() if a != "ensemble"]))
+        self.per_group = members // self.num_groups
+        rows = self.per_group * num_envs
+        if env.workers_per_device == 0:  # in this process, stepped by the callback threads
+            self.groups: list[Any] = [
+                InProcessGroup(env.backend, env.env_id, dict(env.kwargs), rows, self._label(g))
+                for g in range(self.num_groups)
+            ]
+            self._init_sessions()
+            return
+        k = min(rows, env.workers_per_device or _default_workers(self.num_groups))
+        counts = [len(c) for c in np.array_split(np.arange(rows), k)]
+        self.groups = [
+            WorkerGroup(
+                env.backend,
+                env.env_id,
+                dict(env.kwargs),
+                counts,
+                label=self._label(g),
+                timeout=env.timeout,
+            )
+            for g in range(self.num_groups)
+        ]
+        self._init_sessions()
+
+    def _init_sessions(self) -> None:
+        self._session: list[int | None] = [None] * self.num_groups
+        self._t = [0] * self.num_groups
+        self.restarts = 0  # times a group restarted its envs mid-run (resume, or after close)
+        self._warned = threading.Event()
+
+    def _label(self, g: int) -> str:
+        a, b = g * self.per_group, (g + 1) * self.per_group - 1
+        return f"device group {g} (members {a if a == b else f'{a}-{b}'})"
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of all running workers."""
+        return [pid for group in self.groups for pid in group.pids]
+
+    def close(self) -> None:
+        """Stops every worker. A later ``step`` restarts the envs (see ``step``)."""
+        for group in self.groups:
+            with group.lock:
+                group.close()
+
+    # ------------------------------------------------------------------ traced side
+
+    def _seeds(self, keys: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.wrap_key_data(keys)
+        bits = lambda k: jax.random.bits(k, (), jnp.uint32)
+        return jax.vmap(jax.vmap(bits))(keys)
+
+    def _sharded(self, host: Any, types: tuple, *args: jax.Array) -> tuple:
+        """``host(group, leader, *local_args)`` once per device, on that device's members."""
+        replicated = self.replicas > 1
+
+        def per_device(*local):
+            g = jax.lax.axis_index("ensemble")
+            lead = jnp.bool_(True)
+            if replicated:
+                lead = (jax.lax.axis_index("data") == 0) & (jax.lax.axis_index("model") == 0)
+            local_types = tuple(
+                jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
+            )
+            outs = io_callback(_numpy_args(host), local_types, g, lead, *local, ordered=False)
+            if not replicated:
+                return outs
+            # Only the leader stepped the envs; share its result with the other replicas.
+            share = lambda x: jax.lax.psum(
+                jnp.where(lead, x.astype(jnp.int32) if x.dtype == bool else x, 0),
+                ("data", "model"),
+            )
+            return tuple(share(x).astype(x.dtype) for x in outs)
+
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=P("ensemble"),
+            out_specs=P("ensemble"),
+            check_vma=False,
+        )(*args)
+
+    def _types(self, *specs: tuple[tuple[int, ...], Any]) -> tuple:
+        n, e = self.members, self.num_envs
+        return tuple(jax.ShapeDtypeStruct((n, e, *shape), dt) for shape, dt in specs)
+
+    def reset(self, keys: jax.Array) -> tuple[HostState, jax.Array]:
+        """Resets all envs (``keys``: ``[n, num_envs]``, one seed drawn from each)."""
+        obs_shape = self.env.observation_space.shape
+        types = self._types(((), jnp.uint32), (obs_shape, jnp.float32))
+        session, obs = self._sharded(self._host_reset, types, self._seeds(keys))
+        t = jnp.zeros((self.members, self.num_envs), jnp.int32)
+        return HostState(session, t, obs), obs
+
+    def step(self, state: HostState, action: jax.Array, keys: jax.Array) -> tuple:
+        """One step of every env: ``(state, obs, reward, terminated, truncated, info)``.
+
+        ``info``: ``final_obs`` (the observation the step reached, before an autoreset) and
+        ``done``. ``keys`` seed the envs only if they must restart: when ``state`` is not the
+        envs' live session (a restored checkpoint, a state from before ``close()``, or one older
+        than the envs' latest reset). Host env states cannot be saved or rewound, so then the
+        episodes running in ``state`` end at this step, reported as truncated with reward 0 and
+        ``final_obs`` = their last observation (the learner bootstraps them like a time limit),
+        and the envs restart from reset, seeded by ``keys``.
+        """
+        obs_shape = self.env.observation_space.shape
+        types = self._types(
+            ((), jnp.uint32),
+            ((), jnp.int32),
+            (obs_shape, jnp.float32),
+            ((), jnp.float32),
+            ((), jnp.bool_),
+            ((), jnp.bool_),
+            (obs_shape, jnp.float32),
+        )
+        args = (state.session, state.t, state.obs, action, self._seeds(keys))
+        session, t, obs, reward, term, trunc, final = self._sharded(self._host_step, types, *args)
+        info = {"final_obs": final, "done": term | trunc}
+        return HostState(session, t, obs), obs, reward, term, trunc, info
+
+    # ------------------------------------------------------------------ host side
+
+    def _host_reset(self, g: Any, lead: Any, seeds: np.ndarray) -> tuple[np.ndarray, ...]:
+        m, e = seeds.shape
+        if not lead:
+            return np.zeros((m, e), np.uint32), np.zeros((m, e, *self._obs_shape), np.float32)
+        g = int(g)
+        group = self.groups[g]
+        with group.lock:
+            session, obs = self._new_session(g, seeds)
+        return np.full((m, e), session, np.uint32), obs
+
+    def _new_session(self, g: int, seeds: np.ndarray) -> tuple[int, np.ndarray]:
+        group = self.groups[g]
+        if not group.running:
+            group.start()
+        obs = group.reset(seeds.reshape(-1))
+        session = secrets.randbits(32)
+        self._session[g], self._t[g] = session, 0
+        return session, self._unflat(obs, np.float32)
+
+    @property
+    def _obs_shape(self) -> tuple[int, ...]:
+        return tuple(self.env.observation_space.shape)
+
+    def _unflat(self, x: np.ndarray, dtype: Any) -> np.ndarray:
+        return np.asarray(x, dtype).reshape(self.per_group, self.num_envs, *x.shape[1:])
+
+    def _host_step(self, g, lead, session, t, obs, action, seeds) -> tuple[np.ndarray, ...]:
+        m, e = session.shape
+        if not lead:
+            zeros = lambda dt, shape=(): np.zeros((m, e, *shape), dt)
+            f32, o = np.float32, self._obs_shape
+            return (zeros(np.uint32), zeros(np.int32), zeros(f32, o), zeros(f32), zeros(bool),
+                    zeros(bool), zeros(f32, o))  # fmt: skip
+        g = int(g)
+        group = self.groups[g]
+        with group.lock:
+            s, step = _one(session, "session"), _one(t, "step counter")
+            if group.running and s == self._session[g]:
+                if step != self._t[g]:
+                    raise HostEnvError(
+                        f"host env {self.env.name}, {group.label}: step {step} arrived where "
+                        f"step {self._t[g]} was due (a step was duplicated, dropped or reordered)"
+                    )
+                rows = action.reshape(m * e, *action.shape[2:])
+                new_obs, reward, term, trunc, final = group.step(rows)
+                self._t[g] += 1
+                return (session, t + 1, self._unflat(new_obs, np.float32),
+                        self._unflat(reward, np.float32), self._unflat(term, bool),
+                        self._unflat(trunc, bool), self._unflat(final, np.float32))  # fmt: skip
+            # Not the live session: a restored checkpoint, a state from before close(), or an
+            # older state of this run. The envs cannot go back to it: restart them.
+            return self._restart(g, session, t, obs, seeds)
+
+    def _restart(self, g, session, t, obs, seeds) -> tuple[np.ndarray, ...]:
+        m, e = session.shape
+        if not self._warned.is_set():
+            self._warned.set()
+            warnings.warn(
+                f"host env {self.env.name}: restarting the envs from reset (resumed from a "
+                "checkpoint, or stepped after close()); the episodes that were running end here "
+                "as truncated with reward 0.",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        self.restarts += 1
+        new_session, new_obs = self._new_session(g, seeds)
+        self._t[g] = int(_one(t, "step counter")) + 1
+        return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
+                np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
+                np.asarray(obs, np.float32))  # fmt: skip
+
+
+def _numpy_args(fn: Any) -> Any:
+    """``io_callback`` hands the callback JAX arrays; every JAX op on them would be a dispatch
+    (tens of microseconds each, per env step): work on NumPy views instead."""
+
+    def host(*args: Any) -> Any:
+        return fn(*(np.asarray(a) for a in args))
+
+    return host
+
+
+def _one(x: np.ndarray, what: str) -> int:
+    values = np.unique(x)
+    if values.size != 1:
+        raise HostEnvError(f"host env state has mixed {what}s {values[:4]}: it was altered")
+    return int(values[0])

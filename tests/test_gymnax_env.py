@@ -1,0 +1,143 @@
+"""gymnax envs on the functional env API, and the learner on a user's own env object."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollout import envs
+from rollout.envs import Box, Discrete, Env
+
+gymnax = pytest.importorskip("gymnax")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _both(env, genv, params, keys, actions):
+    """Steps the adapter and gymnax from the same state at every step (gymnax's trajectory)."""
+    obs0, gstate = jax.vmap(genv.reset, in_axes=(0, None))(keys[0], params)
+    _, oobs0 = jax.vmap(env.reset)(keys[0])
+
+    def step(gstate, xs):
+        k, a = xs
+        g = jax.vmap(genv.step, in_axes=(0, 0, 0, None))(k, gstate, a, params)
+        zeros = jnp.zeros(a.shape, jnp.float32)
+        ours_state = envs.AutoResetState(gstate, zeros, zeros.astype(jnp.int32))
+        o = jax.vmap(env.step)(ours_state, a, k)
+        theirs = (g[0], g[2], g[3], g[4], g[5]["final_observation"])
+        mine = (o[1], o[2], o[3], o[4], o[5]["final_obs"])
+        return g[1], (mine, theirs)
+
+    return (oobs0, obs0), jax.lax.scan(step, gstate, (keys[1:], actions))[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, T", [("CartPole-v1", 120), ("Acrobot-v1", 520)])
+def test_adapter_equals_gymnax_called_directly(name, T):
+    B = 4
+    env = envs.make(f"gymnax:{name}")  # the adapter in AutoReset
+    genv, params = gymnax.make(name)
+    keys = jax.random.split(jax.random.key(0), (T + 1, B))
+    actions = jax.random.randint(jax.random.key(1), (T, B), 0, env.action_space.num_actions)
+    (mine0, theirs0), (mine, theirs) = jax.jit(_both, static_argnums=(0, 1))(
+        env, genv, params, keys, actions
+    )
+    np.testing.assert_array_equal(mine0, theirs0)
+    # Same arithmetic, fused differently by XLA: float32 rounding-level differences only.
+    for what, a, b in zip(("obs", "reward", "term", "trunc", "final_obs"), mine, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+    term, trunc = np.asarray(mine[2]), np.asarray(mine[3])
+    assert term.any() if name == "CartPole-v1" else trunc.any()  # episodes really ended
+    assert env.observation_space.shape == genv.observation_space(params).shape
+
+
+def test_gymnax_spaces_and_bad_names():
+    env = envs.make("gymnax:Pendulum-v1")
+    assert isinstance(env.action_space, Box) and env.action_space.high == (2.0,)
+    assert env.max_episode_steps == 200
+    assert isinstance(envs.make("gymnax:Acrobot-v1").action_space, Discrete)
+    with pytest.raises(ValueError, match=r"unknown gymnax env 'Nope-v0'; registered: "):
+        envs.make("gymnax:Nope-v0")
+
+
+# ---------------------------------------------------------------------- a user's own env
+
+
+class DriftState(NamedTuple):
+    x: jax.Array
+    t: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Drift(Env):
+    """A user env on the functional API: push x towards 0; ends when |x| > 2 or after 20 steps."""
+
+    name: str = "drift"
+    max_episode_steps: int = 20
+
+    @property
+    def observation_space(self) -> Box:
+        return Box.uniform((2,), -np.inf, np.inf)
+
+    @property
+    def action_space(self) -> Discrete:
+        return Discrete(2)
+
+    def reset(self, key, params=None):
+        x = jax.random.uniform(key, (), minval=-1.0, maxval=1.0)
+        return DriftState(x, jnp.int32(0)), jnp.stack([x, 0.0])
+
+    def step(self, state, action, key, params=None):
+        x = state.x + 0.3 * (2 * action - 1) + 0.1 * jax.random.normal(key)
+        t = state.t + 1
+        obs = jnp.stack([x, t / self.max_episode_steps])
+        term, trunc = jnp.abs(x) > 2.0, t >= self.max_episode_steps
+        return DriftState(x, t), obs, -jnp.abs(x), term, trunc & ~term, {}
+
+
+@pytest.mark.timeout(120)
+def test_learner_takes_a_user_env_object():
+    from rollout.ppo import Learner, PPOConfig
+
+    n, e = 2, 4
+    cfg = PPOConfig(env="drift", members=n, total_steps=256, num_envs=e, num_steps=32)
+    env = envs.AutoReset(Drift())
+    learner = Learner(cfg, devices=jax.devices()[:2], env=env)
+    state = learner.init()
+    # The first observations are the user env's resets, with the learner's documented keys.
+    _, k_members = jax.random.split(jax.random.key(cfg.seed))
+    for m, key in enumerate(jax.random.split(k_members, n)):
+        _, k_env = jax.random.split(key)
+        _, obs = jax.vmap(env.reset)(jax.random.split(k_env, e))
+        np.testing.assert_allclose(np.asarray(state.members.obs[m]), np.asarray(obs), atol=1e-6)
+    state, metrics = learner.update(state, 2)
+    assert np.asarray(metrics["episodes"]).sum() > 0
+    assert np.isfinite(np.asarray(metrics["policy_loss"])).all()
+    # Unknown names are still refused when no env object is given.
+    with pytest.raises(ValueError, match=r"unknown env 'drift'"):
+        Learner(cfg, devices=jax.devices()[:2])
+
+
+@pytest.mark.timeout(300)
+def test_cli_trains_a_gymnax_id(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "rollout.ppo", "--env", "gymnax:Acrobot-v1", "--members", "2",
+        "--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--out", str(out),
+        "--no-progress",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["env_steps"] for r in rows] == [128, 256]
+    assert all(len(r["returns"]) == 2 for r in rows)

@@ -1,0 +1,475 @@
+"""Host envs (gymnasium / EnvPool in CPU worker processes) stepped from jitted, sharded programs.
+
+The env under test is a small pure-Python gymnasium env written by these tests into a temporary
+module (``hostenv_walk``) and used as ``gymnasium:hostenv_walk:Walk-v0``, so the workers must
+import and register it themselves. Trajectories are checked step by step against a plain Python
+loop over ``gymnasium.make`` with the same seeds and actions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ensemble
+from rollout import envs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WALK = '''
+import os
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class Walk(gym.Env):
+    """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
+
+    def __init__(self, continuous=False, fail_at=None, report_pid=False):
+        self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
+        if continuous:
+            self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        else:
+            self.action_space = spaces.Discrete(3)
+        self.observation_space = spaces.Box(-np.inf, np.inf, (4,), np.float64)
+        self.steps = 0
+
+    def _obs(self):
+        extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
+        return np.array([self.pos, self.vel, self.np_random.normal(), extra])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos, self.vel = self.np_random.uniform(-1, 1), 0.0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise ValueError(f"the walk fell over at step {self.steps}")
+        a = float(action[0] - 0.5 * action[1]) if self.continuous else float(action) - 1.0
+        self.vel = 0.8 * self.vel + 0.5 * a + 0.2 * self.np_random.normal()
+        self.pos += self.vel
+        return self._obs(), float(a - self.pos**2), bool(abs(self.pos) > 3.0), False, {}
+
+
+gym.register("Walk-v0", entry_point=Walk, max_episode_steps=12)
+gym.register("WalkCont-v0", entry_point=Walk, max_episode_steps=12, kwargs={"continuous": True})
+'''
+
+WALK_ID = "hostenv_walk:Walk-v0"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def walk_module(tmp_path_factory):
+    """Writes the test env module and puts it on the import path (workers inherit the path)."""
+    where = tmp_path_factory.mktemp("walk")
+    (where / "hostenv_walk.py").write_text(WALK)
+    sys.path.insert(0, str(where))
+    yield where
+    sys.path.remove(str(where))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_workers():
+    """After every test here: no worker process of this test process is left running."""
+    yield
+    deadline = time.monotonic() + 10
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children() == []
+
+
+def children() -> list[tuple[int, str]]:
+    """Live host-env worker processes whose parent is this process."""
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z" and "hostenv/_worker.py" in cmd:
+            out.append((int(pid), cmd))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def bound(env_id, members, num_envs, devices, **kwargs):
+    env = envs.make(f"gymnasium:{env_id}", **kwargs)
+    mesh = ensemble.make_mesh(members, devices=jax.devices()[:devices])
+    return env.bind(mesh, members, num_envs), mesh
+
+
+def run_host(host, mesh, keys, actions):
+    """Reset, then all steps in one jitted scan: the path the learner takes."""
+
+    def rollout(keys, actions):
+        state, obs0 = host.reset(keys)
+
+        def step(state, action):
+            state, obs, reward, term, trunc, info = host.step(state, action, keys)
+            return state, (obs, reward, term, trunc, info["final_obs"])
+
+        return obs0, jax.lax.scan(step, state, actions)[1]
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(rollout)(keys, actions)
+    return jax.tree.map(np.asarray, out)
+
+
+def seeds_of(keys) -> np.ndarray:
+    """One uint32 seed per env key, drawn in plain JAX (the definition HostEnvs follows)."""
+    flat = keys.reshape(-1)
+    return np.array([int(jax.random.bits(k, (), jnp.uint32)) for k in flat]).reshape(keys.shape)
+
+
+def reference(env_id, seeds, actions, **kwargs):
+    """The same envs in a plain Python loop: gymnasium.make, reset(seed), same-step autoreset."""
+    import gymnasium
+
+    n, e = seeds.shape
+    T = actions.shape[0]
+    obs0 = np.zeros((n, e, 4))
+    obs, final = np.zeros((T, n, e, 4)), np.zeros((T, n, e, 4))
+    reward, term, trunc = np.zeros((T, n, e)), np.zeros((T, n, e), bool), np.zeros((T, n, e), bool)
+    for m in range(n):
+        for j in range(e):
+            env = gymnasium.make(env_id, **kwargs)
+            obs0[m, j] = env.reset(seed=int(seeds[m, j]))[0]
+            for t in range(T):
+                a = actions[t, m, j]
+                o, r, te, tr, _ = env.step(a if a.ndim else int(a))
+                final[t, m, j], reward[t, m, j], term[t, m, j], trunc[t, m, j] = o, r, te, tr
+                obs[t, m, j] = env.reset()[0] if (te or tr) else o
+            env.close()
+    return obs0, (obs, reward, term, trunc, final)
+
+
+def actions_for(env_id, T, n, e, seed=0):
+    rng = np.random.default_rng(seed)
+    if "Cont" in env_id:
+        return rng.uniform(-1, 1, (T, n, e, 2)).astype(np.float32)
+    return rng.integers(0, 3, (T, n, e)).astype(np.int32)
+
+
+# ---------------------------------------------------------------------- trajectories
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "env_id, workers", [(WALK_ID, 2), ("hostenv_walk:WalkCont-v0", 2), (WALK_ID, 0)]
+)
+def test_trajectories_equal_a_python_loop(env_id, workers):
+    # 4 members on 2 devices, 3 envs each, 2 workers per device: rows split unevenly; or the
+    # envs in this process (workers_per_device=0).
+    n, e, T = 4, 3, 30
+    host, mesh = bound(env_id, n, e, devices=2, workers_per_device=workers)
+    try:
+        keys = jax.random.split(jax.random.key(7), (n, e))
+        actions = actions_for(env_id, T, n, e)
+        obs0, steps = run_host(host, mesh, keys, actions)
+        assert len(host.pids) == 2 * workers
+    finally:
+        host.close()
+    ref0, ref = reference(env_id, seeds_of(keys), actions)
+    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
+    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+    # Both ways of ending an episode happened, and the final obs differ from the reset ones.
+    assert ref[2].any() and (ref[3] & ~ref[2]).any()
+    done = ref[2] | ref[3]
+    assert not np.allclose(steps[0][done], steps[4][done])
+    assert host.pids == []
+
+
+@pytest.mark.timeout(120)
+def test_members_over_8_devices_step_their_own_envs_on_their_own_workers():
+    n, e, T = 8, 2, 14
+    host, mesh = bound(WALK_ID, n, e, devices=8, report_pid=True)
+    try:
+        keys = jax.random.split(jax.random.key(3), (n, e))
+        actions = actions_for(WALK_ID, T, n, e, seed=1)
+        obs0, steps = run_host(host, mesh, keys, actions)
+        group_pids = [g.pids for g in host.groups]
+    finally:
+        host.close()
+    assert all(len(p) == 1 for p in group_pids) and len({p[0] for p in group_pids}) == 8
+    for m in range(n):  # member m's envs ran in the worker of device m, and nowhere else
+        assert np.all(obs0[m, :, 3] == group_pids[m][0])
+        assert np.all(steps[0][:, m, :, 3] == group_pids[m][0])
+    ref0, ref = reference(WALK_ID, seeds_of(keys), actions, report_pid=True)
+    np.testing.assert_allclose(obs0[..., :3], ref0[..., :3], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(steps[0][..., :3], ref[0][..., :3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(steps[1], ref[1], rtol=1e-5, atol=1e-5)
+    # Distinct envs: different seeds give every member a different trajectory.
+    assert len({tuple(np.round(obs0[m, 0, :2], 6)) for m in range(n)}) == n
+
+
+@pytest.mark.timeout(120)
+def test_member_spanning_two_devices_steps_its_envs_once():
+    # 2 members on 4 devices: each member's state is on 2 devices, one of them steps the envs.
+    n, e, T = 2, 2, 12
+    host, mesh = bound(WALK_ID, n, e, devices=4)
+    try:
+        keys = jax.random.split(jax.random.key(5), (n, e))
+        actions = actions_for(WALK_ID, T, n, e, seed=2)
+        _, steps = run_host(host, mesh, keys, actions)
+    finally:
+        host.close()
+    _, ref = reference(WALK_ID, seeds_of(keys), actions)
+    np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(steps[4], ref[4], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- ordering, resume
+
+
+def _step_fn(host, mesh):
+    def step(state, action, keys):
+        return host.step(state, action, keys)
+
+    jitted = jax.jit(step)
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return jitted(*args)
+
+    return call
+
+
+@pytest.mark.timeout(120)
+def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
+    host, mesh = bound(WALK_ID, 2, 2, devices=2)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with jax.set_mesh(mesh):
+            state, _ = jax.jit(host.reset)(keys)
+        step = _step_fn(host, mesh)
+        action = jnp.ones((2, 2), jnp.int32)
+        state1 = step(state, action, keys)[0]
+        state2 = step(state1, action, keys)[0]
+        with pytest.raises(Exception, match=r"step 1 arrived where step 2 was due"):
+            jax.block_until_ready(step(state1, action, keys))  # state1 again: a duplicate
+        # After close() (or in a resumed process) the envs restart: episodes cut, new seeds.
+        restart_keys = jax.random.split(jax.random.key(9), (2, 2))
+        results = []
+        for i in range(2):  # the same saved state restarted twice: identical restarts
+            host.close()
+            if i == 0:
+                with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
+                    out = step(state2, action, restart_keys)
+            else:
+                out = step(state2, action, restart_keys)
+            results.append(jax.tree.map(np.asarray, out))
+        new_state, new_obs, reward, term, trunc, info = results[0]
+        assert trunc.all() and not term.any() and (reward == 0).all()
+        np.testing.assert_array_equal(info["final_obs"], np.asarray(state2.obs))
+        np.testing.assert_array_equal(new_obs, results[1][1])
+        ref0, _ = reference(WALK_ID, seeds_of(restart_keys), np.zeros((0, 2, 2), np.int32))
+        np.testing.assert_allclose(new_obs, ref0, rtol=1e-6, atol=1e-6)
+        assert (new_state.t == 3).all() and host.restarts == 4  # 2 groups x 2 restarts
+        step(jax.tree.map(jnp.asarray, results[1][0]), action, keys)  # steps on normally
+    finally:
+        host.close()
+
+
+# ---------------------------------------------------------------------- faults
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 0])
+def test_env_exception_names_env_worker_and_traceback(workers):
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3, workers_per_device=workers)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        actions = jnp.zeros((5, 2, 2), jnp.int32)
+        with pytest.raises(Exception) as info:
+            run_host(host, mesh, keys, actions)
+        text = str(info.value)
+        assert "host env gymnasium:hostenv_walk:Walk-v0" in text
+        where = "worker 0 (pid" if workers else f"in process {os.getpid()}"
+        assert where in text and "raised ValueError: the walk fell over at step 3" in text
+        assert "traceback ---" in text and "hostenv_walk.py" in text
+        assert host.pids == []  # the failed groups stopped their workers
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_is_an_error_within_seconds():
+    host, mesh = bound(WALK_ID, 2, 2, devices=2)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        victim = host.groups[1].pids[0]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=rf"pid {victim}.*was killed by signal SIGKILL"):
+            step = _step_fn(host, mesh)
+            jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
+        assert time.monotonic() - start < 20
+    finally:
+        host.close()
+    assert not alive(victim)
+
+
+@pytest.mark.timeout(60)
+def test_bad_ids_fail_with_one_clear_line():
+    with pytest.raises(ValueError, match=r"gymnasium cannot make 'NoSuchEnv-v0'"):
+        envs.make("gymnasium:NoSuchEnv-v0")
+    with pytest.raises(ValueError, match=r"gymnasium cannot make 'no_such_module:X-v0'"):
+        envs.make("gymnasium:no_such_module:X-v0")
+    with pytest.raises(ValueError, match=r"unknown env 'gymnasiun:CartPole-v1'"):
+        envs.make("gymnasiun:CartPole-v1")
+
+
+_EXIT_SCRIPT = """
+import os, signal, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import ensemble
+from rollout import envs
+env = envs.make("gymnasium:CartPole-v1")
+host = env.bind(ensemble.make_mesh(2), 2, 2)
+with jax.set_mesh(host.mesh):
+    jax.block_until_ready(jax.jit(host.reset)(jax.random.split(jax.random.key(0), (2, 2))))
+print(" ".join(map(str, host.pids)), flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit: the workers must notice on their own
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_workers_stop_when_the_parent_exits_or_is_killed(how, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(_EXIT_SCRIPT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(script), how], env=env, capture_output=True, text=True, timeout=60
+    )
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+
+# ---------------------------------------------------------------------- learner and CLI
+
+
+@pytest.mark.timeout(120)
+def test_learner_with_make_kwargs_closes_its_workers():
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig.for_env(
+        f"gymnasium:{WALK_ID}", members=2, total_steps=128, num_envs=2, num_steps=32
+    )
+    assert cfg.num_envs == 2 and cfg.learning_rate == 2.5e-4  # discrete: CleanRL's ppo.py
+    env = envs.make(f"gymnasium:{WALK_ID}", report_pid=True)  # make kwargs via the Python API
+    learner = Learner(cfg, devices=jax.devices()[:2], env=env)
+    try:
+        state = learner.init()
+        state, metrics = learner.update(state, 2)
+        pids = learner.envs.pids
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        obs = np.asarray(state.members.obs)
+        assert {int(p) for p in obs[..., 3].ravel()} == set(pids)  # the kwarg reached the workers
+        assert np.asarray(metrics["episodes"]).sum() > 0
+        assert np.isfinite(np.asarray(metrics["returns"])[:, -1]).all()
+    finally:
+        learner.close()
+    assert learner.envs.pids == [] and not any(alive(p) for p in pids)
+
+
+@pytest.mark.timeout(300)
+def test_cli_trains_a_gymnasium_id(tmp_path, walk_module):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
+    cmd = [
+        sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members", "2",
+        "--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--out", str(out),
+        "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["env_steps"] for r in rows] == [128, 256]
+    assert all(len(r["returns"]) == 2 for r in rows)
+    assert any(v is not None for v in rows[-1]["returns"])
+
+
+@pytest.mark.timeout(60)
+def test_cli_unknown_gymnasium_id_is_one_line_exit_2():
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "gymnasium:Nope-v9", "--no-progress"]
+    proc = subprocess.run(
+        cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 2
+    assert "error: gymnasium cannot make 'Nope-v9'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- EnvPool
+
+
+@pytest.mark.timeout(120)
+def test_envpool_task_equals_envpool_called_directly():
+    envpool = pytest.importorskip("envpool")
+    n, e, T = 2, 3, 40
+    env = envs.make("envpool:CartPole-v1", workers_per_device=1)
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
+    host = env.bind(mesh, n, e)
+    keys = jax.random.split(jax.random.key(1), (n, e))
+    actions = np.random.default_rng(0).integers(0, 2, (T, n, e)).astype(np.int32)
+    try:
+        obs0, steps = run_host(host, mesh, keys, actions)
+    finally:
+        host.close()
+    seeds = seeds_of(keys)
+    for m in range(n):  # member m's pool, seeded with its first env's seed, stepped here
+        seed = int(seeds[m, 0]) % (2**31 - e)  # EnvPool's seeds are int32
+        pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=e, seed=seed)
+        o, _ = pool.reset()
+        np.testing.assert_allclose(obs0[m], o, rtol=1e-6)
+        ids = np.arange(e, dtype=np.int32)
+        for t in range(T):
+            o, r, te, tr, _ = pool.step(actions[t, m], ids)
+            np.testing.assert_allclose(steps[4][t, m], o, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(steps[1][t, m], r)
+            done = np.flatnonzero(te | tr)
+            if done.size:
+                o = o.copy()
+                o[done] = pool.reset(done.astype(np.int32))[0]
+            np.testing.assert_allclose(steps[0][t, m], o, rtol=1e-5, atol=1e-6)
+        pool.close()
+    assert steps[2].any()  # episodes ended and were reset
