@@ -536,7 +536,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, signals: _Signals) -> int:
     from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo import _loggers
 
+    try:  # a bad name or a missing package: before anything is written or compiled
+        log_names = _loggers.parse_log_flag(args.log)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
     config = _config_from_args(args, found)
@@ -545,12 +550,6 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     else:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
-    from rollout.ppo import _loggers
-
-    try:
-        log_names = _loggers.parse_log_flag(args.log)  # bad name / missing package: before JAX
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     cores = os.cpu_count() or 1
     from ensemble import _distributed as distributed
 
