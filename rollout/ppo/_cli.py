@@ -85,6 +85,7 @@ def train(
     import jax
 
     from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo import _pbt
     from rollout.ppo._learner import METRIC_NAMES, Learner, to_host
 
     owned = learner is None  # close what we open (env_on='cpu' worker processes)
@@ -126,7 +127,7 @@ def train(
     start, steps_at_start = None, done  # throughput: from the end of the first (compiling) call
     try:
         while done < cfg.num_updates:
-            k = min(cfg.updates_per_call, cfg.num_updates - done)
+            k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
             state, metrics = learner.update(state, k)
             host = to_host(metrics)  # [n, k] scalars per member: the only gather
             new_rows = []
@@ -137,6 +138,8 @@ def train(
                     row[name] = [_json_float(v) for v in host[name][:, j]]
                 new_rows.append(row)
             done += k
+            if cfg.pbt:  # lineage into the rows; every pbt_interval updates, exploit/explore
+                state = _pbt.after_updates(learner, state, rows, new_rows, done)
             calls += 1
             if start is None:
                 start, steps_at_start, sps = time.perf_counter(), done, None
@@ -163,6 +166,8 @@ def train(
             learner.close()
     if out is not None and rows and main:
         plot_curves(_read_rows(out / "metrics.jsonl"), out / "learning_curve.png", cfg.env)
+        if cfg.pbt:
+            _pbt.plot_lineage(_read_rows(out / "metrics.jsonl"), out / "pbt_lineage.png", cfg.env)
     return state, rows
 
 
@@ -282,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-envs", type=int, default=None, help="parallel envs per member")
     p.add_argument("--num-steps", type=int, default=None, help="rollout length per update")
     p.add_argument("--updates-per-call", type=int, default=None, help="PPO updates per jit call")
+    p.add_argument("--pbt", action="store_true", help="population-based training of the members")
+    p.add_argument("--pbt-interval", type=int, default=None, help="PPO updates between PBT steps")
+    p.add_argument("--pbt-fraction", type=float, default=None, help="bottom/top fraction (0.25)")
+    p.add_argument("--pbt-factors", type=_floats, default=None, help="perturbations (0.8,1.2)")
+    p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking")
     p.add_argument("--checkpoint-every", type=int, default=10, help="jit calls per checkpoint")
     p.add_argument(
         "--devices",
@@ -339,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("num_envs", "num_envs"),
         ("num_steps", "num_steps"),
         ("updates_per_call", "updates_per_call"),
+        ("pbt", "pbt"),
+        ("pbt_interval", "pbt_interval"),
+        ("pbt_fraction", "pbt_fraction"),
+        ("pbt_factors", "pbt_factors"),
+        ("pbt_window", "pbt_window"),
     ):
         value = getattr(args, flag)
         if value is not None:
