@@ -13,7 +13,7 @@ Not a test: it trains for minutes. Run::
     python benchmarks/pbt.py --total-steps 100000  # quicker, noisier
 
 Writes ``benchmarks/results/pbt.json``, ``pbt.png`` (both arms' curves and PBT's learning rates)
-and ``pbt_lineage.png``, and prints a table.
+and ``pbt_lineage.png`` (``--name`` changes the stem), and prints a table.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         ax.set_xlabel("env steps per member")
         ax.set_ylabel("mean episode return")
         ax.set_ylim(-1700, 0)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     rows = runs["PBT"]
@@ -98,6 +99,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     axes[2].set_title("PBT: each member's learning rate")
     axes[2].set_xlabel("env steps per member")
     axes[2].grid(alpha=0.3)
+    axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=10, help="updates averaged for the final score")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=str(ROOT / "runs" / "pbt_bench"), help="arm output dirs")
+    p.add_argument("--name", default="pbt", help="result files: benchmarks/results/NAME.*")
     p.add_argument("--report-only", action="store_true", help="re-read finished arms")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -162,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         "final_hparams_pbt": runs["PBT"][-1]["hparams"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "pbt.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(runs, RESULTS / "pbt.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(runs, RESULTS / f"{args.name}.png")
     if (work / "pbt" / "pbt_lineage.png").exists():
-        shutil.copy(work / "pbt" / "pbt_lineage.png", RESULTS / "pbt_lineage.png")
+        shutil.copy(work / "pbt" / "pbt_lineage.png", RESULTS / f"{args.name}_lineage.png")
     print(f"Pendulum-v1, {MEMBERS} members, {result['env_steps_per_member']} env steps each")
     print(f"{'arm':8} {'best':>8} {'median':>8} {'worst':>8}  final per member")
     for name, s in summary.items():

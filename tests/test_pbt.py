@@ -55,7 +55,7 @@ def _reference_plan(returns: np.ndarray, fraction: float) -> tuple[set[int], set
 def test_plan_replaces_the_bottom_with_top_members(fraction):
     rng = np.random.default_rng(0)
     for trial in range(20):
-        n = int(rng.integers(2, 12))
+        n = (3, 8, 11)[trial % 3]  # few shapes: few compiles
         returns = rng.normal(size=n).astype(np.float32)
         returns[rng.random(n) < 0.2] = np.nan  # no finished episode yet: not ranked
         if trial % 5 == 0:
@@ -91,9 +91,9 @@ def test_recent_returns_ignores_missing_episodes():
     assert np.isnan(pbt.recent_returns([], 3, 2)).all()
 
 
-# One member per device (8 on 8), and each member over two devices (4 on 8).
-@pytest.mark.parametrize("env, members", [("pendulum", 8), ("cartpole", 4)])
-def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env, members):
+# Pendulum: observation and return normalisation are on, so their statistics are copied too.
+# One member per device (8 on 8); several members per device are run by the train test below.
+def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env="pendulum", members=8):
     lrs = tuple(float(v) for v in np.geomspace(1e-4, 1e-2, members))
     cfg = _tiny(env, members, learning_rate=lrs, ent_coef=0.01, pbt_fraction=0.5)
     learner = Learner(cfg)
