@@ -565,9 +565,8 @@ class Learner:
 
         if self._pbt_step is None:
             self._pbt_step = _pbt.make_step(self)
-        returns = jnp.asarray(recent_returns, jnp.float32)
         with jax.set_mesh(self.mesh):
-            return self._pbt_step(state, returns, key)
+            return self._pbt_step(state, recent_returns, key)
 
     # ------------------------------------------------------------------ environments
 

@@ -96,27 +96,39 @@ def exploit_explore(members: Any, parent: jax.Array, factor: jax.Array) -> Any:
 
 
 def make_step(learner: Any):
-    """A jitted ``(state, recent_returns, key) -> (state, (parent, hparams))`` for ``learner``.
+    """A ``(state, recent_returns, key) -> (state, (parent, hparams))`` step for ``learner``.
 
-    The state is donated and keeps its shardings; ``parent`` and the new ``hparams`` come out
-    replicated so every process can read them for the lineage.
+    One jitted program: the state is donated and keeps its shardings; ``parent`` and the new
+    ``hparams`` come out replicated so every process can read them for the lineage. The small
+    host inputs (returns, key) become replicated global arrays first, the form a jitted program
+    over several processes' devices takes.
     """
     cfg = learner.config
     shardings = learner.state_shardings()
     replicated = NamedSharding(learner.mesh, PartitionSpec())
     factors = tuple(float(f) for f in cfg.pbt_factors)
 
-    def step(state, recent_returns, key):
+    def step(state, recent_returns, key_data):
+        key = jax.random.wrap_key_data(key_data)
         parent, factor = plan(recent_returns, key, cfg.pbt_fraction, factors)
         members = exploit_explore(state.members, parent, factor)
         return state.replace(members=members), (parent, members.hparams)
 
-    return jax.jit(
+    program = jax.jit(
         step,
         in_shardings=(shardings, replicated, replicated),
         out_shardings=(shardings, (replicated, replicated)),
         donate_argnums=0,
     )
+
+    def global_array(x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
+
+    def run(state, recent_returns, key):
+        returns = global_array(np.asarray(recent_returns, np.float32))
+        return program(state, returns, global_array(np.asarray(jax.random.key_data(key))))
+
+    return run
 
 
 def recent_returns(rows: Sequence[dict[str, Any]], window: int, n: int) -> np.ndarray:
