@@ -249,3 +249,26 @@ def test_cli_bad_pbt_flags_are_one_line_errors(tmp_path, capsys, flags, match):
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
     assert re.search(match, err), err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.timeout(300)
+def test_cli_pbt_across_two_processes(tmp_path):
+    # 2 processes x 2 CPU devices, 4 members: the gather moves members between processes.
+    out = tmp_path / "run"
+    drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--timeout", "270", "--"]
+    cmd += [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "4"]
+    cmd += ["--total-steps", "1536", "--num-steps", "64", "--devices", "2", "--no-progress"]
+    cmd += ["--out", str(out), "--pbt", "--pbt-interval", "2", "--pbt-fraction", "0.5"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=290)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [j for j, r in enumerate(rows) if "pbt_parent" in r]
+    assert [rows[j]["update"] for j in steps] == [2, 4]
+    for j in steps:  # each step replaced exactly the numpy reference's bottom with its top
+        top, bottom = _reference_plan(pbt.recent_returns(rows[: j + 1], 3, 4), 0.5)
+        parent = rows[j]["pbt_parent"]
+        assert {i for i in range(4) if parent[i] != i} == bottom
+        assert {parent[i] for i in bottom} <= top
