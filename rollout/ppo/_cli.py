@@ -215,6 +215,10 @@ class _Run:
         if self.main:
             rows = _read_rows(self.out / ckpt.METRICS_FILE)
             plot_curves(rows, self.out / ckpt.CURVE_FILE, self.config.env)
+            if self.config.pbt:
+                from rollout.ppo import _pbt
+
+                _pbt.plot_lineage(rows, self.out / "pbt_lineage.png", self.config.env)
 
     def close(self) -> None:
         if self.lock is not None:
@@ -241,6 +245,7 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
     """The training loop of :func:`train` from ``state`` (whose metric rows are ``rows``)."""
     import jax
 
+    from rollout.ppo import _pbt
     from rollout.ppo._learner import to_host
 
     cfg = learner.config
@@ -252,10 +257,13 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             signum = _stop_requested(stop)
             if signum is not None:
                 raise _interrupt(run, state, len(rows), signum, done, cfg)
-            k = min(cfg.updates_per_call, cfg.num_updates - done)
+            # A jitted call stops at the next PBT step (exploit/explore runs between calls).
+            k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
             state, metrics = learner.update(state, k)
             new_rows = _rows(to_host(metrics), done, k, cfg.batch_size)  # the only gather
             done += k
+            if cfg.pbt:  # lineage into the rows; every pbt_interval updates, exploit/explore
+                state = _pbt.after_updates(learner, state, rows, new_rows, done)
             calls += 1
             if start is None:  # throughput: from the end of the first (compiling) call
                 start, steps_at_start = time.perf_counter(), done
@@ -437,6 +445,11 @@ _CONFIG_FLAGS = (
     ("num_envs", "num_envs"),
     ("num_steps", "num_steps"),
     ("updates_per_call", "updates_per_call"),
+    ("pbt", "pbt"),
+    ("pbt_interval", "pbt_interval"),
+    ("pbt_fraction", "pbt_fraction"),
+    ("pbt_factors", "pbt_factors"),
+    ("pbt_window", "pbt_window"),
 )
 
 
@@ -478,6 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-envs", type=int, default=None, help="parallel envs per member")
     p.add_argument("--num-steps", type=int, default=None, help="rollout length per update")
     p.add_argument("--updates-per-call", type=int, default=None, help="PPO updates per jit call")
+    p.add_argument(
+        "--pbt", action="store_const", const=True, default=None, help="population-based training"
+    )
+    p.add_argument("--pbt-interval", type=int, default=None, help="PPO updates between PBT steps")
+    p.add_argument("--pbt-fraction", type=float, default=None, help="bottom/top fraction (0.25)")
+    p.add_argument("--pbt-factors", type=_floats, default=None, help="perturbations (0.8,1.2)")
+    p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking")
     p.add_argument("--checkpoint-every", type=int, default=10, help="jit calls per checkpoint")
     p.add_argument(
         "--devices",

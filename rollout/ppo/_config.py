@@ -135,6 +135,14 @@ class PPOConfig:
     env_on: Literal["device", "cpu"] = "device"
     #: PPO updates per jitted call (a ``lax.scan``): fewer host round trips, one compile.
     updates_per_call: int = 8
+    #: Population-based training (``rollout.ppo._pbt``): every ``pbt_interval`` updates the worst
+    #: ``pbt_fraction`` of members (by mean return over the last ``pbt_window`` updates) copy a
+    #: top member and multiply its hyperparameters by one of ``pbt_factors``.
+    pbt: bool = False
+    pbt_interval: int = 10
+    pbt_fraction: float = 0.25
+    pbt_factors: tuple[float, ...] = (0.8, 1.2)
+    pbt_window: int = 3
 
     @classmethod
     def for_env(cls, env: str = "cartpole", **overrides: Any) -> PPOConfig:
@@ -149,6 +157,8 @@ class PPOConfig:
         for key in PER_MEMBER_FIELDS:
             if isinstance(base.get(key), list):
                 base[key] = tuple(base[key])
+        if isinstance(base.get("pbt_factors"), (list, float)):  # one number: one factor
+            base["pbt_factors"] = tuple(_as_list(base["pbt_factors"]))
         if isinstance(base.get("hidden"), list):
             base["hidden"] = tuple(base["hidden"])
         return cls(env=name, **base)
@@ -223,6 +233,8 @@ class PPOConfig:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}.")
         if not self.hidden or any(int(h) <= 0 for h in self.hidden):
             raise ValueError(f"hidden must be non-empty positive widths, got {self.hidden}")
+        if self.pbt:
+            _validate_pbt(self)
         if num_devices is not None:
             from ensemble import layout
 
@@ -239,6 +251,35 @@ class PPOConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
         return cls(**kw)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _validate_pbt(cfg: PPOConfig) -> None:
+    if cfg.members < 2:
+        raise ValueError(f"pbt needs at least 2 members to rank, got members={cfg.members}.")
+    _positive_int(cfg, "pbt_interval")
+    _positive_int(cfg, "pbt_window")
+    f = cfg.pbt_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 0.5:
+        raise ValueError(f"pbt_fraction must be in (0, 0.5] (bottom copies top), got {f!r}.")
+    if math.floor(f * cfg.members) < 1:
+        raise ValueError(
+            f"pbt_fraction={f} of members={cfg.members} replaces no member; raise it to at least "
+            f"{1 / cfg.members:.3g}."
+        )
+    factors = cfg.pbt_factors
+    if (
+        not isinstance(factors, (tuple, list))
+        or not factors
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in factors)
+        or any(not math.isfinite(v) or v <= 0 for v in factors)
+    ):
+        raise ValueError(
+            f"pbt_factors must be positive finite numbers like 0.8,1.2, got {factors!r}."
+        )
 
 
 def _positive_int(cfg: PPOConfig, name: str) -> None:

@@ -198,6 +198,7 @@ class Learner:
         self._envs_beside_members = config.env_on == "device" and not hasattr(self.env, "bind")
         self._programs: dict[int, Callable[..., Any]] = {}
         self._state_shardings: Any = None
+        self._pbt_step: Any = None
 
     # ------------------------------------------------------------------ state
 
@@ -562,6 +563,22 @@ class Learner:
             rng=jax.random.key_data(key),
         )
         return new, {name: jnp.asarray(metrics[name], jnp.float32) for name in METRIC_NAMES}
+
+    def exploit_explore(
+        self, state: TrainState, recent_returns: Any, key: jax.Array
+    ) -> tuple[TrainState, tuple[jax.Array, dict[str, jax.Array]]]:
+        """One population-based-training step on the devices (see ``rollout.ppo._pbt``).
+
+        ``recent_returns``: ``[n]`` per-member scores (NaN: not ranked). ``state`` is donated.
+        Returns the new state (same shardings) and ``(parent, hparams)``, replicated: the member
+        each member copied (itself if kept) and the new per-member hyperparameters.
+        """
+        from rollout.ppo import _pbt
+
+        if self._pbt_step is None:
+            self._pbt_step = _pbt.make_step(self)
+        with jax.set_mesh(self.mesh):
+            return self._pbt_step(state, recent_returns, key)
 
     # ------------------------------------------------------------------ environments
 

@@ -1,0 +1,185 @@
+"""Population-based training benchmark: Pendulum-v1, 8 members, a poor learning-rate spread.
+
+Both arms start from the same 8 learning rates drawn log-uniform in [1e-5, 1e-2] (seeded) and
+run the same env steps per member through the real command line (``python -m rollout.ppo``):
+one plain ensemble, one with ``--pbt``. A member's final score is its mean return over the last
+``--tail`` updates. The question: is PBT's best member at least as good as the best member
+without PBT, and is the population's median clearly higher?
+
+The two arms run at the same time as two processes (each gets the same share of the machine).
+Not a test: it trains for minutes. Run::
+
+    python benchmarks/pbt.py                       # default 300k env steps per member
+    python benchmarks/pbt.py --total-steps 100000  # quicker, noisier
+
+Writes ``benchmarks/results/pbt.json``, ``pbt.png`` (both arms' curves and PBT's learning rates)
+and ``pbt_lineage.png`` (``--name`` changes the stem), and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MEMBERS = 8
+
+
+def learning_rates(seed: int = 0) -> list[float]:
+    """The deliberately poor spread: 8 draws log-uniform in [1e-5, 1e-2], sorted."""
+    rng = np.random.default_rng(seed)
+    return [float(f"{v:.4g}") for v in np.sort(10 ** rng.uniform(-5, -2, MEMBERS))]
+
+
+def arm_command(pbt: bool, args: argparse.Namespace, out: Path) -> list[str]:
+    lrs = ",".join(str(v) for v in learning_rates(args.seed))
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "pendulum", "--members", str(MEMBERS)]
+    cmd += ["--total-steps", str(args.total_steps), "--lr", lrs, "--seed", str(args.seed)]
+    cmd += ["--out", str(out), "--no-progress", "--checkpoint-every", "1000"]
+    if pbt:
+        cmd += ["--pbt", "--pbt-interval", str(args.interval), "--pbt-fraction", "0.25"]
+    return cmd
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def returns_matrix(rows: list[dict]) -> np.ndarray:
+    """[updates, members] mean episode return (NaN where none finished yet)."""
+    return np.array([[np.nan if v is None else v for v in r["returns"]] for r in rows], np.float64)
+
+
+def summarise(rows: list[dict], tail: int) -> dict:
+    final = np.nanmean(returns_matrix(rows)[-tail:], axis=0)
+    return {
+        "final_per_member": [round(float(v), 1) for v in final],
+        "best": round(float(np.max(final)), 1),
+        "median": round(float(np.median(final)), 1),
+        "worst": round(float(np.min(final)), 1),
+    }
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (name, rows) in zip(axes[:2], runs.items(), strict=True):
+        steps = np.array([r["env_steps"] for r in rows])
+        ret = returns_matrix(rows)
+        for i in range(ret.shape[1]):
+            ax.plot(steps, ret[:, i], lw=0.8, alpha=0.6)
+        ax.plot(steps, np.nanmedian(ret, axis=1), "k", lw=2, label="median")
+        ax.plot(steps, np.nanmax(ret, axis=1), "k--", lw=1.2, label="best")
+        ax.set_title(f"{name}: Pendulum-v1, {ret.shape[1]} members")
+        ax.set_xlabel("env steps per member")
+        ax.set_ylabel("mean episode return")
+        ax.set_ylim(-1700, 0)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    rows = runs["PBT"]
+    steps = [r["env_steps"] for r in rows]
+    lr = np.array([r["hparams"]["learning_rate"] for r in rows])
+    axes[2].plot(steps, lr, lw=1)
+    axes[2].set_yscale("log")
+    axes[2].set_title("PBT: each member's learning rate")
+    axes[2].set_xlabel("env steps per member")
+    axes[2].grid(alpha=0.3)
+    axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_arms(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs, logs, walls = {}, {}, {}
+    t0 = time.perf_counter()
+    for name, pbt in (("no PBT", False), ("PBT", True)):
+        out = work / ("pbt" if pbt else "plain")
+        shutil.rmtree(out, ignore_errors=True)
+        logs[name] = open(work / f"{out.name}.log", "w")
+        procs[name] = subprocess.Popen(
+            arm_command(pbt, args, out), cwd=ROOT, env=env, stdout=logs[name], stderr=logs[name]
+        )
+    for name, p in procs.items():
+        if p.wait() != 0:
+            raise SystemExit(f"{name} arm failed; see {logs[name].name}")
+        walls[name] = round(time.perf_counter() - t0, 1)
+        logs[name].close()
+    return walls
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--total-steps", type=int, default=300_000, help="env steps per member")
+    p.add_argument("--interval", type=int, default=10, help="PPO updates between PBT steps")
+    p.add_argument("--tail", type=int, default=10, help="updates averaged for the final score")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default=str(ROOT / "runs" / "pbt_bench"), help="arm output dirs")
+    p.add_argument("--name", default="pbt", help="result files: benchmarks/results/NAME.*")
+    p.add_argument("--report-only", action="store_true", help="re-read finished arms")
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    walls = {} if args.report_only else run_arms(args, work)
+    runs = {
+        "no PBT": read_rows(work / "plain" / "metrics.jsonl"),
+        "PBT": read_rows(work / "pbt" / "metrics.jsonl"),
+    }
+    summary = {name: summarise(rows, args.tail) for name, rows in runs.items()}
+    pbt, plain = summary["PBT"], summary["no PBT"]
+    result = {
+        "env": "pendulum",
+        "members": MEMBERS,
+        "env_steps_per_member": runs["PBT"][-1]["env_steps"],
+        "initial_learning_rates": learning_rates(args.seed),
+        "pbt": {"interval_updates": args.interval, "fraction": 0.25, "factors": [0.8, 1.2]},
+        "final_score": f"mean return over the last {args.tail} updates, per member",
+        "arms": summary,
+        "pbt_best_ge_plain_best": pbt["best"] >= plain["best"],
+        "median_gain": round(pbt["median"] - plain["median"], 1),
+        "wall_s": walls,
+        "command": "python benchmarks/pbt.py " + " ".join(argv or sys.argv[1:]),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg_before": [round(v, 2) for v in load],
+            "note": "both arms ran at once as two processes on a shared, busy machine",
+        },
+        "final_hparams_pbt": runs["PBT"][-1]["hparams"],
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(runs, RESULTS / f"{args.name}.png")
+    if (work / "pbt" / "pbt_lineage.png").exists():
+        shutil.copy(work / "pbt" / "pbt_lineage.png", RESULTS / f"{args.name}_lineage.png")
+    print(f"Pendulum-v1, {MEMBERS} members, {result['env_steps_per_member']} env steps each")
+    print(f"{'arm':8} {'best':>8} {'median':>8} {'worst':>8}  final per member")
+    for name, s in summary.items():
+        finals = s["final_per_member"]
+        print(f"{name:8} {s['best']:8.1f} {s['median']:8.1f} {s['worst']:8.1f}  {finals}")
+    print(
+        f"PBT best >= no-PBT best: {result['pbt_best_ge_plain_best']}; median gain "
+        f"{result['median_gain']:+.1f}; wall {walls}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""Population-based training (Jaderberg et al. 2017) across the ensemble's devices.
+
+Every ``pbt_interval`` PPO updates the members are ranked by their recent return. Each member of
+the bottom ``pbt_fraction`` copies a random member of the top ``pbt_fraction`` (exploit): its
+parameters, optimizer state and observation / return normalisation statistics. It then
+multiplies each of its per-member hyperparameters by one of ``pbt_factors`` at random and clips
+the result to :data:`BOUNDS` (explore). A member keeps its own envs, episode bookkeeping and
+random key, so parent and child go on to collect different experience.
+
+The copy is a gather along the member axis of the sharded train state inside one jitted,
+donated program whose output shardings equal its input shardings: the members move between
+devices (a collective XLA inserts), never through one host, and it works unchanged when the
+members live on several processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+#: Clip ranges of the perturbed hyperparameters (keep a perturbed member trainable).
+BOUNDS = {
+    "learning_rate": (1e-6, 1e-1),
+    "ent_coef": (0.0, 0.5),
+    "clip_coef": (0.02, 0.5),
+}
+
+HPARAMS = tuple(BOUNDS)
+
+#: The member-state fields a bottom member takes from its parent (everything learnt); the rest
+#: (envs, running episodes, last returns, random key) stay the member's own.
+COPIED = ("params", "opt_state", "obs_stats", "ret_stats", "hparams")
+
+
+def plan(
+    recent_returns: jax.Array, key: jax.Array, fraction: float, factors: Sequence[float]
+) -> tuple[jax.Array, jax.Array]:
+    """Who copies whom, and the perturbation factors; traceable, same result on every process.
+
+    Members without a finite recent return (no finished episode yet) are left out of the
+    ranking: they neither donate nor get replaced. Among the ``m`` ranked members the best
+    ``c = floor(fraction * m)`` donate and the worst ``c`` are replaced (ties keep member order).
+
+    Returns:
+      ``parent`` ``[n]`` int32: the member whose learnt state each member takes (itself when it
+      is not replaced), and ``factor`` ``[n, len(HPARAMS)]``: the multipliers (1 where not
+      replaced).
+    """
+    n = recent_returns.shape[0]
+    valid = jnp.isfinite(recent_returns)
+    score = jnp.where(valid, recent_returns, -jnp.inf)
+    order = jnp.argsort(-score, stable=True)  # best first; invalid members last
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    m = jnp.sum(valid.astype(jnp.int32))
+    c = jnp.floor(fraction * m).astype(jnp.int32)
+    replaced = valid & (rank >= m - c) & (c > 0)
+    k_parent, k_factor = jax.random.split(key)
+    pick = jax.random.randint(k_parent, (n,), 0, jnp.maximum(c, 1))
+    parent = jnp.where(replaced, order[pick], jnp.arange(n, dtype=jnp.int32))
+    choice = jax.random.randint(k_factor, (n, len(HPARAMS)), 0, len(factors))
+    factor = jnp.asarray(factors, jnp.float32)[choice]
+    factor = jnp.where(replaced[:, None], factor, 1.0)
+    return parent.astype(jnp.int32), factor
+
+
+def exploit_explore(members: Any, parent: jax.Array, factor: jax.Array) -> Any:
+    """The new member state: learnt fields gathered from ``parent``, hyperparameters perturbed.
+
+    ``members`` is a ``MemberState`` (member axis first on every leaf). The optimizer's
+    injected ``learning_rate`` keeps its ratio to ``hparams['learning_rate']`` (the annealing
+    fraction of the last update), so the optimizer and the hyperparameters agree afterwards.
+    """
+    take = lambda x: jnp.take(x, parent, axis=0)
+    new = {f: jax.tree_util.tree_map(take, getattr(members, f)) for f in COPIED}
+    old_lr = new["hparams"]["learning_rate"]
+    hparams = {}
+    for j, name in enumerate(HPARAMS):
+        lo, hi = BOUNDS[name]
+        value = new["hparams"][name]
+        changed = factor[:, j] != 1.0
+        hparams[name] = jnp.where(changed, jnp.clip(value * factor[:, j], lo, hi), value)
+    injected = optax.tree_utils.tree_get(new["opt_state"], "learning_rate")
+    ratio = injected / jnp.where(old_lr > 0, old_lr, 1.0)
+    new["opt_state"] = optax.tree_utils.tree_set(
+        new["opt_state"], learning_rate=(ratio * hparams["learning_rate"]).astype(injected.dtype)
+    )
+    new["hparams"] = hparams
+    return members.replace(**new)
+
+
+def make_step(learner: Any):
+    """A ``(state, recent_returns, key) -> (state, (parent, hparams))`` step for ``learner``.
+
+    One jitted program: the state is donated and keeps its shardings; ``parent`` and the new
+    ``hparams`` come out replicated so every process can read them for the lineage. The small
+    host inputs (returns, key) become replicated global arrays first, the form a jitted program
+    over several processes' devices takes.
+    """
+    cfg = learner.config
+    shardings = learner.state_shardings()
+    replicated = NamedSharding(learner.mesh, PartitionSpec())
+    factors = tuple(float(f) for f in cfg.pbt_factors)
+
+    def step(state, recent_returns, key_data):
+        key = jax.random.wrap_key_data(key_data)
+        parent, factor = plan(recent_returns, key, cfg.pbt_fraction, factors)
+        members = exploit_explore(state.members, parent, factor)
+        return state.replace(members=members), (parent, members.hparams)
+
+    program = jax.jit(
+        step,
+        in_shardings=(shardings, replicated, replicated),
+        out_shardings=(shardings, (replicated, replicated)),
+        donate_argnums=0,
+    )
+
+    def global_array(x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
+
+    def run(state, recent_returns, key):
+        returns = global_array(np.asarray(recent_returns, np.float32))
+        return program(state, returns, global_array(np.asarray(jax.random.key_data(key))))
+
+    return run
+
+
+def recent_returns(rows: Sequence[dict[str, Any]], window: int, n: int) -> np.ndarray:
+    """Per member: mean return over the last ``window`` metric rows, ignoring missing (NaN)."""
+    out = np.full((n,), np.nan, np.float32)
+    recent = [r["returns"] for r in rows[-window:]]
+    if not recent:
+        return out
+    values = np.array([[math.nan if v is None else v for v in r] for r in recent], np.float64)
+    finite = np.isfinite(values)
+    counts = finite.sum(axis=0)
+    sums = np.where(finite, values, 0.0).sum(axis=0)
+    has = counts > 0
+    out[has] = (sums[has] / counts[has]).astype(np.float32)
+    return out
+
+
+def pbt_key(seed: int, update: int) -> jax.Array:
+    """The PBT step's key: from the run's seed and the update count (same after a resume)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x9B7), update)
+
+
+def after_updates(
+    learner: Any, state: Any, rows: list[dict[str, Any]], new_rows: list[dict[str, Any]], done: int
+) -> Any:
+    """The training loop's hook: lineage into the new rows, and a PBT step when one is due.
+
+    ``rows``: the metric rows before this jitted call; ``new_rows``: its rows (the newest is
+    update ``done``). Adds ``hparams`` (the per-member values in effect during the update) to
+    each new row, and at a PBT step ``pbt_parent`` (the member each member copied; itself when
+    kept) to the newest. Returns the (donated and replaced, at a PBT step) state.
+    """
+    from rollout.ppo._learner import to_host
+
+    cfg = learner.config
+    hp = to_host(dict(state.members.hparams))
+    for row in new_rows:
+        row["hparams"] = {k: [float(f"{v:.7g}") for v in hp[k]] for k in HPARAMS}
+    if done % cfg.pbt_interval or done >= cfg.num_updates:
+        return state
+    returns = recent_returns([*rows, *new_rows], cfg.pbt_window, cfg.members)
+    state, (parent, _) = learner.exploit_explore(state, returns, pbt_key(cfg.seed, done))
+    new_rows[-1]["pbt_parent"] = [int(p) for p in to_host({"p": parent})["p"]]
+    return state
+
+
+def chunk(cfg: Any, done: int, k: int) -> int:
+    """``k`` updates, cut short so that a jitted call ends on the next PBT step."""
+    if not cfg.pbt:
+        return k
+    return min(k, cfg.pbt_interval - done % cfg.pbt_interval)
+
+
+def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
+    """Each member's hyperparameters over time, and who copied whom at every PBT step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "hparams" in r]
+    if not rows:
+        return
+    n = len(rows[0]["hparams"]["learning_rate"])
+    steps = np.array([r["env_steps"] for r in rows])
+    fig, axes = plt.subplots(len(HPARAMS) + 1, 1, figsize=(8, 9), sharex=True)
+    colors = plt.get_cmap("tab10" if n <= 10 else "viridis")(np.linspace(0, 1, max(n, 2)))
+    for ax, name in zip(axes, HPARAMS, strict=False):
+        for i in range(n):
+            ax.plot(steps, [r["hparams"][name][i] for r in rows], color=colors[i], lw=1.1)
+        ax.set_ylabel(name)
+        if name == "learning_rate":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for i in range(n):
+        ax.axhline(i, color=colors[i], lw=0.6, alpha=0.5)
+    for r in rows:
+        for child, par in enumerate(r.get("pbt_parent") or []):
+            if par != child:
+                ax.annotate(
+                    "",
+                    xy=(r["env_steps"], child),
+                    xytext=(r["env_steps"], par),
+                    arrowprops=dict(arrowstyle="->", color=colors[par], lw=1.0),
+                )
+    ax.set_ylabel("member (arrow: parent -> child)")
+    ax.set_xlabel("env steps per member")
+    ax.set_ylim(-0.5, n - 0.5)
+    axes[0].set_title(f"PBT lineage {title} (n={n})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

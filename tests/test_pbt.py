@@ -1,0 +1,274 @@
+"""Population-based training: the exploit/explore step against a numpy reference on the
+member-major state, placement and donation, determinism, lineage in the CLI's rows, bad flags."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+import ensemble
+from rollout.ppo import Learner, PPOConfig, train
+from rollout.ppo import _pbt as pbt
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORS = (0.8, 1.2)
+F32 = {float(np.float32(f)) for f in FACTORS}  # the factors as float32 holds them
+
+
+def _tiny(env: str, members: int, **kw) -> PPOConfig:
+    base = dict(
+        members=members,
+        num_envs=2,
+        num_steps=16,
+        update_epochs=1,
+        num_minibatches=2,
+        total_steps=8 * 32,
+        updates_per_call=2,
+        pbt=True,
+        pbt_interval=2,
+        pbt_fraction=0.25,
+    )
+    base.update(kw)
+    return PPOConfig.for_env(env, **base)
+
+
+def _reference_plan(returns: np.ndarray, fraction: float) -> tuple[set[int], set[int]]:
+    """numpy: (top, bottom) member sets among the members with a finite return."""
+    valid = [i for i in range(len(returns)) if np.isfinite(returns[i])]
+    ranked = sorted(valid, key=lambda i: (-returns[i], i))  # best first, ties by member index
+    c = int(np.floor(fraction * len(valid)))
+    return set(ranked[:c]), set(ranked[len(ranked) - c :]) if c else set()
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_plan_replaces_the_bottom_with_top_members(fraction):
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = (3, 8, 11)[trial % 3]  # few shapes: few compiles
+        returns = rng.normal(size=n).astype(np.float32)
+        returns[rng.random(n) < 0.2] = np.nan  # no finished episode yet: not ranked
+        if trial % 5 == 0:
+            returns[: n // 2] = 1.0  # ties
+        parent, factor = pbt.plan(returns, jax.random.key(trial), fraction, FACTORS)
+        parent, factor = np.asarray(parent), np.asarray(factor)
+        top, bottom = _reference_plan(returns, fraction)
+        for i in range(n):
+            if i in bottom:
+                assert parent[i] in top, (trial, i)
+                assert set(factor[i].tolist()) <= F32
+            else:
+                assert parent[i] == i and np.all(factor[i] == 1.0), (trial, i)
+    # Both factors and several parents occur (the choice is random, not fixed).
+    returns = np.arange(8, dtype=np.float32)
+    parents, factors = set(), set()
+    for s in range(10):
+        p, f = pbt.plan(returns, jax.random.key(s), 0.5, FACTORS)
+        parents |= {int(v) for v in np.asarray(p)[:4]}
+        factors |= set(np.asarray(f)[:4].ravel().tolist())
+    assert parents == {4, 5, 6, 7} and factors == F32
+
+
+def test_recent_returns_ignores_missing_episodes():
+    rows = [
+        {"returns": [None, 1.0, 5.0]},
+        {"returns": [None, 3.0, None]},
+        {"returns": [None, 5.0, 7.0]},
+    ]
+    got = pbt.recent_returns(rows, 2, 3)
+    np.testing.assert_array_equal(np.isnan(got), [True, False, False])
+    np.testing.assert_allclose(got[1:], [4.0, 7.0])
+    assert np.isnan(pbt.recent_returns([], 3, 2)).all()
+
+
+# Pendulum: observation and return normalisation are on, so their statistics are copied too.
+# One member per device (8 on 8); several members per device are run by the train test below.
+def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env="pendulum", members=8):
+    lrs = tuple(float(v) for v in np.geomspace(1e-4, 1e-2, members))
+    cfg = _tiny(env, members, learning_rate=lrs, ent_coef=0.01, pbt_fraction=0.5)
+    learner = Learner(cfg)
+    state, _ = learner.update(learner.init(), 2)  # Adam moments and statistics are non-trivial
+    before = jax.device_get(state)
+    twin = jax.device_put(before, learner.state_shardings())
+    returns = np.linspace(-100.0, 0.0, members).astype(np.float32)[::-1].copy()
+    returns[1] = np.nan  # member 1 is not ranked: it must stay as it is
+    key = jax.random.key(7)
+
+    new, (parent, hparams) = learner.exploit_explore(state, returns, key)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.members.params))  # donated
+    ensemble.debug.assert_member_placement(new.members, learner.mesh, members)
+    got_shardings = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, new))
+    assert got_shardings == jax.tree.leaves(learner.state_shardings())
+    after, parent = jax.device_get(new), np.asarray(parent)
+
+    top, bottom = _reference_plan(returns, 0.5)
+    assert {i for i in range(members) if parent[i] != i} == bottom and set(
+        parent[list(bottom)]
+    ) <= top
+    # Learnt state: row i is the parent's row, exactly (numpy gather on the host copy).
+    # (The optimizer's injected learning rate is checked below: it follows the new hparams.)
+    for field in ("params", "opt_state", "obs_stats", "ret_stats"):
+        ref = jax.tree.map(lambda x: x[parent], getattr(before.members, field))
+        chex.assert_trees_all_equal(_without_lr(getattr(after.members, field)), _without_lr(ref))
+    # Own envs, episodes, key: untouched for every member.
+    for field in (
+        "env_state",
+        "obs",
+        "disc_return",
+        "ep_return",
+        "ep_length",
+        "last_return",
+        "rng",
+    ):
+        chex.assert_trees_all_equal(getattr(after.members, field), getattr(before.members, field))
+    # Hyperparameters: the parent's times 0.8 or 1.2 (clipped to the bounds); donors unchanged.
+    for name in pbt.HPARAMS:
+        old, got = before.members.hparams[name], after.members.hparams[name]
+        np.testing.assert_array_equal(np.asarray(hparams[name]), got)
+        lo, hi = pbt.BOUNDS[name]
+        for i in range(members):
+            if i not in bottom:
+                assert got[i] == old[i]
+            else:
+                options = [
+                    np.clip(np.float32(old[parent[i]]) * np.float32(f), lo, hi) for f in FACTORS
+                ]
+                assert np.any(np.isclose(got[i], options, rtol=1e-6, atol=0)), (name, i)
+    # The optimizer's injected learning rate still equals hparams * the annealing fraction of
+    # the last update (update 2 of num_updates).
+    frac = 1.0 - 1.0 / cfg.num_updates
+    lr_in_opt = optax.tree_utils.tree_get(after.members.opt_state, "learning_rate")
+    np.testing.assert_allclose(lr_in_opt, after.members.hparams["learning_rate"] * frac, rtol=1e-6)
+
+    # Deterministic for a key: the same input state and key give the same result.
+    again, _ = learner.exploit_explore(twin, returns, key)
+    chex.assert_trees_all_equal(jax.device_get(again), after)
+    # And training goes on from the new state.
+    cont, metrics = learner.update(new, 2)  # the compiled program
+    assert np.isfinite(np.asarray(metrics["policy_loss"])).all()
+    ensemble.debug.assert_member_placement(cont.members, learner.mesh, members)
+
+
+def _without_lr(tree):
+    if optax.tree_utils.tree_get(tree, "learning_rate") is None:
+        return tree
+    return optax.tree_utils.tree_set(tree, learning_rate=np.zeros(()))
+
+
+def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
+    # CartPole: episodes finish within an update, so every member is ranked.
+    cfg = _tiny("cartpole", 4, total_steps=6 * 32, learning_rate=(1e-4, 3e-4, 1e-3, 3e-3))
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    full, rows = train(cfg, tmp_path / "full", progress=False, learner=learner)
+    assert [("pbt_parent" in r) for r in rows] == [False, True, False, True, False, False]
+    assert all(len(r["hparams"]["learning_rate"]) == 4 for r in rows)
+    for prev, row in itertools.pairwise(rows):  # hparams change only after a PBT step
+        if "pbt_parent" not in prev:
+            assert row["hparams"] == prev["hparams"]
+        for i, p in enumerate(prev.get("pbt_parent", [])):
+            if p != i:
+                ratio = row["hparams"]["learning_rate"][i] / prev["hparams"]["learning_rate"][p]
+                assert min(abs(ratio - f) for f in FACTORS) < 1e-5
+    assert sum(p != i for r in rows for i, p in enumerate(r.get("pbt_parent", []))) == 2
+    assert (tmp_path / "full" / "pbt_lineage.png").stat().st_size > 0
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_5(row):
+        if row["update"] == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(
+            cfg,
+            tmp_path / "cut",
+            progress=False,
+            checkpoint_every=1,
+            learner=learner,
+            on_update=stop_at_5,
+        )
+    resumed, _ = train(cfg, tmp_path / "cut", resume=True, progress=False, learner=learner)
+    chex.assert_trees_all_equal(jax.device_get(resumed), jax.device_get(full))
+    cut = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rs]
+    assert strip(cut) == strip(rows)
+
+
+@pytest.mark.timeout(300)
+def test_cli_pbt_run_writes_lineage(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "4"]
+    cmd += ["--total-steps", "1536", "--num-steps", "64", "--out", str(out), "--no-progress"]
+    cmd += ["--pbt", "--pbt-interval", "2", "--pbt-fraction", "0.5", "--pbt-factors", "0.5,2"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows if "pbt_parent" in r] == [2, 4]
+    assert all(sorted(r["hparams"]) == sorted(pbt.HPARAMS) for r in rows)
+    changed = [i for i, p in enumerate(rows[1]["pbt_parent"]) if p != i]
+    assert len(changed) == 2
+    for i in changed:
+        ratio = (
+            rows[2]["hparams"]["clip_coef"][i]
+            / rows[1]["hparams"]["clip_coef"][rows[1]["pbt_parent"][i]]
+        )
+        assert min(abs(ratio - 0.5), abs(ratio - 2.0)) < 1e-5
+    assert (out / "pbt_lineage.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--members", "1"], "pbt needs at least 2 members"),
+        (["--pbt-fraction", "0.7"], r"pbt_fraction must be in \(0, 0.5\]"),
+        (["--pbt-fraction", "0.1"], "replaces no member"),
+        (["--pbt-factors", "0.8,-1"], "pbt_factors must be positive finite"),
+        (["--pbt-interval", "0"], "pbt_interval must be a positive integer"),
+        (["--pbt-window", "-2"], "pbt_window must be a positive integer"),
+    ],
+)
+def test_cli_bad_pbt_flags_are_one_line_errors(tmp_path, capsys, flags, match):
+    from rollout.ppo import main
+
+    argv = ["--pbt", "--members", "4", "--devices", "2", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert re.search(match, err), err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.timeout(300)
+def test_cli_pbt_across_two_processes(tmp_path):
+    # 2 processes x 2 CPU devices, 4 members: the gather moves members between processes.
+    out = tmp_path / "run"
+    drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--timeout", "270", "--"]
+    cmd += [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "4"]
+    cmd += ["--total-steps", "1536", "--num-steps", "64", "--devices", "2", "--no-progress"]
+    cmd += ["--out", str(out), "--pbt", "--pbt-interval", "2", "--pbt-fraction", "0.5"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=290)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [j for j, r in enumerate(rows) if "pbt_parent" in r]
+    assert [rows[j]["update"] for j in steps] == [2, 4]
+    for j in steps:  # each step replaced exactly the numpy reference's bottom with its top
+        top, bottom = _reference_plan(pbt.recent_returns(rows[: j + 1], 3, 4), 0.5)
+        parent = rows[j]["pbt_parent"]
+        assert {i for i in range(4) if parent[i] != i} == bottom
+        assert {parent[i] for i in bottom} <= top
