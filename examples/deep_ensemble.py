@@ -9,8 +9,11 @@ that ships inside scikit-learn (1797 images, 10 classes; no download):
 - ``ensemble.build`` makes n members of an MLP on the flattened 64 pixels (``--model cnn``: a
   small CNN), each member initialised from its own key on its own device(s);
 - ``ensemble.train_step`` trains all of them in one donated jitted step per batch: every member
-  has its own Adam state and its own batch (``--data shuffle``: its own shuffle of the training
-  set each epoch; ``--data bootstrap``: its own bootstrap resample, shuffled each epoch);
+  has its own Adam state and its own batch (``--data bootstrap``, the default: its own bootstrap
+  resample of the training set, shuffled each epoch; ``--data shuffle``: its own shuffle of the
+  whole training set each epoch). ``--val-fraction f`` holds out f of the training digits and
+  keeps each member's parameters from its epoch of lowest validation NLL (early stopping);
+  the default trains every member for all ``--epochs`` on every training digit;
 - each member and the ensemble's mean prediction (the mixture ``mean_i softmax(logits_i)``) are
   scored on held-out test digits: accuracy, negative log-likelihood, expected calibration error
   (15 equal-width confidence bins) and Brier score (summed over classes, in [0, 2]);
