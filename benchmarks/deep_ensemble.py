@@ -15,7 +15,8 @@ members); the goal is ``ensemble over D devices >= 0.9 x D x loop``. Devices are
 devices, one per core and one thread each (``rollout.configure_cpu_devices``), so the loop runs on
 one core. ``loop, all cores`` is the same loop in a fresh process with JAX's default CPU setup
 (one device using every core), the loop as a user would run it. Each way is timed ``--repeats``
-times, the ways interleaved so that load from other processes hits all alike; the best is kept.
+times, the ways interleaved so that load from other processes hits all alike; the best is kept,
+and ``spread`` (slowest / fastest repeat) shows how much the load moved each way's time.
 
 Not a test: it times things. Run it on a quiet machine::
 
@@ -180,7 +181,7 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
     devices = jax.devices()
     w = Workload(de, members, hidden, epochs)
     layouts = sorted({1, len(devices)})
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     params: dict[str, list] = {}
     for _ in range(repeats):
         runs = {"loop": lambda: time_loop(w, devices[0])}
@@ -190,10 +191,11 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
         runs["loop, all cores"] = lambda: (loop_all_cores(members, hidden, epochs), None)
         for name, fn in runs.items():
             seconds, p = fn()
-            if seconds is not None and seconds < best.get(name, float("inf")):
-                best[name] = seconds
+            if seconds is not None:
+                times.setdefault(name, []).append(seconds)
             if p is not None:
                 params[name] = p
+    best = {name: min(t) for name, t in times.items()}
     rate = {name: w.member_steps / s for name, s in best.items()}
     loop = rate["loop"]
     ways = []
@@ -205,6 +207,9 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
                 "devices": d,
                 "member_steps_per_s": r,
                 "seconds": best[name],
+                "seconds_all": times[name],
+                # the noise: slowest over fastest of the interleaved repeats
+                "spread": max(times[name]) / best[name],
                 "x_loop": r / loop,
                 "goal_x_loop": 0.9 * d if d else None,
                 "goal_met": (r >= 0.9 * d * loop) if d else None,
@@ -236,7 +241,7 @@ def machine() -> dict:
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'n':>3} {'hidden':>6} {'epochs':>6} {'way':>16} {'member-steps/s':>15} {'x loop':>7} "
-        f"{'goal':>7} {'max|diff|':>9}"
+        f"{'goal':>7} {'max|diff|':>9} {'spread':>6}"
     )
     lines = [head]
     for row in rows:
@@ -246,7 +251,7 @@ def format_table(rows: list[dict]) -> str:
             lines.append(
                 f"{row['members']:>3} {row['hidden']:>6} {row['epochs']:>6} {way['way']:>16} "
                 f"{way['member_steps_per_s']:>15,.0f} {way['x_loop']:>6.2f}x {goal:>7} "
-                f"{'' if diff is None else f'{diff:.1e}':>9}"
+                f"{'' if diff is None else f'{diff:.1e}':>9} {way['spread']:>5.2f}x"
             )
     return "\n".join(lines)
 

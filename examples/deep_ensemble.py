@@ -9,8 +9,11 @@ that ships inside scikit-learn (1797 images, 10 classes; no download):
 - ``ensemble.build`` makes n members of an MLP on the flattened 64 pixels (``--model cnn``: a
   small CNN), each member initialised from its own key on its own device(s);
 - ``ensemble.train_step`` trains all of them in one donated jitted step per batch: every member
-  has its own Adam state and its own batch (``--data shuffle``: its own shuffle of the training
-  set each epoch; ``--data bootstrap``: its own bootstrap resample, shuffled each epoch);
+  has its own Adam state and its own batch (``--data bootstrap``, the default: its own bootstrap
+  resample of the training set, shuffled each epoch; ``--data shuffle``: its own shuffle of the
+  whole training set each epoch). ``--val-fraction f`` holds out f of the training digits and
+  keeps each member's parameters from its epoch of lowest validation NLL (early stopping);
+  the default trains every member for all ``--epochs`` on every training digit;
 - each member and the ensemble's mean prediction (the mixture ``mean_i softmax(logits_i)``) are
   scored on held-out test digits: accuracy, negative log-likelihood, expected calibration error
   (15 equal-width confidence bins) and Brier score (summed over classes, in [0, 2]);
@@ -66,15 +69,22 @@ class Config:
         default="mlp", metadata={"help": "network", "choices": ("mlp", "cnn")}
     )
     hidden: int = dataclasses.field(default=256, metadata={"help": "MLP width (CNN dense width)"})
-    epochs: int = dataclasses.field(default=100, metadata={"help": "passes over the training set"})
+    epochs: int = dataclasses.field(default=150, metadata={"help": "passes over the training set"})
     batch_size: int = dataclasses.field(default=64, metadata={"help": "examples per step"})
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "Adam learning rate"})
     data: str = dataclasses.field(
-        default="shuffle",
-        metadata={"help": "per-member data order", "choices": ("shuffle", "bootstrap")},
+        default="bootstrap",
+        metadata={"help": "per-member training data", "choices": ("shuffle", "bootstrap")},
     )
     test_fraction: float = dataclasses.field(
         default=0.3, metadata={"help": "share of the digits held out for testing"}
+    )
+    val_fraction: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "share of the training digits held out to keep each member's epoch of "
+            "lowest validation NLL (0: no split, keep the last epoch)"
+        },
     )
     bins: int = dataclasses.field(default=15, metadata={"help": "calibration bins (ECE)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of init, split, order"})
@@ -95,6 +105,8 @@ class Config:
             out.append(f"--lr must be a positive number, got {self.lr}")
         if not 0.05 <= self.test_fraction <= 0.5:
             out.append(f"--test-fraction must be in [0.05, 0.5], got {self.test_fraction}")
+        if not (self.val_fraction == 0 or 0.05 <= self.val_fraction <= 0.5):
+            out.append(f"--val-fraction must be 0 or in [0.05, 0.5], got {self.val_fraction}")
         if self.devices < 0:
             out.append(f"--devices must be >= 0, got {self.devices}")
         return out
@@ -108,10 +120,13 @@ class Data(NamedTuple):
     y_train: np.ndarray  # [N] int32
     x_test: np.ndarray
     y_test: np.ndarray
+    x_val: np.ndarray  # held out of the training digits to pick each member's epoch ([0, 64]: none)
+    y_val: np.ndarray
 
 
-def load_digits(test_fraction: float = 0.3, seed: int = 0) -> Data:
-    """scikit-learn's 8x8 digits, intensities scaled to [0, 1], a stratified train/test split."""
+def load_digits(test_fraction: float = 0.3, seed: int = 0, val_fraction: float = 0.0) -> Data:
+    """scikit-learn's 8x8 digits, intensities scaled to [0, 1], stratified train/test split; then
+    ``val_fraction`` of the training digits held out for validation (stratified as well)."""
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -120,7 +135,12 @@ def load_digits(test_fraction: float = 0.3, seed: int = 0) -> Data:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y.astype(np.int32), test_size=test_fraction, random_state=seed, stratify=y
     )
-    return Data(x_tr, y_tr, x_te, y_te)
+    x_va, y_va = x_tr[:0], y_tr[:0]
+    if val_fraction > 0:
+        x_tr, x_va, y_tr, y_va = train_test_split(
+            x_tr, y_tr, test_size=val_fraction, random_state=seed, stratify=y_tr
+        )
+    return Data(x_tr, y_tr, x_te, y_te, x_va, y_va)
 
 
 def shifted_inputs(x: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
@@ -172,21 +192,6 @@ class MLP(nn.Module):
         return nn.Dense(NUM_CLASSES)(x)
 
 
-def conv3x3(x: jax.Array, features: int) -> jax.Array:
-    """A 3x3 'SAME' convolution written as 9 shifted copies of the image and one Dense layer.
-
-    Why not ``nn.Conv``: vmapped over members with per-member kernels, a convolution becomes one
-    grouped convolution that XLA's SPMD partitioner does not split over the member axis; it
-    all-gathers every member's activations and kernels onto each device (and on several CPU
-    devices that collective can stall the step). Shifted copies and a matmul stay member-local.
-    """
-    h, w = x.shape[-3], x.shape[-2]
-    pad = [(0, 0)] * (x.ndim - 3) + [(1, 1), (1, 1), (0, 0)]
-    xp = jnp.pad(x, pad)
-    patches = [xp[..., i : i + h, j : j + w, :] for i in range(3) for j in range(3)]
-    return nn.Dense(features)(jnp.concatenate(patches, -1))
-
-
 class CNN(nn.Module):
     """Two 3x3 convolutions on the 8x8 image, 2x2 average pooling, one hidden dense layer."""
 
@@ -195,8 +200,8 @@ class CNN(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(*x.shape[:-1], 8, 8, 1)
-        x = nn.relu(conv3x3(x, 16))
-        x = nn.relu(conv3x3(x, 32))
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
         x = x.reshape(*x.shape[:-3], 4, 2, 4, 2, 32).mean((-4, -2))  # 2x2 average pooling
         x = x.reshape(*x.shape[:-3], -1)
         x = nn.relu(nn.Dense(self.hidden)(x))
@@ -242,21 +247,36 @@ def build(cfg: Config, x_sample: np.ndarray) -> tuple[ensemble.LinenEnsemble, An
     return ens, params
 
 
-def train(
-    cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data
-) -> tuple[Any, np.ndarray, np.ndarray]:
-    """Trains every member at once; returns (params, losses [steps, n], order [steps, n, B]).
+class Trained(NamedTuple):
+    params: Any  # each member's parameters at its best validation epoch (or the last one)
+    losses: np.ndarray  # [steps, n] training loss per step and member
+    order: np.ndarray  # [steps, n, batch_size] the examples each member saw at each step
+    val_nll: np.ndarray  # [epochs, n] each member's validation NLL after each epoch ([0, n]: none)
+    best_epoch: np.ndarray  # [n] 1-based epoch whose parameters each member keeps
+
+
+def member_nll(ens: ensemble.LinenEnsemble, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Each member's mean negative log-likelihood on ``(x, y)``: ``[n]``."""
+    logits = ens.apply({"params": params}, x)
+    labels = jnp.broadcast_to(y, logits.shape[:-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(-1)
+
+
+@jax.jit
+def keep_better(best: Any, params: Any, better: jax.Array) -> Any:
+    """Member i of ``params`` where ``better[i]``, else member i of ``best`` (new buffers)."""
+    pick = lambda b, p: jnp.where(better.reshape((-1,) + (1,) * (p.ndim - 1)), p, b)
+    return jax.tree.map(pick, best, params)
+
+
+def train(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) -> Trained:
+    """Trains every member at once for ``cfg.epochs``; with a validation split each member keeps
+    its parameters from the epoch with its lowest validation NLL (early stopping, per member).
 
     ``params`` are donated: use only the returned ones.
     """
-    order = batch_order(
-        cfg.members,
-        len(data.x_train),
-        cfg.batch_size,
-        cfg.epochs,
-        cfg.seed,
-        bootstrap=cfg.data == "bootstrap",
-    )
+    num_train, n = len(data.x_train), cfg.members
+    order = batch_order(n, num_train, cfg.batch_size, cfg.epochs, cfg.seed, cfg.data == "bootstrap")
     step = ensemble.train_step(
         make_loss(ens.model),
         optax.adam(cfg.lr),
@@ -265,13 +285,24 @@ def train(
         per_member_batch=(True, False, False),
     )
     shared = NamedSharding(ens.mesh, PartitionSpec())  # the training set: on every device once
-    x, y = jax.device_put((data.x_train, data.y_train), shared)
-    opt_state = step.init(params)
-    losses = []
-    for idx in order:
-        params, opt_state, loss = step(params, opt_state, idx, x, y)
-        losses.append(loss)
-    return params, np.asarray(jax.device_get(losses)), order
+    x, y, x_val, y_val = jax.device_put(
+        (data.x_train, data.y_train, data.x_val, data.y_val), shared
+    )
+    validate = jax.jit(lambda p: member_nll(ens, p, x_val, y_val))
+    opt_state, best = step.init(params), None
+    losses, val_nll = [], np.empty((cfg.epochs if len(data.x_val) else 0, n))
+    best_epoch = np.full(n, cfg.epochs)
+    for epoch, steps in enumerate(np.split(order, cfg.epochs)):
+        for idx in steps:
+            params, opt_state, loss = step(params, opt_state, idx, x, y)
+            losses.append(loss)
+        if len(val_nll):
+            val_nll[epoch] = np.asarray(validate(params))
+            better = val_nll[epoch] < np.min(val_nll[:epoch], 0, initial=np.inf)
+            best_epoch[better] = epoch + 1
+            best = keep_better(params if best is None else best, params, better)
+    params = params if best is None else best
+    return Trained(params, np.asarray(jax.device_get(losses)), order, val_nll, best_epoch)
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -500,14 +531,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Trains, evaluates and writes the table, JSON and PNG to ``cfg.out``; returns the report."""
-    data = load_digits(cfg.test_fraction, cfg.seed)
+    data = load_digits(cfg.test_fraction, cfg.seed, cfg.val_fraction)
     if cfg.batch_size > len(data.x_train):
         raise ValueError(f"--batch-size must be <= {len(data.x_train)} (the training set)")
     ens, params = build(cfg, data.x_train)
     t0 = time.perf_counter()
-    params, losses, _ = train(cfg, ens, params, data)
+    trained = train(cfg, ens, params, data)
     seconds = time.perf_counter() - t0
-    result = evaluate(cfg, ens, params, data)
+    result = evaluate(cfg, ens, trained.params, data)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     table = format_tables(result)
@@ -517,9 +548,12 @@ def run(cfg: Config) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg),
         "devices": [str(d) for d in ens.mesh.devices.flat],
         "train_examples": len(data.x_train),
+        "val_examples": len(data.x_val),
         "test_examples": len(data.x_test),
         "train_seconds": seconds,
-        "final_train_loss": losses[-1].tolist(),
+        "final_train_loss": trained.losses[-1].tolist(),
+        "best_epoch": trained.best_epoch,
+        "val_nll": trained.val_nll,
     } | {k: v for k, v in result.items() if k not in ("entropies",)}
     (out / "deep_ensemble.json").write_text(json.dumps(to_json(report), indent=1) + "\n")
     print(table)
