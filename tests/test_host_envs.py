@@ -283,10 +283,11 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
         for i in range(2):  # the same saved state restarted twice: identical restarts
             host.close()
             if i == 0:
+                # The callback runs when the program does: wait for it inside the block.
                 with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
-                    out = step(state2, action, restart_keys)
+                    out = jax.block_until_ready(step(state2, action, restart_keys))
             else:
-                out = step(state2, action, restart_keys)
+                out = jax.block_until_ready(step(state2, action, restart_keys))
             results.append(jax.tree.map(np.asarray, out))
         new_state, new_obs, reward, term, trunc, info = results[0]
         assert trunc.all() and not term.any() and (reward == 0).all()
