@@ -55,14 +55,15 @@ for name, devices in (("one", jax.devices()[:1]), ("sharded", jax.devices()[:2])
         state, m = learner.update(state, k)
         jax.block_until_ready(m)
         first = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
             state, m = learner.update(state, k)
         jax.block_until_ready(m)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         learner.close()
-    out[name] = {"steps_per_s": calls * k * cfg.batch_size * cfg.members / wall,
+    steps = calls * k * cfg.batch_size * cfg.members
+    out[name] = {"steps_per_s": steps / wall, "steps_per_cpu_s": steps / cpu,
                  "first_call_s": first}
 print("RESULT " + json.dumps(out))
 """
@@ -93,18 +94,24 @@ def ppo(old_root: pathlib.Path, rounds: int, calls: int, k: int) -> dict[str, An
         for which in order:
             res = _ppo_once(old_root if which == "old" else ROOT, calls, k)
             runs[which].append(res)
+            one, sh = res["one"], res["sharded"]
             print(
-                f"  round {r} {which}: one device {res['one']['steps_per_s']:>9,.0f}  "
-                f"sharded {res['sharded']['steps_per_s']:>9,.0f}  load {res['load_avg']:.1f}",
+                f"  round {r} {which}: one device {one['steps_per_s']:>9,.0f} "
+                f"({one['steps_per_cpu_s']:,.0f}/cpu-s)  sharded {sh['steps_per_s']:>9,.0f} "
+                f"({sh['steps_per_cpu_s']:,.0f}/cpu-s)  load {res['load_avg']:.1f}",
                 flush=True,
             )
     summary = {}
     for layout in ("one", "sharded"):
         med = {w: statistics.median(x[layout]["steps_per_s"] for x in runs[w]) for w in runs}
+        cpu = {w: statistics.median(x[layout]["steps_per_cpu_s"] for x in runs[w]) for w in runs}
         summary[layout] = {
             "old_steps_per_s": med["old"],
             "new_steps_per_s": med["new"],
             "new_over_old": med["new"] / med["old"],
+            "old_steps_per_cpu_s": cpu["old"],
+            "new_steps_per_cpu_s": cpu["new"],
+            "new_over_old_cpu": cpu["new"] / cpu["old"],
             "old_rounds": [x[layout]["steps_per_s"] for x in runs["old"]],
             "new_rounds": [x[layout]["steps_per_s"] for x in runs["new"]],
         }
@@ -121,16 +128,143 @@ def ppo(old_root: pathlib.Path, rounds: int, calls: int, k: int) -> dict[str, An
 def _ppo_table(p: dict[str, Any]) -> str:
     lines = [
         f"PPO env steps/s (all 4 members), median of {p['rounds']} alternating rounds",
-        f"{'layout':>22} {'old':>10} {'new':>10} {'new/old':>8}  rounds old | new",
+        "(wall clock; per CPU-second of this process in brackets: less sensitive to load)",
+        f"{'layout':>22} {'old':>10} {'new':>10} {'new/old':>8} {'cpu new/old':>11}  "
+        "rounds old | new",
     ]
     names = {"one": "4 members on 1 device", "sharded": "sharded over 2 devices"}
     for layout, s in p["summary"].items():
         fmt = lambda xs: " ".join(f"{x / 1e3:.0f}k" for x in xs)
         lines.append(
             f"{names[layout]:>22} {s['old_steps_per_s']:>10,.0f} {s['new_steps_per_s']:>10,.0f} "
-            f"{s['new_over_old']:8.3f}  {fmt(s['old_rounds'])} | {fmt(s['new_rounds'])}"
+            f"{s['new_over_old']:8.3f} {s['new_over_old_cpu']:11.3f}  "
+            f"{fmt(s['old_rounds'])} | {fmt(s['new_rounds'])}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- apply / step: old vs new
+
+
+def _op_pairs(name: str, devices: list, n: int) -> dict[str, Any]:
+    """For one model on ``devices``: zero-argument callables, new core and old mechanism."""
+    import conv_models
+    import jax
+    import memory
+    import optax
+
+    import ensemble
+
+    if name == "MLP":
+        model, shape = memory.LinenMLP(1024, 3), (32, 512)
+    else:
+        model, shape = conv_models.CNN(), (16, 28, 28, 1)
+    x, y = memory._batch(shape[0], shape[1:])
+    ens = ensemble.build(model, n, devices=devices)
+    variables = ens.init(jax.random.key(0), x)
+    loss = memory.ce_loss(lambda p, x: model.apply({"params": p}, x))
+    tx = optax.adam(1e-3)
+    new_step = ens.train_step(loss, tx)
+    old_step = memory.old_train_step(loss, tx, n, ens.mesh, (None, None))
+    old_apply = memory.old_apply(model.apply, n, ens.mesh)
+    sharding = memory._member_sharding(ens.mesh)
+    copy = lambda t: jax.tree.map(lambda a: jax.device_put(a.copy(), sharding), t)
+    state = {"new": [copy(variables["params"])], "old": [copy(variables["params"])]}
+    state["new"].append(new_step.init(state["new"][0]))
+    init_old = jax.jit(jax.vmap(tx.init), out_shardings=sharding)
+    state["old"].append(init_old(state["old"][0]))
+
+    def stepper(which, fn):
+        def run():
+            p, s, losses = fn(*state[which], x, y)
+            state[which] = [p, s]
+            return losses
+
+        return run
+
+    def under_mesh(fn):
+        def run():
+            with jax.set_mesh(ens.mesh):
+                return fn()
+
+        return run
+
+    return {
+        "apply new": lambda: ens.apply(variables, x),
+        "apply old": under_mesh(lambda: old_apply(variables, x)),
+        "step new": stepper("new", new_step),
+        "step old": under_mesh(stepper("old", old_step)),
+    }
+
+
+def _time_ms(fn: Any, reps: int) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def ops(rounds: int, reps: int = 5, n: int = 8) -> dict[str, Any]:
+    """ms per call, median over ``rounds``; new and old alternate inside every round."""
+    import jax
+
+    rows = []
+    for name in ("MLP", "CNN"):
+        for d in (1, 2):
+            fns = _op_pairs(name, jax.devices()[:d], n)
+            for fn in fns.values():  # compile, and warm up
+                jax.block_until_ready(fn())
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for r in range(rounds):
+                keys = list(fns) if r % 2 == 0 else list(reversed(fns))
+                for k in keys:
+                    times[k].append(_time_ms(fns[k], reps))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rows.append({"model": name, "devices": d, "ms": med, "rounds_ms": times})
+            print(f"  {name} D={d}: " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    return {"members": n, "rounds": rounds, "calls_per_round": reps, "rows": rows}
+
+
+def ops_table(data: dict[str, Any]) -> str:
+    lines = [
+        f"ms per call, {data['members']} members, median of {data['rounds']} rounds x "
+        f"{data['calls_per_round']} calls (2 CPU cores; each simulated device one thread)",
+        f"{'model':>5} {'D':>2} {'apply new':>10} {'apply old':>10} {'step new':>9} "
+        f"{'step old':>9}",
+    ]
+    for r in data["rows"]:
+        ms = r["ms"]
+        lines.append(
+            f"{r['model']:>5} {r['devices']:>2} {ms['apply new']:10.2f} {ms['apply old']:10.2f} "
+            f"{ms['step new']:9.2f} {ms['step old']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _ops_plot(data: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, op in zip(axes, ("apply", "step")):
+        labels = [f"{r['model']} D={r['devices']}" for r in data["rows"]]
+        xs = range(len(labels))
+        for off, which in ((-0.2, "old"), (0.2, "new")):
+            vals = [r["ms"][f"{op} {which}"] for r in data["rows"]]
+            ax.bar([x + off for x in xs], vals, 0.4, label=which)
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_ylabel("ms per call (median)")
+        ax.set_title(op)
+        ax.legend()
+    fig.suptitle("Member core (new) vs jit(vmap(spmd_axis_name)) (old), 8 members")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "core_speed.png", dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------- report
@@ -170,10 +304,12 @@ def main(argv: list[str] | None = None) -> None:
         data = ppo(args.old_root.resolve(), args.rounds, args.calls, args.k)
         table = _ppo_table(data)
     else:
-        from core_speed_ops import ops, ops_table
+        import memory
 
+        memory._simulate_cpu_devices(2)
         data = ops(args.rounds)
         table = ops_table(data)
+        _ops_plot(data)
     data["seconds"] = time.perf_counter() - start
     print()
     print(table)
