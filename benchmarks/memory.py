@@ -1,26 +1,37 @@
-"""Per-device memory of a fixed ensemble spread over D = 1, 2, 4, 8 devices, linen and NNX.
+"""Per-device memory of a fixed ensemble spread over D = 1, 2, 4, 8 devices: MLPs and conv nets.
 
-What is compared: ONE ensemble of ``--members`` (default 8) MLP members, ``--params-mb``
-(default about 76 MB) of float32 parameters in total, placed by ``ensemble.build`` on D devices
-(``8 / D`` members per device; one member per device at D = 8). Per device, the largest over the
-D devices used, it measures:
+What is compared: ONE ensemble of ``--members`` (default 8) members placed by ``ensemble.build``
+on D devices (``8 / D`` members per device; one member per device at D = 8), for each model:
+
+- ``linen`` / ``nnx``: an MLP of about 84 MB of float32 parameters in total (linen and NNX);
+- ``cnn``, ``resnet18``, ``nnx_cnn``: the conv nets of ``examples/conv_models.py`` (a small CNN
+  on 28x28x1, ResNet-18 at ``--resnet-width`` 16 on 32x32x3 with BatchNorm statistics through
+  aux, the NNX tutorial CNN), a shared batch of ``--conv-batch`` 16 images.
+
+Per device, the largest over the D devices used, it measures:
 
 - ``state``: live bytes of parameters + Adam state (``ensemble.live_memory``: addressable shards);
 - ``init``: peak of the compiled init program (``ensemble.compiled_memory``);
 - ``step``: peak of the compiled, donated train step (argument + output + temp - alias), with
-  its ``alias`` (donated bytes reused) and ``temp`` (activations, gradients).
+  its ``alias`` (donated bytes reused), ``temp`` (activations, gradients) and its collectives
+  (``ensemble.debug.collectives``);
+- ``old_step``: the same for the step the library built before its member core,
+  ``jax.jit(vmap(value_and_grad(loss) + per-member Adam, spmd_axis_name='ensemble'))`` on the
+  same member-sharded, donated params (:func:`old_train_step`), where the member axis is left to
+  XLA's partitioner.
 
-The 1-device figure is the whole ensemble on one device; the goal (issue 2) is that each device
-needs no more than its share: ``ratio = per_device(D) / (per_device(1) / D) <= 1.05`` for the
-state and for the train step. The batch is shared by all members (replicated, a constant per
-device), so it is kept small next to the parameters, as in real ensembles.
+The 1-device figure is the whole ensemble on one device; the goal is that each device needs no
+more than its share: ``ratio = per_device(D) / (per_device(1) / D) <= 1.05`` for the state and for
+the train step. The batch is shared by all members (replicated, a constant per device), so it is
+kept small next to the parameters, as in real ensembles.
 
-Only lowering and compiling happen for the step (no training run), so this is cheap; the state is
-really initialised (it is what ``state`` measures). Results: a table on stdout,
+Only lowering and compiling happen for the steps (no training run); the state is really
+initialised (it is what ``state`` measures). Results: a table on stdout,
 ``benchmarks/results/memory.json``, ``memory.txt`` and ``memory.png``.
 
-Run: ``python benchmarks/memory.py`` (about a minute on 2 cores; 8 simulated CPU devices), or
-``python benchmarks/memory.py --api linen`` for one API.
+Run: ``python benchmarks/memory.py`` (about 25 minutes on 2 busy cores, most of it compiling
+ResNet-18; 8 simulated CPU devices), ``--models linen cnn`` for some models, or
+``--api linen`` for the linen MLP only.
 """
 
 from __future__ import annotations
