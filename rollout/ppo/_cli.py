@@ -564,24 +564,26 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(str(e)) from None
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
+    cores = os.cpu_count() or 1
+    from ensemble import _distributed as distributed
+
+    procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
+    members = _members_hint(args, found)
+    if members % procs:
+        raise UsageError(
+            f"--members {members} must be a multiple of the number of processes "
+            f"({procs}): every process holds the same number of members."
+        )
+    # Devices per process for this process's members (on CPU-only hosts). Set before the config
+    # is built: building it may make the env once (gymnax envs start JAX).
+    learner_devices = args.devices or cpu_devices_for(members // procs, cores)
+    configure_devices(max(learner_devices, cores))
     config = _config_from_args(args, found)
     if args.resume:
         ckpt.check_resume(found, config.to_dict())
     else:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
-    cores = os.cpu_count() or 1
-    from ensemble import _distributed as distributed
-
-    procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
-    if config.members % procs:
-        raise UsageError(
-            f"--members {config.members} must be a multiple of the number of processes "
-            f"({procs}): every process holds the same number of members."
-        )
-    # Devices per process for this process's members (on CPU-only hosts).
-    learner_devices = args.devices or cpu_devices_for(config.members // procs, cores)
-    configure_devices(max(learner_devices, cores))
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
@@ -653,6 +655,15 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     return config
+
+
+def _members_hint(args: argparse.Namespace, found: Any) -> int:
+    """The member count the run will have, read before the config is built (no JAX needed)."""
+    if args.members is not None:
+        return int(args.members)
+    if args.resume and found.record is not None:
+        return int(found.record["config"].get("members", _DEFAULTS["members"]))
+    return int(_DEFAULTS["members"])
 
 
 def _env_processes(name: str) -> int:
