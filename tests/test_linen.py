@@ -281,7 +281,9 @@ def test_build_dispatches_nnx_factories(monkeypatch):
     assert ensemble.build(nnx.Linear, D, in_features=2, out_features=3) == "nnx-ensemble"
     model, n, kwargs = calls[0]
     assert model is factory and n == D
-    assert kwargs == dict(mesh=None, devices=None, model_parallel=1, rules=None, in_axes=0, extra=1)
+    assert kwargs == dict(
+        mesh=None, devices=None, model_parallel=1, rules=None, in_axes=0, axis_name=None, extra=1
+    )
 
 
 def test_variables_work_in_plain_jit_and_grad():
