@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules
 
@@ -285,12 +285,6 @@ class Members:
             return jax.tree.map(lambda y: y[0], out)
 
         return named
-
-    # -- placement outside the member program ------------------------------------------------
-
-    def sharding(self, ndim: int) -> NamedSharding:
-        """Member axis split, every other axis left to the compiler."""
-        return NamedSharding(self.mesh, PartitionSpec(MEMBER_AXIS, *([None] * (ndim - 1))))
 
 
 def is_key(x: Any) -> bool:

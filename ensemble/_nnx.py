@@ -51,9 +51,9 @@ RngsLike = int | jax.Array | nnx.Rngs | Mapping[str, Any]
 _TRANSFORM_METADATA = {nnx.PARTITION_NAME: MEMBER_AXIS}
 
 
-def _tracing() -> bool:
-    """True inside a JAX trace (jit, vmap, grad)."""
-    return isinstance(jnp.zeros(()) + 0, jax.core.Tracer)
+def _tracing(*trees: Any) -> bool:
+    """True when any array in ``trees`` is being traced (inside jit, grad, vmap)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 class _MemberKeys(NamedTuple):
@@ -132,7 +132,7 @@ class NNXEnsemble(nnx.Module):
         traced, other inputs are static). Inside ``nnx.jit`` / ``nnx.grad`` it simply traces.
         """
         args, kwargs = _take_rngs((args, kwargs))
-        if not _tracing():
+        if not _tracing(args, kwargs, nnx.state(self.members)):
             split = _split_static(args, kwargs)
             if split is not None:
                 dynamic, static = split

@@ -15,18 +15,17 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from multiprocessing import shared_memory
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import numpy as np
+
+from rollout._spawn import exit_text, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _ALIGN = 64
@@ -82,28 +81,13 @@ def _worker_env(x64: bool) -> dict[str, str]:
 
 
 def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            return f"exited with code {code}"
-    return f"exited with code {code}"
+    return exit_text(code, running="is still running")
 
 
 class _Worker:
     def __init__(self, index: int, env: dict[str, str]):
-        parent_sock, child_sock = socket.socketpair()
         self.index = index
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", _WORKER, str(child_sock.fileno())],
-            env=env,
-            pass_fds=(child_sock.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        child_sock.close()
-        self.conn = Connection(parent_sock.detach())
+        self.proc, self.conn = spawn(_WORKER, env)
         self.programs: set = set()  # program keys this worker holds compiled
         self.drops: set = set()  # keys to tell it to forget with its next message
 

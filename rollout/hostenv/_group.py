@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
+
+from rollout._spawn import exit_text, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
@@ -40,28 +40,13 @@ class HostEnvError(RuntimeError):
 
 
 def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "did not answer"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            pass
-    return f"exited with code {code}"
+    return exit_text(code, running="did not answer")
 
 
 class _Worker:
     def __init__(self, index: int, rows: range, env: dict[str, str]):
-        parent, child = socket.socketpair()
         self.index, self.rows = index, rows
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", _WORKER, str(child.fileno())],
-            env=env,
-            pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
-        self.conn = Connection(parent.detach())
+        self.proc, self.conn = spawn(_WORKER, env)
 
     @property
     def pid(self) -> int:
