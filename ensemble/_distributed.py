@@ -115,9 +115,7 @@ def initialize(
       >>> info.process_id, info.is_main
       (0, True)
     """
-    from jax._src import distributed as jax_distributed
-
-    if jax_distributed.global_state.client is not None:
+    if jax.distributed.is_initialized():
         return _info()
     if local_cpu_devices is None and os.environ.get(ENV_NUM_CPU_DEVICES):
         local_cpu_devices = int(os.environ[ENV_NUM_CPU_DEVICES])
