@@ -6,20 +6,23 @@ places the envs of an n-member ensemble on worker processes and returns ``HostEn
 
     jit(update)
       └─ shard_map over the ensemble mesh: one call per device, on that device's members only
-           └─ io_callback -> the WorkerGroup of that device -> its worker processes
+           └─ host_call -> the WorkerGroup of that device -> its worker processes
+
+``host_call`` (``rollout._host_call``) is ``io_callback`` without its per-call wrapping of every
+argument into a JAX array, which cost more than a MuJoCo step (see that module).
 
 Why the steps can be neither reordered, dropped nor duplicated:
 
-1. ``io_callback`` carries an IO effect and lowers to a custom call marked side-effecting, so
-   neither JAX nor XLA removes it as dead code, merges it with another or runs it twice (a
-   ``pure_callback`` may be elided or recomputed).
+1. ``host_call`` carries ``io_callback``'s own IO effect and lowers to the same custom call
+   marked side-effecting, so neither JAX nor XLA removes it as dead code, merges it with another
+   or runs it twice (a ``pure_callback`` may be elided or recomputed).
 2. Its order comes from data: step k+1's callback takes step k's returned ``HostState`` (and
    actions computed from step k's observations), so it cannot start before step k returned.
 3. Verified, not assumed: ``HostState`` carries a session id and a step counter that the
    callback checks against the group's own (a replayed or skipped step is an error), and every
    worker checks the sequence number of each request against its own count.
 
-``ordered=True`` is not used: JAX chains ordered effects through a per-thread runtime token,
+No ordered effect is used: JAX chains ordered effects through a per-thread runtime token,
 and a callback that raised (an env error) leaves that token failed, so every later program with
 an ordered effect in the process would fail too. The data dependence already orders the steps.
 
@@ -39,10 +42,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from rollout._host_call import host_call
 from rollout.envs._core import Box, Discrete, Space
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
@@ -247,7 +250,7 @@ class HostEnvs:
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
-            outs = io_callback(_numpy_args(host), local_types, g, lead, *local, ordered=False)
+            outs = host_call(host, local_types, g, lead, *local)
             if not replicated:
                 return outs
             # Only the leader stepped the envs; share its result with the other replicas.
@@ -375,16 +378,6 @@ class HostEnvs:
         return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
                 np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
                 np.asarray(obs, np.float32))  # fmt: skip
-
-
-def _numpy_args(fn: Any) -> Any:
-    """``io_callback`` hands the callback JAX arrays; every JAX op on them would be a dispatch
-    (tens of microseconds each, per env step): work on NumPy views instead."""
-
-    def host(*args: Any) -> Any:
-        return fn(*(np.asarray(a) for a in args))
-
-    return host
 
 
 def _one(x: np.ndarray, what: str) -> int:
