@@ -1,4 +1,4 @@
-"""``rollout._host_call.host_call``: same results as ``io_callback``, kept, ordered, never repeated."""
+"""``host_call``: same results as ``io_callback``; kept, ordered, never merged or repeated."""
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,8 @@ def test_eager_call_runs_fn():
     np.testing.assert_array_equal(y, [1.0, 1.0])
 
 
-def test_not_differentiable():
-    with pytest.raises(Exception):
+def test_not_differentiable_nor_vmappable():
+    with pytest.raises(NotImplementedError, match="host_call"):
         jax.grad(lambda x: host_call(lambda a: (a,), [x], x)[0])(1.0)
+    with pytest.raises(NotImplementedError, match="host_call"):
+        jax.vmap(lambda x: host_call(lambda a: (a,), [x], x)[0])(jnp.ones(3))
