@@ -226,3 +226,52 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert evaluate.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+
+
+@pytest.mark.timeout(300)
+def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, capsys):
+    from rollout.ppo import train
+
+    cfg = PPOConfig.for_env(
+        "cartpole", members=MEMBERS, total_steps=2 * 256, num_envs=4, num_steps=64,
+        num_minibatches=2, update_epochs=1,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    state, _ = train(cfg, run, progress=False, devices=jax.devices()[:DEVICES])
+    before = sorted(p.name for p in run.iterdir())
+    assert export.main([str(run), "--to", str(tmp_path / "cli"), "--members", "1,3"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(tmp_path / "cli" / f"member_{i}") for i in (1, 3)]
+    assert sorted(p.name for p in run.iterdir()) == before  # the run is only read
+    export.export_from_state(cfg, state, tmp_path / "ref", members=[1, 3])
+    for i in (1, 3):
+        for name in ("params.npz", "obs_norm.npz"):
+            got, ref = (np.load(tmp_path / d / f"member_{i}" / name) for d in ("cli", "ref"))
+            assert sorted(got) == sorted(ref)
+            for key in ref:
+                np.testing.assert_array_equal(got[key], ref[key])
+        meta = json.loads((tmp_path / "cli" / f"member_{i}" / "member.json").read_text())
+        assert meta["member"] == i and meta["env_steps"] == 2 * 256
+
+
+@pytest.mark.timeout(120)
+def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no_ckpt").mkdir()
+    (tmp_path / "no_ckpt" / "run.json").write_text(json.dumps({"run_id": "x", "config": {}}))
+    (tmp_path / "bad_config").mkdir()
+    (tmp_path / "bad_config" / "run.json").write_text(
+        json.dumps({"run_id": "x", "config": {"members": "two"}})
+    )
+    (tmp_path / "bad_config" / "ckpt_00000001").mkdir()
+    cases = [
+        [str(tmp_path / "missing")],
+        [str(tmp_path / "empty")],
+        [str(tmp_path / "no_ckpt")],
+        [str(tmp_path / "bad_config")],
+        [str(tmp_path / "empty"), "--members", "a,b"],
+    ]
+    for argv in cases:
+        assert export.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)

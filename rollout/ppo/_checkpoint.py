@@ -308,14 +308,15 @@ def save(
 
 
 def restore_latest(
-    out: Path, run_id: str, like: Any, warn: Callable[[str], None]
+    out: Path, run_id: str, like: Any, warn: Callable[[str], None], set_aside: bool = True
 ) -> tuple[Any, dict[str, Any]]:
     """The newest checkpoint of ``run_id`` that restores whole, and its metadata.
 
     ``like``: ``jax.ShapeDtypeStruct`` leaves with shardings (each leaf goes straight onto its
     devices). A checkpoint that fails (unreadable, another run, checksum mismatch) is reported
     through ``warn`` in one line and the previous one is tried; those newer than the one used
-    are renamed ``*.unreadable`` (kept, out of the way of new checkpoints). Collective.
+    are renamed ``*.unreadable`` (kept, out of the way of new checkpoints) unless
+    ``set_aside=False`` (a reader, such as an export, that must not change the run). Collective.
     """
     tried = []
     found = checkpoints(out)
@@ -327,7 +328,7 @@ def restore_latest(
         except Exception as e:
             state, reason = None, _one_line(e)
         if _all_processes(state is not None):
-            if found[i + 1 :]:
+            if found[i + 1 :] and set_aside:
                 _barrier_then_on_main(functools.partial(_set_aside, found[i + 1 :]))
             return state, meta
         tried.append(path.name)

@@ -327,3 +327,103 @@ def member_dirs(directory: str | os.PathLike) -> list[Path]:
         )
     index = lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1
     return sorted(found, key=lambda p: (index(p), p.name))
+
+
+# ---------------------------------------------------------------------- from a run directory
+
+
+def export_run(
+    run_dir: str | os.PathLike,
+    directory: str | os.PathLike | None = None,
+    members: Sequence[int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> list[Path]:
+    """Exports members of the newest restorable checkpoint of a training run.
+
+    ``run_dir`` is the ``--out`` of ``python -m rollout.ppo`` (``run.json`` and checkpoints);
+    the members go to ``directory`` (default ``run_dir/export``). The run is only read: a
+    checkpoint that fails to restore is skipped with a warning, never renamed or removed.
+    Raises :class:`NotAnExport` (a ``ValueError``) if ``run_dir`` is not a run with a checkpoint.
+    """
+    from rollout.ppo import Learner
+    from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo._config import PPOConfig
+
+    run = Path(run_dir)
+    try:
+        found = ckpt.inspect(run)
+    except ckpt.RunDirError as e:
+        raise NotAnExport(str(e)) from None
+    if found.record is None:
+        raise NotAnExport(f"{run} has no run.json: give the --out directory of a training run.")
+    if not ckpt.checkpoints(run):
+        raise NotAnExport(f"{run} has no checkpoint yet: train longer (--checkpoint-every).")
+    try:
+        config = PPOConfig.from_dict(found.record["config"])
+    except (TypeError, ValueError) as e:
+        raise NotAnExport(f"{run / ckpt.RUN_FILE} holds no usable config ({e}).") from None
+    learner = Learner(config, devices=devices)
+    try:
+        like = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            learner.state_shapes(),
+            learner.state_shardings(),
+        )
+        warn = lambda line: print(line, file=__import__("sys").stderr)
+        try:
+            state, _ = ckpt.restore_latest(run, found.record["run_id"], like, warn, False)
+        except ckpt.RunDirError as e:
+            raise NotAnExport(str(e).replace("--resume: ", "")) from None
+        return export_members(learner, state, directory or run / "export", members)
+    finally:
+        learner.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rollout.ppo.export RUN_DIR [--to DIR] [--members 0,2]``; 2 on bad input."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m rollout.ppo.export",
+        description="Export trained members of a run (its newest checkpoint) for inference.",
+    )
+    p.add_argument("run_dir", help="the --out directory of python -m rollout.ppo")
+    p.add_argument("--to", default=None, help="export directory (default RUN_DIR/export)")
+    p.add_argument("--members", default=None, help="comma-separated member indices (default all)")
+    args = p.parse_args(argv)
+    try:
+        chosen = None if args.members is None else [int(i) for i in args.members.split(",")]
+    except ValueError:
+        print(f"error: --members {args.members!r}: give indices like 0,2", file=sys.stderr)
+        return 2
+    try:
+        paths = export_run(args.run_dir, args.to, chosen, devices=_devices_for_run(args.run_dir))
+    except (ValueError, IndexError) as e:  # NotAnExport, a member out of range
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _devices_for_run(run_dir: str) -> list[jax.Device] | None:
+    """On a CPU-only host, as many simulated devices as training would use (set before JAX)."""
+    from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo._cli import configure_devices, cpu_devices_for
+
+    try:
+        record = ckpt.inspect(run_dir).record
+    except ckpt.RunDirError:
+        return None  # export_run says why
+    members = (record or {}).get("config", {}).get("members")
+    if not isinstance(members, int) or members < 1:
+        return None  # export_run says why
+    cores = os.cpu_count() or 1
+    wanted = cpu_devices_for(members, cores)
+    configure_devices(max(wanted, cores))
+    return jax.devices()[:wanted] if jax.default_backend() == "cpu" else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
