@@ -1,6 +1,7 @@
-"""Host-env throughput: ensemble PPO on gymnasium envs against the envs alone and a CleanRL loop.
+"""Host-env throughput: ensemble PPO on gymnasium / EnvPool envs, the envs alone, a CleanRL loop.
 
-For each env id, n members with E envs each (n*E env instances), on this machine's cores:
+For each env id and each E in ``--num-envs``, n members with E envs each (n*E env instances), on
+this machine's cores:
 
 - ``ppo``: ``Learner.update`` env steps/s, all members together, the rollout stepping the envs in
   the host-env worker processes from inside the jitted update. Two settings: ``ppo-rollout``
@@ -8,16 +9,22 @@ For each env id, n members with E envs each (n*E env instances), on this machine
   (CleanRL's 10 epochs x 32 minibatches for continuous actions, 4 x 4 for discrete), and
   ``ppo-inprocess``: as ``ppo-rollout`` with ``workers_per_device=0`` (the envs stepped in the
   callback threads of this process, no process hop).
-- ``alone``: the same n*E env instances stepped with random actions by plain Python loops, one
-  process per core (same-step autoreset): what the envs cost with no learner at all.
-- ``cleanrl``: a CleanRL-style rollout: ``gymnasium.vector.SyncVectorEnv`` over the n*E envs in
-  this process, one jitted policy call per step from Python (the same actor-critic, vmapped over
-  the n members); rollout only, no learning.
+- ``alone``: the same n*E env instances stepped with random actions (drawn before the clock
+  starts) by plain loops, one process per core (same-step autoreset; an EnvPool pool of one
+  thread per core): what the envs cost with no learner at all, the env-bound limit.
+- ``cleanrl``: a CleanRL-style rollout: ``gymnasium.vector.SyncVectorEnv`` (or one EnvPool pool)
+  over the n*E envs in this process, one jitted policy call per step from Python (the same
+  actor-critic, vmapped over the n members); rollout only, no learning.
+- Ratios: ``rollout/alone`` and ``full/alone`` (goal >= 0.8), ``rollout/cleanrl`` (goal >= 2;
+  both rollouts without learning). The CleanRL loop steps its envs on one core, so on C cores
+  ``rollout/cleanrl`` cannot exceed about ``alone / cleanrl`` (C times one core's env rate over
+  the loop's): near 2 on this 2-core machine, reached only where the loop's own per-step cost
+  is large next to the envs'.
 
 Not a test: it times things, on whatever else runs on the machine (the JSON records the load).
 Run it on a quiet machine::
 
-    python benchmarks/envs.py                                  # HalfCheetah-v5 and CartPole-v1
+    python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; E=1,4,16
     python benchmarks/envs.py --envs gymnasium:Hopper-v5 --members 2 --num-envs 4
 
 Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png``.
@@ -42,24 +49,49 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _alone_worker(env_id: str, num_envs: int, steps: int, seed: int) -> tuple[int, float]:
-    """Random actions, same-step autoreset, in a plain loop: (env steps, seconds)."""
+def _actions(space, steps: int, num_envs: int, seed: int):
+    """Random actions for every step, drawn up front (so the timed loop is the envs alone)."""
+    import gymnasium
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if isinstance(space, gymnasium.spaces.Discrete):
+        return rng.integers(0, int(space.n), (steps, num_envs))
+    low, high = np.broadcast_to(space.low, space.shape), np.broadcast_to(space.high, space.shape)
+    return rng.uniform(low, high, (steps, num_envs, *space.shape)).astype(np.float32)
+
+
+def _alone_worker(name: str, num_envs: int, steps: int, seed: int) -> tuple[int, float]:
+    """One core's share of the envs, random actions, same-step autoreset: (env steps, seconds)."""
+    backend, _, env_id = name.partition(":")
+    if backend == "envpool":  # one pool, its own single C++ thread, stepped synchronously
+        import envpool
+
+        pool = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, num_threads=1,
+                            seed=seed)  # fmt: skip
+        actions = _actions(pool.action_space, steps, num_envs, seed)
+        pool.reset()
+        start = time.perf_counter()
+        for a in actions:
+            pool.step(a)  # EnvPool resets finished envs itself
+        return steps * num_envs, time.perf_counter() - start
     import gymnasium
 
     envs = [gymnasium.make(env_id) for _ in range(num_envs)]
     for i, env in enumerate(envs):
         env.reset(seed=seed + i)
-        env.action_space.seed(seed + i)
+    actions = _actions(envs[0].action_space, steps, num_envs, seed)
+    discrete = isinstance(envs[0].action_space, gymnasium.spaces.Discrete)
     start = time.perf_counter()
-    for _ in range(steps):
-        for env in envs:
-            _, _, term, trunc, _ = env.step(env.action_space.sample())
+    for row in actions:
+        for env, a in zip(envs, row):
+            _, _, term, trunc, _ = env.step(int(a) if discrete else a)
             if term or trunc:
                 env.reset()
     return steps * num_envs, time.perf_counter() - start
 
 
-def alone(env_id: str, total_envs: int, steps: int, cores: int) -> float:
+def alone(name: str, total_envs: int, steps: int, cores: int) -> float:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -68,7 +100,7 @@ def alone(env_id: str, total_envs: int, steps: int, cores: int) -> float:
     counts = [len(c) for c in np.array_split(np.arange(total_envs), min(cores, total_envs))]
     with ProcessPoolExecutor(len(counts), mp_context=mp.get_context("spawn")) as pool:
         futures = [
-            pool.submit(_alone_worker, env_id, c, steps, 100 * i) for i, c in enumerate(counts)
+            pool.submit(_alone_worker, name, c, steps, 100 * i) for i, c in enumerate(counts)
         ]
         results = [f.result() for f in futures]
     return sum(s for s, _ in results) / max(t for _, t in results)
@@ -100,7 +132,23 @@ def ppo(
         learner.close()
 
 
-def cleanrl(env_id: str, members: int, num_envs: int, steps: int) -> float:
+def _vector_env(name: str, count: int):
+    """CleanRL's vector env: gymnasium's SyncVectorEnv, or one EnvPool pool (CleanRL's EnvPool
+    scripts), in this process."""
+    import gymnasium
+
+    backend, _, env_id = name.partition(":")
+    if backend == "envpool":
+        import envpool
+
+        return envpool.make(env_id, env_type="gymnasium", num_envs=count, num_threads=1, seed=0)
+    return gymnasium.vector.SyncVectorEnv(
+        [lambda: gymnasium.make(env_id) for _ in range(count)],
+        autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP,
+    )
+
+
+def cleanrl(name: str, members: int, num_envs: int, steps: int) -> float:
     import gymnasium
     import jax
     import jax.numpy as jnp
@@ -110,15 +158,12 @@ def cleanrl(env_id: str, members: int, num_envs: int, steps: int) -> float:
     from rollout.ppo import _networks as nets
 
     n, e = members, num_envs
-    probe = gymnasium.make(env_id)
-    discrete = isinstance(probe.action_space, gymnasium.spaces.Discrete)
-    dim = probe.action_space.n if discrete else probe.action_space.shape[0]
-    obs_dim = probe.observation_space.shape[0]
-    probe.close()
-    vec = gymnasium.vector.SyncVectorEnv(
-        [lambda: gymnasium.make(env_id) for _ in range(n * e)],
-        autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP,
-    )
+    vec = _vector_env(name, n * e)
+    space = vec.single_action_space if hasattr(vec, "single_action_space") else vec.action_space
+    discrete = isinstance(space, gymnasium.spaces.Discrete)
+    dim = space.n if discrete else space.shape[0]
+    obs_space = getattr(vec, "single_observation_space", vec.observation_space)
+    obs_dim = obs_space.shape[-1]
     net = ActorCritic(action_dim=dim, discrete=discrete)
     keys = jax.random.split(jax.random.key(0), n)
     params = jax.vmap(net.init, in_axes=(0, None))(keys, jnp.zeros((1, obs_dim)))
@@ -131,7 +176,7 @@ def cleanrl(env_id: str, members: int, num_envs: int, steps: int) -> float:
 
         return jax.vmap(one)(params, obs.reshape(n, e, -1), jax.random.split(key, n))
 
-    obs, _ = vec.reset(seed=0)
+    obs, _ = vec.reset(seed=0) if not name.startswith("envpool:") else vec.reset()
     key = jax.random.key(1)
 
     def run(k):
@@ -162,10 +207,12 @@ def _devices(members: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
-        "--envs", nargs="+", default=["gymnasium:HalfCheetah-v5", "gymnasium:CartPole-v1"]
+        "--envs",
+        nargs="+",
+        default=["gymnasium:HalfCheetah-v5", "envpool:HalfCheetah-v5", "gymnasium:CartPole-v1"],
     )
     p.add_argument("--members", type=int, default=2)
-    p.add_argument("--num-envs", type=int, default=4, help="envs per member")
+    p.add_argument("--num-envs", type=int, nargs="+", default=[1, 4, 16], help="envs per member")
     p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
     p.add_argument("--calls", type=int, default=3, help="timed PPO updates")
     args = p.parse_args()
@@ -175,27 +222,38 @@ def main() -> None:
     rollout.configure_cpu_devices(cores)
     rows = []
     for name in args.envs:
-        env_id = name.partition(":")[2]
-        n, e = args.members, args.num_envs
-        common = dict(members=n, num_envs=e, num_steps=args.num_steps, calls=args.calls)
-        r = {"env": name, "members": n, "envs_per_member": e, "cores": cores}
-        r["alone"] = alone(env_id, n * e, args.num_steps * args.calls, cores)
-        r["ppo-rollout"] = ppo(name, update_epochs=1, num_minibatches=1, **common)
-        r["ppo-full"] = ppo(name, **common)
-        r["ppo-inprocess"] = ppo(name, workers=0, update_epochs=1, num_minibatches=1, **common)
-        r["cleanrl"] = cleanrl(env_id, n, e, args.num_steps * args.calls)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+        for e in args.num_envs:
+            rows.append(measure(name, args.members, e, args.num_steps, args.calls, cores))
+            print(json.dumps(rows[-1]), flush=True)
     report(rows, args)
+
+
+def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int) -> dict:
+    """Every mode for one env and envs-per-member setting, one after another."""
+    common = dict(members=n, num_envs=e, num_steps=num_steps, calls=calls)
+    r = {"env": name, "members": n, "envs_per_member": e, "cores": cores}
+    r["alone"] = alone(name, n * e, num_steps * calls, cores)
+    r["ppo-rollout"] = ppo(name, update_epochs=1, num_minibatches=1, **common)
+    r["ppo-full"] = ppo(name, **common)
+    r["ppo-inprocess"] = ppo(name, workers=0, update_epochs=1, num_minibatches=1, **common)
+    r["cleanrl"] = cleanrl(name, n, e, num_steps * calls)
+    r["rollout/alone"] = r["ppo-rollout"] / r["alone"]
+    r["full/alone"] = r["ppo-full"] / r["alone"]
+    r["rollout/cleanrl"] = r["ppo-rollout"] / r["cleanrl"]
+    return r
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     modes = ("alone", "ppo-rollout", "ppo-full", "ppo-inprocess", "cleanrl")
+    ratios = ("rollout/alone", "full/alone", "rollout/cleanrl")
+    label = lambda r: f"{r['env']} {r['members']}x{r['envs_per_member']}"
     lines = [
-        f"{'env':28s} " + " ".join(f"{m:>13s}" for m in modes) + "   (env steps/s, all members)"
-    ]
+        f"{'env, members x envs':34s} " + " ".join(f"{m:>13s}" for m in modes + ratios)
+        + "   (env steps/s, all members; ratios)"
+    ]  # fmt: skip
     for r in rows:
-        lines.append(f"{r['env']:28s} " + " ".join(f"{r[m]:13,.0f}" for m in modes))
+        lines.append(f"{label(r):34s} " + " ".join(f"{r[m]:13,.0f}" for m in modes)
+                     + " " + " ".join(f"{r[m]:13.2f}" for m in ratios))  # fmt: skip
     text = "\n".join(lines)
     print(text)
     meta = {
@@ -219,11 +277,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     for i, m in enumerate(modes):
         xs = np.arange(len(rows)) + i * width
         ax.bar(xs, [r[m] for r in rows], width, label=m)
-    ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, [r["env"] for r in rows], fontsize=8)
+    ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, [label(r) for r in rows], fontsize=7,
+                  rotation=20, ha="right")  # fmt: skip
     ax.set_ylabel("env steps/s (all members)")
     ax.set_yscale("log")
-    ax.set_title(f"host envs, n={rows[0]['members']} x {rows[0]['envs_per_member']} envs, "
-                 f"{rows[0]['cores']} cores")  # fmt: skip
+    ax.set_title(f"host envs: env steps/s, {rows[0]['cores']} cores")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
