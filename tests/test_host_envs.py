@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -427,6 +428,33 @@ def test_cli_trains_a_gymnasium_id(tmp_path, walk_module):
     assert [r["env_steps"] for r in rows] == [128, 256]
     assert all(len(r["returns"]) == 2 for r in rows)
     assert any(v is not None for v in rows[-1]["returns"])
+
+
+@pytest.mark.timeout(280)
+def test_cli_resume_restarts_host_envs_and_is_reproducible(tmp_path, walk_module):
+    """Policy, optimizer and statistics come back from the checkpoint; the envs restart from
+    seeds of the restored key, so resuming the same checkpoint twice gives the same rows."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
+
+    def cli(out, steps, *extra):
+        cmd = [
+            sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members",
+            "2", "--total-steps", str(steps), "--num-envs", "2", "--num-steps", "64", "--out",
+            str(out), "--no-progress", *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    cli(a, 256)
+    shutil.copytree(a, b)
+    for out in (a, b):
+        err = cli(out, 512, "--resume")
+        assert "restarting the envs from reset" in err, err[-2000:]
+    rows = [[json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()] for o in (a, b)]
+    assert [r["env_steps"] for r in rows[0]] == [128, 256, 384, 512]
+    assert rows[0] == rows[1]
 
 
 @pytest.mark.timeout(60)
