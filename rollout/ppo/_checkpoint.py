@@ -307,6 +307,17 @@ def save(
     return path
 
 
+def restore_targets(learner: Any) -> Any:
+    """The train state's shapes, dtypes and shardings: the ``like`` of :func:`restore_latest`."""
+    import jax
+
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        learner.state_shapes(),
+        learner.state_shardings(),
+    )
+
+
 def restore_latest(
     out: Path, run_id: str, like: Any, warn: Callable[[str], None], set_aside: bool = True
 ) -> tuple[Any, dict[str, Any]]:

@@ -163,7 +163,6 @@ class _Run:
 
     def open(self, learner: Any) -> tuple[Any, list[dict[str, Any]]]:
         """The state to start from (restored or fresh) and the metric rows so far."""
-        import jax
 
         from rollout.ppo import _checkpoint as ckpt
 
@@ -172,10 +171,7 @@ class _Run:
             # Every process takes process 0's run id.
             self.record = json.loads((self.out / ckpt.RUN_FILE).read_text())
             return learner.init(), []
-        shapes, shardings = learner.state_shapes(), learner.state_shardings()
-        like = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-        )
+        like = ckpt.restore_targets(learner)
         state, meta = ckpt.restore_latest(self.out, self.record["run_id"], like, self.warn)
         done = meta["update"]
         self.saved_at = done

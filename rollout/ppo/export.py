@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -364,12 +365,8 @@ def export_run(
         raise NotAnExport(f"{run / ckpt.RUN_FILE} holds no usable config ({e}).") from None
     learner = Learner(config, devices=devices)
     try:
-        like = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            learner.state_shapes(),
-            learner.state_shardings(),
-        )
-        warn = lambda line: print(line, file=__import__("sys").stderr)
+        like = ckpt.restore_targets(learner)
+        warn = lambda line: print(line, file=sys.stderr)
         try:
             state, _ = ckpt.restore_latest(run, found.record["run_id"], like, warn, False)
         except ckpt.RunDirError as e:
@@ -382,7 +379,6 @@ def export_run(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rollout.ppo.export RUN_DIR [--to DIR] [--members 0,2]``; 2 on bad input."""
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(
         prog="python -m rollout.ppo.export",
