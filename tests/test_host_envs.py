@@ -8,6 +8,7 @@ loop over ``gymnasium.make`` with the same seeds and actions.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -408,9 +409,18 @@ def test_learner_with_make_kwargs_closes_its_workers():
         assert {int(p) for p in obs[..., 3].ravel()} == set(pids)  # the kwarg reached the workers
         assert np.asarray(metrics["episodes"]).sum() > 0
         assert np.isfinite(np.asarray(metrics["returns"])[:, -1]).all()
+        # The step arrays' shared file is unlinked once the workers have mapped it.
+        assert not _shared_files()
     finally:
         learner.close()
     assert learner.envs.pids == [] and not any(alive(p) for p in pids)
+    assert not _shared_files()
+
+
+def _shared_files() -> list[str]:
+    from rollout.hostenv._group import _shared_dir
+
+    return glob.glob(os.path.join(_shared_dir(), "rollout-hostenv-*"))
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,9 @@
 """The parent side of the host-env workers: one ``WorkerGroup`` per device's members.
 
 A group owns a few worker processes (``_worker.py``) that hold the environment instances of the
-members on one device, split into contiguous row ranges. Every request goes to all of the group's
+members on one device, split into contiguous row ranges. A step's actions and results travel
+through arrays in memory the group and its workers share (``_worker.SharedArrays``); the socket
+carries only a short message per worker and step. Every request goes to all of the group's
 workers at once and the group waits for all answers, checking every 0.2 s that each worker is
 still alive: a worker that raised, died or (with ``timeout``) stalled becomes a ``HostEnvError``
 naming the env, the worker, its pid and the members whose envs it held, never a hang.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from rollout._spawn import exit_text, spawn
+from rollout.hostenv._worker import STEP_FIELDS, SharedArrays, step_spec
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
@@ -61,6 +65,8 @@ class WorkerGroup:
       env_id: the id given to ``gymnasium.make`` / ``envpool.make``.
       kwargs: keyword arguments for it.
       counts: env instances per worker.
+      obs_shape: the shape of one env's observation.
+      action_shape, action_dtype: one env's action (actions are cast to ``action_dtype``).
       label: how errors name this group (e.g. ``'device group 3 (members 6-7)'``).
       timeout: seconds a request may take before it is an error (None: no limit; a dead worker
         is detected within 0.2 s regardless).
@@ -74,11 +80,16 @@ class WorkerGroup:
         kwargs: dict[str, Any],
         counts: Sequence[int],
         label: str,
+        obs_shape: tuple[int, ...],
+        action_shape: tuple[int, ...],
+        action_dtype: Any,
         timeout: float | None = None,
         startup_timeout: float = 120.0,
     ):
         self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
         self.counts = [int(c) for c in counts]
+        self.spec = step_spec(sum(self.counts), tuple(obs_shape), tuple(action_shape), action_dtype)
+        self._shared: SharedArrays | None = None
         self.label, self.timeout, self.startup_timeout = label, timeout, startup_timeout
         self.lock = threading.Lock()  # one request at a time per group
         self._workers: list[_Worker] = []
@@ -103,13 +114,19 @@ class WorkerGroup:
         self._owner = os.getpid()
         self._seq = 0
         starts = np.cumsum([0, *self.counts])
-        self._workers = [
-            _Worker(i, range(starts[i], starts[i + 1]), env) for i in range(len(self.counts))
-        ]
-        for w in self._workers:
-            init = ("init", list(sys.path), self.backend, self.env_id, self.kwargs, len(w.rows))
-            self._send(w, init)
-        self._collect({w.conn: w for w in self._workers}, self.startup_timeout, starting=True)
+        path = os.path.join(_shared_dir(), f"rollout-hostenv-{secrets.token_hex(8)}")
+        self._shared = SharedArrays(path, self.spec, create=True)
+        try:
+            self._workers = [
+                _Worker(i, range(starts[i], starts[i + 1]), env) for i in range(len(self.counts))
+            ]
+            for w in self._workers:
+                shared = (path, self.spec, w.rows.start, w.rows.stop)
+                init = ("init", list(sys.path), self.backend, self.env_id, self.kwargs)
+                self._send(w, (*init, len(w.rows), shared))
+            self._collect({w.conn: w for w in self._workers}, self.startup_timeout, starting=True)
+        finally:
+            os.unlink(path)  # mapped by every live worker now: the file is no longer needed
         self.failed = None
 
     def close(self) -> None:
@@ -127,6 +144,9 @@ class WorkerGroup:
                 w.proc.kill()
                 w.proc.wait()
             w.conn.close()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     # ------------------------------------------------------------------ requests
 
@@ -136,21 +156,27 @@ class WorkerGroup:
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
         """Steps every env; returns ``(obs, reward, terminated, truncated, final_obs)``."""
-        return self._request("step", actions)
+        self._check()
+        self._shared["action"][...] = actions  # type: ignore[index]
+        self._request("step", None)
+        return tuple(self._shared[name].copy() for name in STEP_FIELDS)  # type: ignore[index]
 
-    def _request(self, kind: str, rows: np.ndarray) -> Any:
+    def _check(self) -> None:
         if self.failed is not None:
             raise HostEnvError(f"host env workers were stopped after an error: {self.failed}")
         if not self._workers:
             raise HostEnvError(f"host env {self.env_id!r}, {self.label}: workers not started")
+
+    def _request(self, kind: str, rows: np.ndarray | None) -> Any:
+        self._check()
         seq, self._seq = self._seq, self._seq + 1
         for w in self._workers:
-            self._send(w, (kind, seq, rows[w.rows.start : w.rows.stop]))
+            part = () if rows is None else (rows[w.rows.start : w.rows.stop],)
+            self._send(w, (kind, seq, *part))
         answers = self._collect({w.conn: w for w in self._workers}, self.timeout)
-        parts = [answers[w.index] for w in self._workers]
-        if kind == "reset":
-            return np.concatenate(parts)
-        return tuple(np.concatenate(xs) for xs in zip(*parts))
+        if rows is None:
+            return None
+        return np.concatenate([answers[w.index] for w in self._workers])
 
     @staticmethod
     def _send(w: _Worker, msg: tuple) -> None:
@@ -213,6 +239,14 @@ class WorkerGroup:
         return _exit_text(w.proc.poll())
 
 
+def _shared_dir() -> str:
+    """Where the shared arrays' file goes: RAM-backed ``/dev/shm`` where there is one."""
+    import tempfile
+
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
 @atexit.register
 def _close_all() -> None:
     for group in list(_live):
@@ -231,9 +265,20 @@ class InProcessGroup:
     messages as ``WorkerGroup``.
     """
 
-    def __init__(self, backend: str, env_id: str, kwargs: dict[str, Any], rows: int, label: str):
+    def __init__(
+        self,
+        backend: str,
+        env_id: str,
+        kwargs: dict[str, Any],
+        rows: int,
+        label: str,
+        obs_shape: tuple[int, ...],
+        action_shape: tuple[int, ...],
+        action_dtype: Any,
+    ):
         self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
         self.rows, self.label = rows, label
+        self.spec = step_spec(rows, tuple(obs_shape), tuple(action_shape), action_dtype)
         self.lock = threading.Lock()
         self._envs: Any = None
         self.failed: str | None = None
@@ -261,7 +306,9 @@ class InProcessGroup:
         return self._call(lambda: self._envs.reset(seeds))
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
-        return self._call(lambda: self._envs.step(actions))
+        out = tuple(np.empty(shape, dtype) for _, shape, dtype in self.spec[1:])
+        self._call(lambda: self._envs.step(actions, out))
+        return out
 
     def _call(self, fn: Any) -> Any:
         import traceback

@@ -187,26 +187,25 @@ class HostEnvs:
         self.replicas = int(np.prod([s for a, s in shape.items() if a != "ensemble"]))
         self.per_group = members // self.num_groups
         rows = self.per_group * num_envs
+        discrete = isinstance(env.action_space, Discrete)
+        shapes = dict(
+            obs_shape=tuple(env.observation_space.shape),
+            action_shape=() if discrete else tuple(env.action_space.shape),
+            action_dtype=np.int32 if discrete else np.float32,
+        )
+        what = (env.backend, env.env_id, dict(env.kwargs))
         if env.workers_per_device == 0:  # in this process, stepped by the callback threads
             self.groups: list[Any] = [
-                InProcessGroup(env.backend, env.env_id, dict(env.kwargs), rows, self._label(g))
+                InProcessGroup(*what, rows, self._label(g), **shapes)
                 for g in range(self.num_groups)
             ]
-            self._init_sessions()
-            return
-        k = min(rows, env.workers_per_device or _default_workers(self.num_groups))
-        counts = [len(c) for c in np.array_split(np.arange(rows), k)]
-        self.groups = [
-            WorkerGroup(
-                env.backend,
-                env.env_id,
-                dict(env.kwargs),
-                counts,
-                label=self._label(g),
-                timeout=env.timeout,
-            )
-            for g in range(self.num_groups)
-        ]
+        else:
+            k = min(rows, env.workers_per_device or _default_workers(self.num_groups))
+            counts = [len(c) for c in np.array_split(np.arange(rows), k)]
+            self.groups = [
+                WorkerGroup(*what, counts, self._label(g), **shapes, timeout=env.timeout)
+                for g in range(self.num_groups)
+            ]
         self._init_sessions()
 
     def _init_sessions(self) -> None:
@@ -381,7 +380,7 @@ class HostEnvs:
 
 
 def _one(x: np.ndarray, what: str) -> int:
-    values = np.unique(x)
-    if values.size != 1:
-        raise HostEnvError(f"host env state has mixed {what}s {values[:4]}: it was altered")
-    return int(values[0])
+    first = x.flat[0]
+    if not (x == first).all():
+        raise HostEnvError(f"host env state has mixed {what}s {np.unique(x)[:4]}: it was altered")
+    return int(first)

@@ -6,11 +6,16 @@ env library, so it starts in well under a second and uses one core.
 
 Protocol over the socket ``FD`` (pickled tuples through ``multiprocessing.connection``):
 
-- ``("init", sys_path, backend, env_id, kwargs, num_envs)`` -> ``("ready", pid)`` or an error.
+- ``("init", sys_path, backend, env_id, kwargs, num_envs, shared)`` -> ``("ready", pid)`` or an
+  error. ``shared`` = ``(path, spec, lo, hi)``: the group's ``SharedArrays`` file, of which this
+  worker owns rows ``lo:hi``.
 - ``("reset", seq, seeds)`` -> ``("ok", seq, obs)``: each env reset with its own seed.
-- ``("step", seq, actions)`` -> ``("ok", seq, (obs, reward, terminated, truncated, final_obs))``;
-  an env whose episode ended is reset at once (same-step autoreset, no seed: its generator goes
-  on) and ``final_obs`` holds the observation the step really reached.
+- ``("step", seq)`` -> ``("ok", seq, None)``: steps every env with the actions in the shared
+  ``action`` rows and writes ``obs, reward, terminated, truncated, final_obs`` into its rows of
+  the shared arrays; an env whose episode ended is reset at once (same-step autoreset, no seed:
+  its generator goes on) and ``final_obs`` holds the observation the step really reached. The
+  step's arrays never go through the socket: pickling them and copying them through it twice
+  per step cost about as much as stepping four MuJoCo envs.
 - ``("close",)`` -> exit.
 
 Every request carries a sequence number ``seq`` that the worker checks against its own count
@@ -21,12 +26,68 @@ The worker exits when its socket closes (the parent exited or was killed).
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import traceback
 from typing import Any
 
 import numpy as np
+
+#: What one step writes, in ``SharedArrays`` and in the tuple ``backend.step`` returns.
+STEP_FIELDS = ("obs", "reward", "terminated", "truncated", "final_obs")
+
+
+def step_spec(rows: int, obs_shape: tuple, action_shape: tuple, action_dtype: Any) -> list:
+    """The shared arrays of a group of ``rows`` envs: ``[(name, shape, dtype str), ...]``."""
+    obs = (rows, *obs_shape)
+    return [
+        ("action", (rows, *action_shape), np.dtype(action_dtype).str),
+        ("obs", obs, "<f4"),
+        ("reward", (rows,), "<f8"),
+        ("terminated", (rows,), "|b1"),
+        ("truncated", (rows,), "|b1"),
+        ("final_obs", obs, "<f4"),
+    ]
+
+
+class SharedArrays:
+    """Named NumPy arrays laid out in one memory-mapped file that parent and workers map.
+
+    ``create=True`` makes the file (the parent); the workers open it by ``path``. The parent
+    unlinks the file once every worker has mapped it, so nothing is left behind if any process
+    dies later.
+    """
+
+    def __init__(self, path: str, spec: list, create: bool = False):
+        self.path, self.spec = path, spec
+        offsets, size = [], 0
+        for _, shape, dtype in spec:
+            size = -(-size // 64) * 64  # every array 64-byte aligned
+            offsets.append(size)
+            size += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        size = max(size, 1)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.arrays = {
+            name: np.ndarray(shape, np.dtype(dtype), self._map, offset)
+            for (name, shape, dtype), offset in zip(spec, offsets)
+        }
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    def close(self) -> None:
+        self.arrays = {}
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
 
 
 class _Gymnasium:
@@ -41,17 +102,13 @@ class _Gymnasium:
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         return np.stack([env.reset(seed=int(s))[0] for env, s in zip(self.envs, seeds)])
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
-        n = len(self.envs)
-        obs, final = [None] * n, [None] * n
-        reward = np.zeros(n, np.float64)
-        term, trunc = np.zeros(n, bool), np.zeros(n, bool)
+    def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
+        obs, reward, term, trunc, final = out
         for i, env in enumerate(self.envs):
             action = int(actions[i]) if self.discrete else actions[i]
             o, r, te, tr, _ = env.step(action)
             final[i], reward[i], term[i], trunc[i] = o, r, te, tr
             obs[i] = env.reset()[0] if (te or tr) else o
-        return np.stack(obs), reward, term, trunc, np.stack(final)
 
     def close(self) -> None:
         for env in self.envs:
@@ -91,16 +148,17 @@ class _EnvPool:
         obs, info = self.pool.reset()
         return np.asarray(obs)[np.argsort(info["env_id"])]
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
-        out = self.pool.step(np.asarray(actions), self.ids)
-        order = np.argsort(out[4]["env_id"])  # rows in env order, whatever order they came in
-        obs, reward, term, trunc = (np.asarray(x)[order] for x in out[:4])
-        final = obs.copy()
+    def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
+        result = self.pool.step(np.asarray(actions), self.ids)
+        order = np.argsort(result[4]["env_id"])  # rows in env order, whatever order they came in
+        for target, value in zip(out, result[:4]):
+            target[...] = np.asarray(value)[order]
+        obs, _, term, trunc, final = out
+        final[...] = obs
         done = np.flatnonzero(np.logical_or(term, trunc))
         if done.size:
             fresh, info = self.pool.reset(done.astype(np.int32))
             obs[np.asarray(info["env_id"])] = np.asarray(fresh)
-        return obs, reward.astype(np.float64), term.astype(bool), trunc.astype(bool), final
 
     def close(self) -> None:
         if self.pool is not None:
@@ -125,7 +183,12 @@ class _Sequence:
         self.next += 1
 
 
-def _serve(conn: Any, backend: Any) -> None:
+def _step(backend: Any, shared: SharedArrays, lo: int, hi: int) -> None:
+    """One step of this worker's envs, actions read from and results written to ``shared``."""
+    backend.step(shared["action"][lo:hi].copy(), tuple(shared[f][lo:hi] for f in STEP_FIELDS))
+
+
+def _serve(conn: Any, backend: Any, shared: SharedArrays, lo: int, hi: int) -> None:
     seq = _Sequence()
     while True:
         try:
@@ -137,7 +200,7 @@ def _serve(conn: Any, backend: Any) -> None:
         kind, n = msg[0], msg[1]
         try:
             seq.check(n)
-            result = backend.reset(msg[2]) if kind == "reset" else backend.step(msg[2])
+            result = backend.reset(msg[2]) if kind == "reset" else _step(backend, shared, lo, hi)
         except BaseException as e:
             conn.send(("err", n, type(e).__name__, str(e), traceback.format_exc()))
             continue
@@ -149,19 +212,20 @@ def main(fd: int) -> None:
 
     conn = Connection(fd)
     try:
-        _, sys_path, kind, env_id, kwargs, num_envs = conn.recv()
+        _, sys_path, kind, env_id, kwargs, num_envs, (path, spec, lo, hi) = conn.recv()
     except (EOFError, OSError):
         return
     # The parent's import path, so `module:EnvId` ids and user packages import here too.
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     try:
+        shared = SharedArrays(path, spec)
         backend = _BACKENDS[kind](env_id, kwargs, num_envs)
     except BaseException as e:
         conn.send(("err", -1, type(e).__name__, str(e), traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
     try:
-        _serve(conn, backend)
+        _serve(conn, backend, shared, lo, hi)
     finally:
         try:
             backend.close()
