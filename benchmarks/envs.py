@@ -15,8 +15,11 @@ this machine's cores:
 - ``cleanrl``: a CleanRL-style rollout: ``gymnasium.vector.SyncVectorEnv`` (or one EnvPool pool)
   over the n*E envs in this process, one jitted policy call per step from Python (the same
   actor-critic, vmapped over the n members); rollout only, no learning.
-- Ratios: ``rollout/alone`` and ``full/alone`` (goal >= 0.8), ``rollout/cleanrl`` (goal >= 2;
-  both rollouts without learning). The CleanRL loop steps its envs on one core, so on C cores
+- Every mode is timed ``--repeats`` times in interleaved rounds (shuffled order per round);
+  the table shows medians. One sample on a shared 2-core machine varies by 20-30%.
+- Ratios (of the medians): ``rollout/alone`` and ``full/alone`` (goal >= 0.8),
+  ``rollout/cleanrl`` (goal >= 2; both rollouts without learning). The CleanRL loop steps its
+  envs on one core, so on C cores
   ``rollout/cleanrl`` cannot exceed about ``alone / cleanrl`` (C times one core's env rate over
   the loop's): near 2 on this 2-core machine, reached only where the loop's own per-step cost
   is large next to the envs'.
@@ -24,7 +27,7 @@ this machine's cores:
 Not a test: it times things, on whatever else runs on the machine (the JSON records the load).
 Run it on a quiet machine::
 
-    python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; E=1,4,16
+    python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; 4x4, 4x16
     python benchmarks/envs.py --envs gymnasium:Hopper-v5 --members 2 --num-envs 4
 
 Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png``.
@@ -36,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,9 +110,8 @@ def alone(name: str, total_envs: int, steps: int, cores: int) -> float:
     return sum(s for s, _ in results) / max(t for _, t in results)
 
 
-def ppo(
-    name: str, members: int, num_envs: int, num_steps: int, calls: int, workers=None, **over
-) -> float:
+def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, **over):
+    """A timer: each call runs ``calls`` compiled updates and returns env steps/s; and a closer."""
     import jax
 
     from rollout import envs
@@ -119,17 +122,22 @@ def ppo(
     )
     env = envs.make(name, workers_per_device=workers)
     learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
+    box = {}
     try:
-        state = learner.init()
-        state, metrics = learner.update(state, 1)  # compile
+        box["state"], metrics = learner.update(learner.init(), 1)  # compile
         jax.block_until_ready(metrics)
+    except BaseException:
+        learner.close()
+        raise
+
+    def timed() -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            state, metrics = learner.update(state, 1)
+            box["state"], metrics = learner.update(box["state"], 1)
         jax.block_until_ready(metrics)
         return calls * cfg.batch_size * members / (time.perf_counter() - start)
-    finally:
-        learner.close()
+
+    return timed, learner.close
 
 
 def _vector_env(name: str, count: int):
@@ -148,7 +156,8 @@ def _vector_env(name: str, count: int):
     )
 
 
-def cleanrl(name: str, members: int, num_envs: int, steps: int) -> float:
+def cleanrl(name: str, members: int, num_envs: int, steps: int):
+    """A timer of the CleanRL-style rollout (env steps/s per call), and a closer."""
     import gymnasium
     import jax
     import jax.numpy as jnp
@@ -188,11 +197,13 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int) -> float:
             obs, *_ = vec.step(action if discrete else np.clip(action, -1, 1))
 
     run(5)  # compile
-    start = time.perf_counter()
-    run(steps)
-    out = steps * n * e / (time.perf_counter() - start)
-    vec.close()
-    return out
+
+    def timed() -> float:
+        start = time.perf_counter()
+        run(steps)
+        return steps * n * e / (time.perf_counter() - start)
+
+    return timed, vec.close
 
 
 def _devices(members: int) -> int:
@@ -211,10 +222,11 @@ def main() -> None:
         nargs="+",
         default=["gymnasium:HalfCheetah-v5", "envpool:HalfCheetah-v5", "gymnasium:CartPole-v1"],
     )
-    p.add_argument("--members", type=int, default=2)
-    p.add_argument("--num-envs", type=int, nargs="+", default=[1, 4, 16], help="envs per member")
+    p.add_argument("--members", type=int, default=4)
+    p.add_argument("--num-envs", type=int, nargs="+", default=[4, 16], help="envs per member")
     p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
-    p.add_argument("--calls", type=int, default=3, help="timed PPO updates")
+    p.add_argument("--calls", type=int, default=3, help="timed PPO updates per sample")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
     import rollout
@@ -223,23 +235,49 @@ def main() -> None:
     rows = []
     for name in args.envs:
         for e in args.num_envs:
-            rows.append(measure(name, args.members, e, args.num_steps, args.calls, cores))
+            rows.append(
+                measure(name, args.members, e, args.num_steps, args.calls, cores, args.repeats)
+            )
             print(json.dumps(rows[-1]), flush=True)
     report(rows, args)
 
 
-def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int) -> dict:
-    """Every mode for one env and envs-per-member setting, one after another."""
+def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, repeats: int):
+    """Every mode for one env and envs-per-member setting, in ``repeats`` interleaved rounds.
+
+    Every round times every mode once, in a shuffled order, so load that drifts during the run
+    hits all modes alike; the row holds each mode's median and the ratios of the medians (the
+    samples themselves under ``samples``).
+    """
+    import random
+
     common = dict(members=n, num_envs=e, num_steps=num_steps, calls=calls)
-    r = {"env": name, "members": n, "envs_per_member": e, "cores": cores}
-    r["alone"] = alone(name, n * e, num_steps * calls, cores)
-    r["ppo-rollout"] = ppo(name, update_epochs=1, num_minibatches=1, **common)
-    r["ppo-full"] = ppo(name, **common)
-    r["ppo-inprocess"] = ppo(name, workers=0, update_epochs=1, num_minibatches=1, **common)
-    r["cleanrl"] = cleanrl(name, n, e, num_steps * calls)
+    timers, closers = {"alone": lambda: alone(name, n * e, num_steps * calls, cores)}, []
+    try:
+        for mode, make in (
+            ("ppo-rollout", lambda: ppo(name, update_epochs=1, num_minibatches=1, **common)),
+            ("ppo-full", lambda: ppo(name, **common)),
+            ("ppo-inprocess", lambda: ppo(name, 0, update_epochs=1, num_minibatches=1, **common)),
+            ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
+        ):
+            timers[mode], close = make()
+            closers.append(close)
+        samples: dict[str, list[float]] = {m: [] for m in timers}
+        order = list(timers)
+        rng = random.Random(0)
+        for _ in range(repeats):
+            rng.shuffle(order)
+            for mode in order:
+                samples[mode].append(timers[mode]())
+    finally:
+        for close in closers:
+            close()
+    r = {"env": name, "members": n, "envs_per_member": e, "cores": cores, "repeats": repeats}
+    r.update({m: statistics.median(v) for m, v in samples.items()})
     r["rollout/alone"] = r["ppo-rollout"] / r["alone"]
     r["full/alone"] = r["ppo-full"] / r["alone"]
     r["rollout/cleanrl"] = r["ppo-rollout"] / r["cleanrl"]
+    r["samples"] = samples
     return r
 
 
