@@ -181,7 +181,7 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
     def policy(params, obs, key):  # one call per step: every member's actions for its envs
         def one(p, o, k):
             pi, value = net.apply(p, o)
-            return nets.sample(pi, k, discrete), value
+            return nets.sample(pi, nets.noise(k, (e,), discrete, dim), discrete), value
 
         return jax.vmap(one)(params, obs.reshape(n, e, -1), jax.random.split(key, n))
 

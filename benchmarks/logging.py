@@ -1,18 +1,20 @@
 """Does logging slow training? Env steps/s of ``train`` with and without ``--log`` loggers.
 
 (a) Training throughput: the same compiled learner trains the same run with no extra logger,
-    TensorBoard, W&B (offline) and both, in interleaved rounds (every round runs every arm, in a
-    shuffled order, so machine load drifts hit all arms alike). Reported per arm: the median over
-    rounds of the loop's env steps/s (all members, compile excluded, the number ``train`` itself
-    reports), its ratio to the no-logger arm per round, the time ``close()`` takes at the end
-    (flushing what the background thread still holds) and the CPU time of the logger thread per
-    second of training. Goal: <= 2% slower.
+    TensorBoard, W&B (offline) and both (at the default ``--log-interval``), and both with every
+    row (``--log-interval 0``: the worst case, a row per update), in interleaved rounds (every
+    round runs every arm, in a shuffled order, so machine load drifts hit all arms alike).
+    Reported per arm: the median over rounds of the loop's env steps/s (all members, compile
+    excluded, the number ``train`` itself reports), its ratio to the no-logger arm per round,
+    the rows the loggers got, the time ``close()`` takes at the end (flushing what the
+    background thread still holds) and the CPU time of the logger thread per second of
+    training. Goal: <= 2% slower.
 (b) CPU cost per metric row: ``scalars`` + the logger's ``write`` (+ its flush), timed directly
     on rows of the run's shape (what logging costs per PPO update).
 
 Not a test: it times things. Run it on a quiet machine::
 
-    python benchmarks/logging.py                       # CartPole defaults, 4 members, 5 rounds
+    python benchmarks/logging.py                       # CartPole defaults, 4 members, 7 rounds
     python benchmarks/logging.py --rounds 3 --num-steps 32
 
 Writes ``benchmarks/results/logging.json`` and prints the tables.
@@ -39,7 +41,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-ARMS = ("none", "tensorboard", "wandb", "tensorboard,wandb")
+ARMS = ("none", "tensorboard", "wandb", "tensorboard,wandb", "tensorboard,wandb/every-row")
 
 
 def _run(learner, arm: str, config) -> dict:
@@ -47,8 +49,10 @@ def _run(learner, arm: str, config) -> dict:
     from rollout.ppo import _loggers, train
 
     with tempfile.TemporaryDirectory() as out:
-        names = _loggers.parse_log_flag("" if arm == "none" else arm)
-        logs = _loggers.open_loggers(names, out, config.to_dict())
+        flag, _, every = arm.partition("/")
+        names = _loggers.parse_log_flag("" if flag == "none" else flag)
+        interval = 0.0 if every else _loggers.DEFAULT_INTERVAL_S
+        logs = _loggers.open_loggers(names, out, config.to_dict(), interval)
         t0 = time.perf_counter()
         _, rows = train(
             config,
@@ -67,6 +71,7 @@ def _run(learner, arm: str, config) -> dict:
         "wall_s": wall,
         "close_s": close_s,
         "writer_cpu_s": logs.cpu_s,  # the writer thread's CPU time over the whole run
+        "rows_logged": logs.queued,
     }
 
 
@@ -110,6 +115,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                 r["writer_cpu_s"] / r["wall_s"] for r in rs
             ),
             "env_steps_per_s": sps,
+            "rows_logged": statistics.median(r["rows_logged"] for r in rs),
         }
     return out
 
@@ -152,8 +158,8 @@ def row_cost(members: int, rows: int = 300) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--updates", type=int, default=48, help="PPO updates per run")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--updates", type=int, default=384, help="PPO updates per run")
     p.add_argument("--num-steps", type=int, default=128, help="rollout length per update")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -182,14 +188,18 @@ def main() -> None:
         flush=True,
     )
     summary = summarize(throughput(cfg, devices, args.rounds, ARMS))
-    print(f"\n{'loggers':<20} {'env steps/s':>12} {'vs none':>8} {'close s':>8} {'writer CPU':>11}")
+    head = f"{'loggers':<30} {'env steps/s':>12} {'vs none':>8} {'rows':>6} {'close s':>8}"
+    print(f"\n{head} {'writer CPU':>11}")
     for arm, s in summary.items():
         print(
-            f"{arm:<20} {s['median_env_steps_per_s']:>12,.0f} "
-            f"{s['median_ratio_to_none']:>8.3f} {s['median_close_s']:>8.3f} "
-            f"{100 * s['writer_cpu_per_train_s']:>10.2f}%"
+            f"{arm:<30} {s['median_env_steps_per_s']:>12,.0f} "
+            f"{s['median_ratio_to_none']:>8.3f} {s['rows_logged']:>6.0f} "
+            f"{s['median_close_s']:>8.3f} {100 * s['writer_cpu_per_train_s']:>10.2f}%"
         )
-    print("(median over rounds; writer CPU: the logger thread's CPU time / training wall time)")
+    print(
+        f"(median over rounds; rows: metric rows the loggers got of {cfg.num_updates}; writer "
+        "CPU: the logger thread's CPU time / training wall time)"
+    )
     cost = row_cost(cfg.members)
     print(
         f"\n(b) CPU per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "

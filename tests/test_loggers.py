@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,7 +155,7 @@ def test_failing_logger_is_reported_once_and_dropped(capsys):
             pass
 
     broken, good = Broken(), Good()
-    with _loggers.Loggers([broken, good]) as logs:
+    with _loggers.Loggers([broken, good], interval_s=0) as logs:
         for step in (1, 2, 3):
             logs.write({"env_steps": step})
     assert good.rows == [1, 2, 3]
@@ -163,12 +164,52 @@ def test_failing_logger_is_reported_once_and_dropped(capsys):
     assert err.count("disk full") == 1 and "logger off" in err
 
 
+class _Rows:
+    def __init__(self):
+        self.rows, self.closed = [], False
+
+    def write(self, row):
+        assert not self.closed
+        self.rows.append(row["env_steps"])
+
+    def close(self):
+        self.closed = True
+
+
+def test_log_interval_passes_the_first_row_then_the_last_at_close():
+    every, sparse = _Rows(), _Rows()
+    with _loggers.Loggers([every], interval_s=0) as a, _loggers.Loggers([sparse], 3600) as b:
+        for step in range(1, 8):
+            a.write({"env_steps": step})
+            b.write({"env_steps": step})
+        assert (b.queued, b.skipped) == (1, 6)
+    assert every.rows == [1, 2, 3, 4, 5, 6, 7] and every.closed
+    # A row waits for the interval; the one kept back last is written at close.
+    assert sparse.rows == [1, 7] and sparse.closed and (b.queued, b.skipped) == (2, 5)
+    with pytest.raises(ValueError, match="interval must be >= 0"):
+        _loggers.Loggers([], interval_s=-1)
+
+
+def test_log_interval_lets_a_row_through_once_the_interval_has_passed():
+    got = _Rows()
+    with _loggers.Loggers([got], interval_s=0.5) as logs:
+        logs.write({"env_steps": 1})
+        logs.write({"env_steps": 2})  # within 0.5 s of the first: kept back
+        time.sleep(0.6)
+        logs.write({"env_steps": 3})
+    assert got.rows == [1, 3]
+
+
 def test_cli_unknown_logger_exits_2_before_training(tmp_path):
     from rollout.ppo import main
 
     rc = main(["--log", "tensorboard,mlflow", "--out", str(tmp_path / "run"), "--no-progress"])
     assert rc == 2
     assert not (tmp_path / "run").exists()  # nothing started
+    for bad in ("-1", "nan"):
+        rc = main(["--log-interval", bad, "--out", str(tmp_path / "run"), "--no-progress"])
+        assert rc == 2
+        assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(60)
@@ -210,7 +251,7 @@ def test_cli_tensorboard_and_wandb_hold_the_metrics_rows(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
     cmd += ["--total-steps", "1024", "--num-steps", "64", "--updates-per-call", "2"]
-    cmd += ["--out", str(out), "--no-progress", "--log", log]
+    cmd += ["--out", str(out), "--no-progress", "--log", log, "--log-interval", "0"]
     proc = subprocess.run(
         cmd, env=_cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=280
     )

@@ -508,6 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra metric outputs next to metrics.jsonl: tensorboard, wandb (comma-separated)",
     )
+    p.add_argument(
+        "--log-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="at most one metric row per SECONDS goes to --log outputs, and always the last "
+        "(default 0.1; 0: every row; metrics.jsonl has every row)",
+    )
     g = p.add_argument_group(
         "several processes / hosts",
         "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
@@ -558,6 +566,9 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         log_names = _loggers.parse_log_flag(args.log)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    interval = _loggers.DEFAULT_INTERVAL_S if args.log_interval is None else args.log_interval
+    if not (interval >= 0 and math.isfinite(interval)):
+        raise UsageError(f"--log-interval must be a number of seconds >= 0, got {interval}.")
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
     cores = os.cpu_count() or 1
@@ -598,7 +609,8 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         file=sys.stderr,
     )
     try:  # only the main process logs, as it alone writes metrics.jsonl
-        logs = _loggers.open_loggers(log_names if info.is_main else (), args.out, config.to_dict())
+        names = log_names if info.is_main else ()
+        logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval)
     except Exception as e:  # e.g. W&B online without a login
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)

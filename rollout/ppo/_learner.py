@@ -105,6 +105,17 @@ class Act(NamedTuple):
     env_keys: jax.Array  # one key per env
 
 
+class Draws(NamedTuple):
+    """One member's randomness for a whole rollout, drawn before it, ``[num_steps, num_envs, ...]``.
+
+    Drawn at once rather than step by step: on CPU each ``jax.random`` call inside the rollout
+    loop is a small loop of its own, which cost as much per step as the policy itself.
+    """
+
+    noise: jax.Array  # the action draws (see nets.noise)
+    env_keys: jax.Array  # one key per env and step
+
+
 class Cut(NamedTuple):
     """Per step: the true final observation (normalised) and whether time ran out there."""
 
@@ -346,13 +357,15 @@ class Learner:
             return members.map(self._member_update, (ms, update), (0, None))
         per_member = lambda fn, *args: members.map(fn, args, (0,) * len(args))
         carry = self._rollout_carry(ms, (self.config.members,))
+        carry, draws = per_member(self._draw, carry)
+        draws = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), draws)  # [num_steps, n, ...]
 
-        def step(carry: Rollout, _):
-            carry, act = per_member(self._act, ms.params, carry)
+        def step(carry: Rollout, draw: Draws):
+            act = per_member(self._act, ms.params, carry, draw)
             out = self._step_envs(carry.env_state, act.env_action, act.env_keys)
             return per_member(self._observe, carry, act, out)
 
-        carry, traj = jax.lax.scan(step, carry, None, length=self.config.num_steps)
+        carry, traj = jax.lax.scan(step, carry, draws)
         # traj leaves are [num_steps, n, num_envs, ...]: the member axis goes first.
         traj = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), traj)
         return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
@@ -361,15 +374,14 @@ class Learner:
         """One member's whole update with its envs stepped next to it (``env_on='device'``)."""
         env_step = jax.vmap(self.env.step)
 
-        def step(carry: Rollout, _):
-            carry, act = self._act(ms.params, carry)
+        def step(carry: Rollout, draw: Draws):
+            act = self._act(ms.params, carry, draw)
             return self._observe(
                 carry, act, env_step(carry.env_state, act.env_action, act.env_keys)
             )
 
-        carry, traj = jax.lax.scan(
-            step, self._rollout_carry(ms, ()), None, length=self.config.num_steps
-        )
+        carry, draws = self._draw(self._rollout_carry(ms, ()))
+        carry, traj = jax.lax.scan(step, carry, draws)
         return self._learn(ms, carry, traj, update)
 
     def _rollout_carry(self, ms: MemberState, lead: tuple[int, ...]) -> Rollout:
@@ -392,21 +404,30 @@ class Learner:
             return obs
         return jnp.clip((obs - stats.mean) / jnp.sqrt(stats.var + 1e-8), -10.0, 10.0)
 
-    def _act(self, params: Any, carry: Rollout) -> tuple[Rollout, Act]:
-        """Sample actions for this member's envs from the current policy."""
+    def _draw(self, carry: Rollout) -> tuple[Rollout, Draws]:
+        """This member's action noise and env keys for the whole rollout (see ``Draws``)."""
+        cfg, spec = self.config, self.spec
         key, k_act, k_env = jax.random.split(jax.random.wrap_key_data(carry.rng), 3)
+        shape = (cfg.num_steps, cfg.num_envs)
+        draws = Draws(
+            noise=nets.noise(k_act, shape, spec.discrete, spec.action_dim),
+            env_keys=jax.random.split(k_env, shape),
+        )
+        return carry._replace(rng=jax.random.key_data(key)), draws
+
+    def _act(self, params: Any, carry: Rollout, draw: Draws) -> Act:
+        """Sample actions for this member's envs from the current policy."""
         obs = self._normalize(carry.obs, carry.obs_stats)
         pi, value = self.network.apply({"params": params}, obs)
-        action = nets.sample(pi, k_act, self.spec.discrete)
-        act = Act(
+        action = nets.sample(pi, draw.noise, self.spec.discrete)
+        return Act(
             obs=obs,
             action=action,
             log_prob=nets.log_prob(pi, action, self.spec.discrete),
             value=value,
             env_action=envlib.to_env_action(action, self.spec),
-            env_keys=jax.random.split(k_env, self.config.num_envs),
+            env_keys=draw.env_keys,
         )
-        return carry._replace(rng=jax.random.key_data(key)), act
 
     def _observe(
         self, carry: Rollout, act: Act, out: tuple

@@ -103,12 +103,32 @@ def _gram_schmidt(a: jax.Array) -> jax.Array:
 _LOG_2PI = float(np.log(2 * np.pi))
 
 
-def sample(pi, key: jax.Array, discrete: bool) -> jax.Array:
-    """One action per row: categorical over logits, or mean + std * N(0, 1)."""
+def noise(key: jax.Array, shape: tuple[int, ...], discrete: bool, action_dim: int) -> jax.Array:
+    """The randomness of ``shape`` action draws: Gumbel per logit, or N(0, 1) per dimension.
+
+    Drawn for a whole rollout at once: on CPU every ``jax.random`` call in a loop body is a
+    small loop of its own, run once per step.
+    """
+    draw = jax.random.gumbel if discrete else jax.random.normal
+    return draw(key, (*shape, action_dim), jnp.float32)
+
+
+def sample(pi, noise: jax.Array, discrete: bool) -> jax.Array:
+    """One action per row from :func:`noise`: the Gumbel-max of the logits (what
+    ``jax.random.categorical`` computes), or mean + std * N(0, 1).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> logits = jnp.log(jnp.array([[0.2, 0.8]]))
+      >>> key = jax.random.key(0)
+      >>> a = sample(logits, noise(key, (1,), True, 2), True)
+      >>> bool(a == jax.random.categorical(key, logits))
+      True
+    """
     if discrete:
-        return jax.random.categorical(key, pi, axis=-1)
+        return jnp.argmax(pi + noise, axis=-1)
     mean, log_std = pi
-    return mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape, mean.dtype)
+    return mean + jnp.exp(log_std) * noise
 
 
 def log_prob(pi, action: jax.Array, discrete: bool) -> jax.Array:
