@@ -3,7 +3,8 @@
 (a) Training throughput: the same compiled learner trains the same run with no extra logger,
     TensorBoard, W&B (offline) and both (at the default ``--log-interval``), and both with every
     row (``--log-interval 0``: the worst case, a row per update), in interleaved rounds (every
-    round runs every arm, in a shuffled order, so machine load drifts hit all arms alike).
+    round runs every arm, in a shuffled order, so machine load drifts hit all arms alike, each
+    after ``--settle`` seconds of rest).
     Reported per arm: the median over rounds of the loop's env steps/s (all members, compile
     excluded, the number ``train`` itself reports), its ratio to the no-logger arm per round,
     the rows the loggers got, the time ``close()`` takes at the end (flushing what the
@@ -44,9 +45,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 ARMS = ("none", "tensorboard", "wandb", "tensorboard,wandb", "tensorboard,wandb/every-row")
 
 
-def _run(learner, arm: str, config) -> dict:
-    """One training run with the loggers of ``arm``; the loop's env steps/s and close time."""
+def _run(learner, arm: str, config, settle_s: float = 0.0) -> dict:
+    """One training run with the loggers of ``arm``; the loop's env steps/s and close time.
+
+    Waits ``settle_s`` first: W&B's service process goes on finishing the previous run for a
+    moment after ``finish()`` returns, and would slow whichever run comes next (in a real
+    training run there is no previous run).
+    """
     from rollout.ppo import _loggers, train
+
+    time.sleep(settle_s)
 
     with tempfile.TemporaryDirectory() as out:
         flag, _, every = arm.partition("/")
@@ -75,7 +83,9 @@ def _run(learner, arm: str, config) -> dict:
     }
 
 
-def throughput(config, devices, rounds: int, arms: tuple[str, ...], seed: int = 0) -> dict:
+def throughput(
+    config, devices, rounds: int, arms: tuple[str, ...], settle_s: float, seed: int = 0
+) -> dict:
     from rollout.ppo import Learner
 
     learner = Learner(config, devices=devices)
@@ -87,7 +97,7 @@ def throughput(config, devices, rounds: int, arms: tuple[str, ...], seed: int = 
             shuffled = list(arms)
             order.shuffle(shuffled)
             for arm in shuffled:
-                runs[arm].append(_run(learner, arm, config))
+                runs[arm].append(_run(learner, arm, config, settle_s))
             base = runs["none"][-1]["env_steps_per_s"]
             print(
                 f"  round {r + 1}/{rounds}: "
@@ -159,7 +169,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=4)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--updates", type=int, default=384, help="PPO updates per run")
+    p.add_argument("--updates", type=int, default=1024, help="PPO updates per run")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds of rest before each run")
     p.add_argument("--num-steps", type=int, default=128, help="rollout length per update")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -187,7 +198,7 @@ def main() -> None:
         f"of {cfg.batch_size} steps/member, {args.rounds} interleaved rounds",
         flush=True,
     )
-    summary = summarize(throughput(cfg, devices, args.rounds, ARMS))
+    summary = summarize(throughput(cfg, devices, args.rounds, ARMS, args.settle))
     head = f"{'loggers':<30} {'env steps/s':>12} {'vs none':>8} {'rows':>6} {'close s':>8}"
     print(f"\n{head} {'writer CPU':>11}")
     for arm, s in summary.items():
@@ -214,6 +225,7 @@ def main() -> None:
         "config": cfg.to_dict(),
         "devices": len(devices),
         "rounds": args.rounds,
+        "settle_s": args.settle,
         "throughput": summary,
         "row_cost": cost,
     }
