@@ -12,11 +12,13 @@ digits), trained two ways side by side in ONE process:
 Both start from the same initial parameters and see the same batches; the final parameters are
 compared (``max |diff|``). The speed is member-steps per second (optimizer steps summed over
 members); the goal is ``ensemble over D devices >= 0.9 x D x loop``. Devices are simulated CPU
-devices, one per core and one thread each (``rollout.configure_cpu_devices``), so the loop runs on
-one core. ``loop, all cores`` is the same loop in a fresh process with JAX's default CPU setup
-(one device using every core), the loop as a user would run it. Each way is timed ``--repeats``
-times, the ways interleaved so that load from other processes hits all alike; the best is kept,
-and ``spread`` (slowest / fastest repeat) shows how much the load moved each way's time.
+devices, one per core (``rollout.configure_cpu_devices``), so the loop's small ops run on one core;
+its large matmuls do not stay on one (see ``configure_cpu_devices``), which is why D = 2 simulated
+devices cannot double the loop's speed for wide members. ``loop, all cores`` is the same loop in a
+fresh process with JAX's default CPU setup (one device using every core), the loop as a user would
+run it. Each way is timed ``--repeats`` times, the ways interleaved so that load from other
+processes hits all alike; the best is kept, and ``spread`` (slowest / fastest repeat) shows how
+much the load moved each way's time.
 
 Not a test: it times things. Run it on a quiet machine::
 

@@ -1,4 +1,4 @@
-"""CPU device setup: one JAX CPU device per core, one thread per device, set before JAX starts.
+"""CPU device setup: one JAX CPU device per core (small ops on one thread), set before JAX starts.
 
 How this relates to the other devices:
 
@@ -32,7 +32,10 @@ def configure_cpu_devices(n: int | None = None) -> int:
     the device count once, when the first backend starts). It sets ``jax_num_cpu_devices`` and
     adds ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` to ``XLA_FLAGS``
     (other flags are kept; a conflicting ``--xla_force_host_platform_device_count`` is dropped),
-    so that ``n`` devices use ``n`` cores instead of each one spawning a thread per core.
+    so that a device runs its small ops on one thread instead of each one spawning a thread per
+    core. Large ops are not confined: with jaxlib 0.10 a single device's 256x1024 @ 1024x1024
+    matmuls kept 1.75-1.9 of 2 cores busy, so on a CPU host n devices do not run large ops n
+    times faster than one (on accelerators each device is its own chip).
 
     Calling it again with the count JAX already has is a no-op, so a library and a script (or a
     test's conftest) can both call it. Accelerator devices are not affected.
