@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # `python benchmarks/learning_envs.py` puts benchmarks/ first on sys.path, where benchmarks/
-# logging.py and rollout.py would shadow the standard library and the package: drop it.
+# rollout.py would shadow the rollout package: drop it.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -15,10 +15,10 @@
 
 Not a test: it times things. Run it on a quiet machine::
 
-    python benchmarks/logging.py                       # CartPole defaults, 4 members, 7 rounds
-    python benchmarks/logging.py --rounds 3 --num-steps 32
+    python benchmarks/loggers.py                       # CartPole defaults, 4 members, 7 rounds
+    python benchmarks/loggers.py --rounds 3 --num-steps 32
 
-Writes ``benchmarks/results/logging.json`` and prints the tables.
+Writes ``benchmarks/results/loggers.json`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python benchmarks/logging.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py
-# would shadow the rollout package (and this file the stdlib's logging): drop it, put ROOT first.
+# `python benchmarks/loggers.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py
+# would shadow the rollout package: drop it, put ROOT first.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
@@ -219,7 +219,7 @@ def main() -> None:
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "python benchmarks/logging.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/loggers.py " + " ".join(sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "versions": _versions(),
         "config": cfg.to_dict(),
@@ -229,8 +229,8 @@ def main() -> None:
         "throughput": summary,
         "row_cost": cost,
     }
-    (RESULTS / "logging.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'logging.json'}")
+    (RESULTS / "loggers.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {RESULTS / 'loggers.json'}")
 
 
 def _versions() -> dict[str, str]:
