@@ -158,8 +158,11 @@ def reference(env_id, seeds, actions, **kwargs):
 
     n, e = seeds.shape
     T = actions.shape[0]
-    obs0 = np.zeros((n, e, 4))
-    obs, final = np.zeros((T, n, e, 4)), np.zeros((T, n, e, 4))
+    probe = gymnasium.make(env_id, **kwargs)
+    d = probe.observation_space.shape[0]
+    probe.close()
+    obs0 = np.zeros((n, e, d))
+    obs, final = np.zeros((T, n, e, d)), np.zeros((T, n, e, d))
     reward, term, trunc = np.zeros((T, n, e)), np.zeros((T, n, e), bool), np.zeros((T, n, e), bool)
     for m in range(n):
         for j in range(e):
@@ -209,6 +212,27 @@ def test_trajectories_equal_a_python_loop(env_id, workers):
     done = ref[2] | ref[3]
     assert not np.allclose(steps[0][done], steps[4][done])
     assert host.pids == []
+
+
+@pytest.mark.timeout(180)
+def test_mujoco_trajectories_equal_a_python_loop():
+    # The `mujoco` extra: HalfCheetah-v5 with a 10-step time limit, so episodes are truncated and
+    # reset within the run; physics and seeding equal to gymnasium called directly.
+    pytest.importorskip("mujoco")
+    n, e, T, kw = 2, 2, 25, {"max_episode_steps": 10}
+    host, mesh = bound("HalfCheetah-v5", n, e, devices=2, workers_per_device=1, **kw)
+    try:
+        keys = jax.random.split(jax.random.key(3), (n, e))
+        actions = np.random.default_rng(0).uniform(-1, 1, (T, n, e, 6)).astype(np.float32)
+        obs0, steps = run_host(host, mesh, keys, actions)
+    finally:
+        host.close()
+    ref0, ref = reference("HalfCheetah-v5", seeds_of(keys), actions, **kw)
+    np.testing.assert_allclose(obs0, ref0, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-4, atol=1e-4, err_msg=name)
+    assert ref[3][9].all() and ref[3][19].all() and not ref[2].any()  # truncated at 10 and 20
+    assert not np.allclose(steps[0][9], steps[4][9])  # reset obs, not the final one
 
 
 @pytest.mark.timeout(120)
