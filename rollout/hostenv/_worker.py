@@ -60,7 +60,6 @@ class SharedArrays:
     """
 
     def __init__(self, path: str, spec: list, create: bool = False):
-        self.path, self.spec = path, spec
         offsets, size = [], 0
         for _, shape, dtype in spec:
             size = -(-size // 64) * 64  # every array 64-byte aligned
