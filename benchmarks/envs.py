@@ -3,10 +3,12 @@
 For each env id and each E in ``--num-envs``, n members with E envs each (n*E env instances), on
 this machine's cores:
 
-- ``ppo``: ``Learner.update`` env steps/s, all members together, the rollout stepping the envs in
-  the host-env worker processes from inside the jitted update. Two settings: ``ppo-rollout``
-  (``update_epochs=1, num_minibatches=1``: almost all time in the rollout) and ``ppo-full``
-  (CleanRL's 10 epochs x 32 minibatches for continuous actions, 4 x 4 for discrete), and
+- ``ppo``: env steps/s of the learner, all members together, the rollout stepping the envs in
+  the host-env worker processes from inside one jitted call. ``ppo-rollout``: the learner's
+  rollout alone (the same jitted rollout code as ``Learner.update``: policy, sampling, env
+  steps, observation and reward statistics), no gradient steps: what the env layer delivers.
+  ``ppo-full``: whole ``Learner.update`` calls (CleanRL's 10 epochs x 32 minibatches for
+  continuous actions, 4 x 4 for discrete), whose gradient steps share the same CPU cores here.
   ``ppo-inprocess``: as ``ppo-rollout`` with ``workers_per_device=0`` (the envs stepped in the
   callback threads of this process, no process hop).
 - ``alone``: the same n*E env instances stepped with random actions (drawn before the clock
@@ -110,8 +112,12 @@ def alone(name: str, total_envs: int, steps: int, cores: int) -> float:
     return sum(s for s, _ in results) / max(t for _, t in results)
 
 
-def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, **over):
-    """A timer: each call runs ``calls`` compiled updates and returns env steps/s; and a closer."""
+def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, learn=True, **over):
+    """A timer: each call runs ``calls`` compiled updates and returns env steps/s; and a closer.
+
+    ``learn=False`` times the learner's rollout alone (the same jitted rollout code as in
+    ``update``: policy, env steps, statistics), no GAE and no gradient steps.
+    """
     import jax
 
     from rollout import envs
@@ -122,10 +128,11 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, **over)
     )
     env = envs.make(name, workers_per_device=workers)
     learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
+    run = (lambda state: learner.update(state, 1)) if learn else _rollout_program(learner)
     box = {}
     try:
-        box["state"], metrics = learner.update(learner.init(), 1)  # compile
-        jax.block_until_ready(metrics)
+        box["state"], out = run(learner.init())  # compile
+        jax.block_until_ready(out)
     except BaseException:
         learner.close()
         raise
@@ -133,11 +140,40 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, **over)
     def timed() -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            box["state"], metrics = learner.update(box["state"], 1)
-        jax.block_until_ready(metrics)
+            box["state"], out = run(box["state"])
+        jax.block_until_ready(out)
         return calls * cfg.batch_size * members / (time.perf_counter() - start)
 
     return timed, learner.close
+
+
+def _rollout_program(learner):
+    """``state -> (state, checksum)``: one rollout of every member, no learning; the state
+    advances (envs, observation statistics, keys) so the next call goes on from it."""
+    import jax
+    import jax.numpy as jnp
+
+    def rollout(state):
+        ms = state.members
+        carry, traj = learner._rollout(ms)
+        ms = ms.replace(
+            env_state=carry.env_state, obs=carry.obs, obs_stats=carry.obs_stats,
+            ret_stats=carry.ret_stats, disc_return=carry.disc_return, ep_return=carry.ep_return,
+            ep_length=carry.ep_length, rng=carry.rng,
+        )  # fmt: skip
+        # A sum over every trajectory leaf, so none of the rollout's work can be dropped.
+        checksum = sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(traj))
+        return state.replace(members=ms), checksum
+
+    shardings = learner.state_shardings()
+    program = jax.jit(rollout, in_shardings=(shardings,), out_shardings=(shardings, None),
+                      donate_argnums=0)  # fmt: skip
+
+    def run(state):
+        with jax.set_mesh(learner.mesh):
+            return program(state)
+
+    return run
 
 
 def _vector_env(name: str, count: int):
@@ -255,9 +291,9 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
     timers, closers = {"alone": lambda: alone(name, n * e, num_steps * calls, cores)}, []
     try:
         for mode, make in (
-            ("ppo-rollout", lambda: ppo(name, update_epochs=1, num_minibatches=1, **common)),
+            ("ppo-rollout", lambda: ppo(name, learn=False, **common)),
             ("ppo-full", lambda: ppo(name, **common)),
-            ("ppo-inprocess", lambda: ppo(name, 0, update_epochs=1, num_minibatches=1, **common)),
+            ("ppo-inprocess", lambda: ppo(name, 0, learn=False, **common)),
             ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
         ):
             timers[mode], close = make()

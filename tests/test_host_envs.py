@@ -444,7 +444,8 @@ def test_learner_with_make_kwargs_closes_its_workers():
 def _shared_files() -> list[str]:
     from rollout.hostenv._group import _shared_dir
 
-    return glob.glob(os.path.join(_shared_dir(), "rollout-hostenv-*"))
+    # This process's files only (the pid is in the name): other test processes may run at once.
+    return glob.glob(os.path.join(_shared_dir(), f"rollout-hostenv-{os.getpid()}-*"))
 
 
 @pytest.mark.timeout(300)

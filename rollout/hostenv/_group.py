@@ -114,7 +114,7 @@ class WorkerGroup:
         self._owner = os.getpid()
         self._seq = 0
         starts = np.cumsum([0, *self.counts])
-        path = os.path.join(_shared_dir(), f"rollout-hostenv-{secrets.token_hex(8)}")
+        path = os.path.join(_shared_dir(), f"rollout-hostenv-{os.getpid()}-{secrets.token_hex(8)}")
         self._shared = SharedArrays(path, self.spec, create=True)
         try:
             self._workers = [

@@ -355,7 +355,15 @@ class Learner:
         members = self.ensemble.members
         if self._envs_beside_members:
             return members.map(self._member_update, (ms, update), (0, None))
-        per_member = lambda fn, *args: members.map(fn, args, (0,) * len(args))
+        carry, traj = self._rollout(ms)
+        return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
+
+    def _rollout(self, ms: MemberState) -> tuple[Rollout, tuple[Transition, Cut]]:
+        """All members' rollouts, the envs stepped together at ensemble level (host envs):
+        the final carry and the trajectory, ``[n, num_steps, num_envs, ...]``."""
+        if self._envs_beside_members:
+            return self.ensemble.members.map(self._member_rollout, (ms,), (0,))
+        per_member = lambda fn, *args: self.ensemble.members.map(fn, args, (0,) * len(args))
         carry = self._rollout_carry(ms, (self.config.members,))
         carry, draws = per_member(self._draw, carry)
         draws = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), draws)  # [num_steps, n, ...]
@@ -367,11 +375,15 @@ class Learner:
 
         carry, traj = jax.lax.scan(step, carry, draws)
         # traj leaves are [num_steps, n, num_envs, ...]: the member axis goes first.
-        traj = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), traj)
-        return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
+        return carry, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), traj)
 
     def _member_update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
         """One member's whole update with its envs stepped next to it (``env_on='device'``)."""
+        carry, traj = self._member_rollout(ms)
+        return self._learn(ms, carry, traj, update)
+
+    def _member_rollout(self, ms: MemberState) -> tuple[Rollout, tuple[Transition, Cut]]:
+        """One member's rollout with its envs stepped next to it, in its own program."""
         env_step = jax.vmap(self.env.step)
 
         def step(carry: Rollout, draw: Draws):
@@ -381,8 +393,7 @@ class Learner:
             )
 
         carry, draws = self._draw(self._rollout_carry(ms, ()))
-        carry, traj = jax.lax.scan(step, carry, draws)
-        return self._learn(ms, carry, traj, update)
+        return jax.lax.scan(step, carry, draws)
 
     def _rollout_carry(self, ms: MemberState, lead: tuple[int, ...]) -> Rollout:
         return Rollout(
