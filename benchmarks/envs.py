@@ -9,8 +9,10 @@ this machine's cores:
   steps, observation and reward statistics), no gradient steps: what the env layer delivers.
   ``ppo-full``: whole ``Learner.update`` calls (CleanRL's 10 epochs x 32 minibatches for
   continuous actions, 4 x 4 for discrete), whose gradient steps share the same CPU cores here.
-  ``ppo-inprocess``: as ``ppo-rollout`` with ``workers_per_device=0`` (the envs stepped in the
-  callback threads of this process, no process hop).
+  Both place the envs where ``rollout.envs.make`` puts them by default: gymnasium envs in
+  worker processes, EnvPool pools in this process (on their own C++ threads).
+  ``ppo-other-place``: as ``ppo-rollout`` with the other placement (gymnasium: in this process,
+  ``workers_per_device=0``; EnvPool: in worker processes, cores / devices per device).
 - ``alone``: the same n*E env instances stepped with random actions (drawn before the clock
   starts) by plain loops, one process per core (same-step autoreset; an EnvPool pool of one
   thread per core): what the envs cost with no learner at all, the env-bound limit.
@@ -29,7 +31,7 @@ this machine's cores:
 Not a test: it times things, on whatever else runs on the machine (the JSON records the load).
 Run it on a quiet machine::
 
-    python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; 4x4, 4x16
+    python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; 4x4/16/64
     python benchmarks/envs.py --envs gymnasium:Hopper-v5 --members 2 --num-envs 4
 
 Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png``.
@@ -242,6 +244,13 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
     return timed, vec.close
 
 
+def _other_place(name: str, members: int) -> int:
+    """``workers_per_device`` of the placement that is not the backend's default."""
+    if not name.startswith("envpool:"):
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // _devices(members))
+
+
 def _devices(members: int) -> int:
     import jax
 
@@ -259,7 +268,7 @@ def main() -> None:
         default=["gymnasium:HalfCheetah-v5", "envpool:HalfCheetah-v5", "gymnasium:CartPole-v1"],
     )
     p.add_argument("--members", type=int, default=4)
-    p.add_argument("--num-envs", type=int, nargs="+", default=[4, 16], help="envs per member")
+    p.add_argument("--num-envs", type=int, nargs="+", default=[4, 16, 64], help="envs per member")
     p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
     p.add_argument("--calls", type=int, default=3, help="timed PPO updates per sample")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
@@ -293,7 +302,7 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
         for mode, make in (
             ("ppo-rollout", lambda: ppo(name, learn=False, **common)),
             ("ppo-full", lambda: ppo(name, **common)),
-            ("ppo-inprocess", lambda: ppo(name, 0, learn=False, **common)),
+            ("ppo-other-place", lambda: ppo(name, _other_place(name, n), learn=False, **common)),
             ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
         ):
             timers[mode], close = make()
@@ -318,7 +327,7 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    modes = ("alone", "ppo-rollout", "ppo-full", "ppo-inprocess", "cleanrl")
+    modes = ("alone", "ppo-rollout", "ppo-full", "ppo-other-place", "cleanrl")
     ratios = ("rollout/alone", "full/alone", "rollout/cleanrl")
     label = lambda r: f"{r['env']} {r['members']}x{r['envs_per_member']}"
     lines = [

@@ -507,16 +507,24 @@ def test_cli_unknown_gymnasium_id_is_one_line_exit_2():
 
 
 @pytest.mark.timeout(120)
-def test_envpool_task_equals_envpool_called_directly():
+@pytest.mark.parametrize(
+    "workers, kwargs",
+    [(1, {}), (None, {}), (None, {"num_threads": 3})],
+    ids=["worker-process", "in-process-default", "in-process-3-threads"],
+)
+def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
+    """In worker processes, or (the default) in this process on EnvPool's own threads: the
+    results come back in env order whatever order the pool's threads finish in."""
     envpool = pytest.importorskip("envpool")
     n, e, T = 2, 3, 40
-    env = envs.make("envpool:CartPole-v1", workers_per_device=1)
+    env = envs.make("envpool:CartPole-v1", workers_per_device=workers, **kwargs)
     mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
     host = env.bind(mesh, n, e)
     keys = jax.random.split(jax.random.key(1), (n, e))
     actions = np.random.default_rng(0).integers(0, 2, (T, n, e)).astype(np.int32)
     try:
         obs0, steps = run_host(host, mesh, keys, actions)
+        assert (host.pids == []) == (workers is None)  # worker processes, or none
     finally:
         host.close()
     seeds = seeds_of(keys)

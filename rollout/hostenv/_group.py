@@ -259,10 +259,11 @@ def _close_all() -> None:
 class InProcessGroup:
     """The envs of one device's members in this process, stepped by the callback thread itself.
 
-    ``workers_per_device=0``: no process hop per step (faster for cheap envs), but the envs share
+    ``workers_per_device=0`` (EnvPool's default): no process hop per step, but the envs share
     this process's interpreter, so pure-Python envs of different devices take turns on the GIL,
-    and an env that crashes the interpreter takes the learner with it. Same interface and error
-    messages as ``WorkerGroup``.
+    and an env that crashes the interpreter takes the learner with it. An EnvPool pool steps on
+    ``threads`` C++ threads of its own (unless ``make`` kwargs set ``num_threads``). Same
+    interface and error messages as ``WorkerGroup``.
     """
 
     def __init__(
@@ -275,8 +276,11 @@ class InProcessGroup:
         obs_shape: tuple[int, ...],
         action_shape: tuple[int, ...],
         action_dtype: Any,
+        threads: int = 1,
     ):
         self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
+        if backend == "envpool":
+            self.kwargs.setdefault("num_threads", threads)
         self.rows, self.label = rows, label
         self.spec = step_spec(rows, tuple(obs_shape), tuple(action_shape), action_dtype)
         self.lock = threading.Lock()

@@ -89,9 +89,11 @@ class HostEnv:
       env_id: the id (gymnasium: any registered id, including ``'module:EnvId-v0'``, which
         imports ``module`` first, in every worker too).
       kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
-      workers_per_device: worker processes per device's members (default: the CPU cores divided
-        by the devices, at least 1); 0 steps the envs in this process instead, from the
-        callback thread of each device (no process hop per step; see ``InProcessGroup``).
+      workers_per_device: worker processes per device's members; 0 steps the envs in this
+        process instead, from the callback thread of each device (no process hop per step; see
+        ``InProcessGroup``). Default: gymnasium, the CPU cores divided by the devices (at least
+        1); EnvPool, 0, with one pool per device running that many C++ threads of its own
+        (EnvPool's envs never hold the interpreter lock, so a worker process only adds a hop).
       timeout: seconds one step may take before it is an error (default: no limit; a dead
         worker is an error within 0.2 s regardless).
     """
@@ -194,13 +196,17 @@ class HostEnvs:
             action_dtype=np.int32 if discrete else np.float32,
         )
         what = (env.backend, env.env_id, dict(env.kwargs))
-        if env.workers_per_device == 0:  # in this process, stepped by the callback threads
+        cores = min(rows, _default_workers(self.num_groups))
+        workers = env.workers_per_device
+        if workers is None:
+            workers = 0 if env.backend == "envpool" else cores
+        if workers == 0:  # in this process, stepped by the callback threads
             self.groups: list[Any] = [
-                InProcessGroup(*what, rows, self._label(g), **shapes)
+                InProcessGroup(*what, rows, self._label(g), **shapes, threads=cores)
                 for g in range(self.num_groups)
             ]
         else:
-            k = min(rows, env.workers_per_device or _default_workers(self.num_groups))
+            k = min(rows, workers)
             counts = [len(c) for c in np.array_split(np.arange(rows), k)]
             self.groups = [
                 WorkerGroup(*what, counts, self._label(g), **shapes, timeout=env.timeout)

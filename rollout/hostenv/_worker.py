@@ -138,7 +138,7 @@ class _EnvPool:
         # reset reproducible from its first seed.
         if self.pool is not None:
             self.pool.close()
-        kw = dict(num_threads=1, **self.kwargs)
+        kw = {"num_threads": 1, **self.kwargs}  # one thread per worker unless the kwargs say
         # EnvPool takes int32 seeds, and env i of the pool gets seed + i.
         seed = int(seeds[0]) % (2**31 - self.num_envs)
         self.pool = envpool.make(
