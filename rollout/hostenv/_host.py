@@ -174,7 +174,8 @@ class HostEnvs:
 
     The members on one device (a group of the mesh's ``'ensemble'`` axis) have their own
     ``WorkerGroup``: ``workers_per_device`` processes that hold that group's envs, so each
-    device's members step their own envs on their own workers, and all groups step at once.
+    device's members step their own envs on their own workers, and all groups step at once
+    (with ``workers_per_device=0``, EnvPool's default, an ``InProcessGroup`` instead).
     ``reset`` and ``step`` are traceable (use them inside ``jit``, with the mesh's shardings);
     ``close()`` stops the workers.
 
