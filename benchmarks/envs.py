@@ -156,13 +156,8 @@ def _rollout_program(learner):
     import jax.numpy as jnp
 
     def rollout(state):
-        ms = state.members
-        carry, traj = learner._rollout(ms)
-        ms = ms.replace(
-            env_state=carry.env_state, obs=carry.obs, obs_stats=carry.obs_stats,
-            ret_stats=carry.ret_stats, disc_return=carry.disc_return, ep_return=carry.ep_return,
-            ep_length=carry.ep_length, rng=carry.rng,
-        )  # fmt: skip
+        carry, traj = learner._rollout(state.members)
+        ms = learner._after_rollout(state.members, carry)
         # A sum over every trajectory leaf, so none of the rollout's work can be dropped.
         checksum = sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(traj))
         return state.replace(members=ms), checksum
@@ -246,9 +241,9 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
 
 def _other_place(name: str, members: int) -> int:
     """``workers_per_device`` of the placement that is not the backend's default."""
-    if not name.startswith("envpool:"):
-        return 0
-    return max(1, len(os.sched_getaffinity(0)) // _devices(members))
+    from rollout.hostenv._host import _default_workers
+
+    return _default_workers(_devices(members)) if name.startswith("envpool:") else 0
 
 
 def _devices(members: int) -> int:

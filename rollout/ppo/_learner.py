@@ -395,6 +395,21 @@ class Learner:
         carry, draws = self._draw(self._rollout_carry(ms, ()))
         return jax.lax.scan(step, carry, draws)
 
+    @staticmethod
+    def _after_rollout(ms: MemberState, carry: Rollout) -> MemberState:
+        """``ms`` advanced by a rollout: its envs, observations, statistics, episode counters
+        and key taken from the rollout's final ``carry`` (per member, or all members at once)."""
+        return ms.replace(
+            env_state=carry.env_state,
+            obs=carry.obs,
+            obs_stats=carry.obs_stats,
+            ret_stats=carry.ret_stats,
+            disc_return=carry.disc_return,
+            ep_return=carry.ep_return,
+            ep_length=carry.ep_length,
+            rng=carry.rng,
+        )
+
     def _rollout_carry(self, ms: MemberState, lead: tuple[int, ...]) -> Rollout:
         return Rollout(
             env_state=ms.env_state,
@@ -579,16 +594,9 @@ class Learner:
         metrics.update(
             returns=last_return, episode_length=last_length, episodes=fin_count, learning_rate=lr
         )
-        new = MemberState(
+        new = self._after_rollout(ms, carry).replace(
             params=params,
             opt_state=opt_state,
-            env_state=carry.env_state,
-            obs=carry.obs,
-            obs_stats=carry.obs_stats,
-            ret_stats=carry.ret_stats,
-            disc_return=carry.disc_return,
-            ep_return=carry.ep_return,
-            ep_length=carry.ep_length,
             last_return=last_return,
             last_length=last_length,
             hparams=hp,
