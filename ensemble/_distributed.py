@@ -120,15 +120,7 @@ def initialize(
     if local_cpu_devices is None and os.environ.get(ENV_NUM_CPU_DEVICES):
         local_cpu_devices = int(os.environ[ENV_NUM_CPU_DEVICES])
     if _backends_started():
-        # Too late to join a distributed run or to change the device count. Fine only if the
-        # caller asked for nothing that needed it.
-        wants_many = (num_processes or _env_int(ENV_NUM_PROCESSES) or 1) > 1
-        if wants_many or (local_cpu_devices and local_cpu_devices != jax.local_device_count("cpu")):
-            raise RuntimeError(
-                "ensemble.distributed.initialize() must run before any JAX computation (the JAX "
-                "backend has already started, so devices and processes are fixed). Call it at "
-                "the top of your program, right after the imports."
-            )
+        _check_not_too_late(num_processes, local_cpu_devices)
         return _info()
 
     if local_cpu_devices is not None:
@@ -140,25 +132,8 @@ def initialize(
         num_processes = _env_int(ENV_NUM_PROCESSES)
     if process_id is None:
         process_id = _env_int(ENV_PROCESS_ID)
-    explicit = (coordinator_address, num_processes, process_id)
-    if all(v is None for v in explicit) and not _cluster_detected():
+    if not _joins_a_run(coordinator_address, num_processes, process_id):
         return _info()  # a plain single-process run: nothing to join
-    if num_processes == 1 and (process_id or 0) == 0 and not _cluster_detected():
-        return _info()
-    if None in explicit and not _cluster_detected():
-        raise ValueError(
-            f"a multi-process run needs the coordinator address, the number of processes and "
-            f"this process's id; got coordinator_address={coordinator_address!r}, "
-            f"num_processes={num_processes!r}, process_id={process_id!r}. Pass them to "
-            f"initialize(), set ${ENV_COORDINATOR_ADDRESS}, ${ENV_NUM_PROCESSES} and "
-            f"${ENV_PROCESS_ID} on every process, or start the processes with "
-            "python -m ensemble.launch -n N -- <command>."
-        )
-    if None not in explicit and not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"process_id={process_id} must be in 0..num_processes-1 (num_processes="
-            f"{num_processes}); give each process its own id."
-        )
 
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT_TIMEOUT) or 30
@@ -181,6 +156,44 @@ def initialize(
     info = _info()
     logger.info("joined the run as process %d of %d", info.process_id, info.num_processes)
     return info
+
+
+def _check_not_too_late(num_processes: int | None, local_cpu_devices: int | None) -> None:
+    """The backend has started: too late to join a run or to change the device count. Fine
+    only if the caller asked for nothing that needed it."""
+    wants_many = (num_processes or _env_int(ENV_NUM_PROCESSES) or 1) > 1
+    if wants_many or (local_cpu_devices and local_cpu_devices != jax.local_device_count("cpu")):
+        raise RuntimeError(
+            "ensemble.distributed.initialize() must run before any JAX computation (the JAX "
+            "backend has already started, so devices and processes are fixed). Call it at "
+            "the top of your program, right after the imports."
+        )
+
+
+def _joins_a_run(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> bool:
+    """Whether these settings (or a detected cluster) make a multi-process run; bad ones raise."""
+    explicit = (coordinator_address, num_processes, process_id)
+    if all(v is None for v in explicit) and not _cluster_detected():
+        return False
+    if num_processes == 1 and (process_id or 0) == 0 and not _cluster_detected():
+        return False
+    if None in explicit and not _cluster_detected():
+        raise ValueError(
+            f"a multi-process run needs the coordinator address, the number of processes and "
+            f"this process's id; got coordinator_address={coordinator_address!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}. Pass them to "
+            f"initialize(), set ${ENV_COORDINATOR_ADDRESS}, ${ENV_NUM_PROCESSES} and "
+            f"${ENV_PROCESS_ID} on every process, or start the processes with "
+            "python -m ensemble.launch -n N -- <command>."
+        )
+    if None not in explicit and not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id={process_id} must be in 0..num_processes-1 (num_processes="
+            f"{num_processes}); give each process its own id."
+        )
+    return True
 
 
 def is_main_process() -> bool:

@@ -151,6 +151,16 @@ def launch(
       >>> sorted(out.getvalue().decode().splitlines())
       ['[rank 0] 0', '[rank 1] 1']
     """
+    command = _checked(command, num_processes, devices_per_process, port)
+    run = _Run(_binary(stdout or sys.stdout), _binary(stderr or sys.stderr), grace)
+    run.start(command, num_processes, port or free_port(), devices_per_process, env)
+    return run.supervise(timeout)
+
+
+def _checked(
+    command: Sequence[str], num_processes: int, devices_per_process: int | None, port: int | None
+) -> list[str]:
+    """The command to run (``x.py`` runs with this Python); bad arguments raise before a start."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
     if devices_per_process is not None and devices_per_process < 1:
@@ -168,109 +178,126 @@ def launch(
                 f"port {port} is already in use on {LOOPBACK} (another run's coordinator?); "
                 "nothing was started. Pick another --port, or leave it out to use a free one."
             )
-    out = _binary(stdout or sys.stdout)
-    err = _binary(stderr or sys.stderr)
-    port = port or free_port()
-    lock = threading.Lock()
+    return command
 
-    def note(message: str) -> None:
-        with lock:
-            err.write(f"[launch] {message}\n".encode())
-            err.flush()
 
-    procs: list[subprocess.Popen[bytes]] = []
-    threads: list[threading.Thread] = []
-    for rank in range(num_processes):
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=process_env(rank, num_processes, port, devices_per_process, env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                # Own process group: we can stop a rank's whole tree (a shell, its children), and a
-                # terminal's Ctrl-C reaches only us, so we decide how to pass it on.
-                start_new_session=True,
-                preexec_fn=_die_with_parent if _fork_is_safe() else None,
+class _Run:
+    """The processes of one ``launch``: their output pumps, reapers, signals and exit code."""
+
+    def __init__(self, out: Any, err: Any, grace: float):
+        self.out, self.err, self.grace = out, err, grace
+        self.lock = threading.Lock()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.threads: list[threading.Thread] = []
+        self.pumps: dict[int, list[threading.Thread]] = {}
+        self.ended: list[tuple[int, int]] = []  # (rank, exit code) in the order they ended
+        self.followers: set[int] = set()  # ranks whose output says a peer failed
+        self.received: list[int] = []  # signals the launcher got
+        self.kill_at: list[float] = []  # when to SIGKILL what a forwarded signal left running
+
+    def note(self, message: str) -> None:
+        with self.lock:
+            self.err.write(f"[launch] {message}\n".encode())
+            self.err.flush()
+
+    def start(self, command: list[str], num_processes: int, port: int, devices, env) -> None:
+        for rank in range(num_processes):
+            self.procs.append(
+                subprocess.Popen(
+                    command,
+                    env=process_env(rank, num_processes, port, devices, env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    # Own process group: we can stop a rank's whole tree (a shell, its children),
+                    # and a terminal's Ctrl-C reaches only us, so we decide how to pass it on.
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent if _fork_is_safe() else None,
+                )
             )
-        )
-    ended: list[tuple[int, int]] = []  # (rank, exit code) in the order the processes ended
-    followers: set[int] = set()  # ranks whose output says a peer failed
-    pumps: dict[int, list[threading.Thread]] = {}
-    for rank, proc in enumerate(procs):
-        for src, dst in ((proc.stdout, out), (proc.stderr, err)):
-            args = (src, dst, rank, lock, followers)
-            t = threading.Thread(target=_pump, args=args, daemon=True)
-            t.start()
-            threads.append(t)
-            pumps.setdefault(rank, []).append(t)
-        threading.Thread(target=_reap, args=(proc, rank, ended, lock), daemon=True).start()
+        for rank, proc in enumerate(self.procs):
+            for src, dst in ((proc.stdout, self.out), (proc.stderr, self.err)):
+                args = (src, dst, rank, self.lock, self.followers)
+                t = threading.Thread(target=_pump, args=args, daemon=True)
+                t.start()
+                self.threads.append(t)
+                self.pumps.setdefault(rank, []).append(t)
+            reap = (proc, rank, self.ended, self.lock)
+            threading.Thread(target=_reap, args=reap, daemon=True).start()
 
-    received: list[int] = []
-    kill_at: list[float] = []
-
-    def forward(signum, frame):
-        received.append(signum)
+    def forward(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
         # A second Ctrl-C means "now": no grace period.
-        sig = signal.SIGKILL if received.count(signal.SIGINT) > 1 else signum
-        for p in procs:
+        sig = signal.SIGKILL if self.received.count(signal.SIGINT) > 1 else signum
+        for p in self.procs:
             _signal_group(p, sig)
         # JAX's preemption service catches SIGTERM in a distributed run (it only records a
         # preemption notice), so a process may well survive it: SIGKILL after the grace period.
-        kill_at.append(time.monotonic() + grace)
+        self.kill_at.append(time.monotonic() + self.grace)
 
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, forward)
+    def supervise(self, timeout: float | None) -> int:
+        """Waits for every process; stops them all at the first failure, a signal or timeout."""
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self.forward)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        code, first = 0, None
+        try:
+            code, first = self._watch(deadline, timeout)
+        finally:
+            for p in self.procs:  # never leave a process behind, whatever happened above
+                if p.poll() is None:
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait()
+            for t in self.threads:
+                t.join(timeout=5)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        if self.received and code == 0:
+            code = 128 + self.received[0]
+        if first is not None:
+            self.note(f"exit code {code}: rank {first[0]} failed first ({_describe(first[1])}).")
+        return code
 
-    deadline = None if timeout is None else time.monotonic() + timeout
-    code, first, failed_at = 0, None, None
-    try:
+    def _watch(self, deadline: float | None, timeout: float | None) -> tuple[int, Any]:
+        """The polling loop: ``(exit code so far, (rank, code) of the first failure or None)``."""
+        code, first, failed_at = 0, None, None
         while True:
-            with lock:
-                done = list(ended)
+            with self.lock:
+                done = list(self.ended)
             failed = [(r, c) for r, c in done if c != 0]
-            if failed and code == 0 and not received:
+            if failed and code == 0 and not self.received:
                 failed_at = failed_at or time.monotonic()
                 for r, _ in failed:  # read what they printed last (a peer-failure line?)
-                    for t in pumps[r]:
+                    for t in self.pumps[r]:
                         t.join(timeout=0.5)
-                first = _first_failure(failed, followers, time.monotonic() - failed_at, grace)
-            if first is not None and code == 0 and not received:
-                rank, c = first
-                code = 128 - c if c < 0 else c
-                alive = sorted(set(range(len(procs))) - {r for r, _ in done})
-                note(
-                    f"rank {rank} {_describe(c)}; stopping the other processes {alive} "
-                    f"(SIGTERM, then SIGKILL after {grace:g} s)."
-                )
-                _stop(procs, grace)
-            if len(done) == len(procs):
-                break
-            if kill_at and time.monotonic() > kill_at[0]:
-                for p in procs:
+                waited = time.monotonic() - failed_at
+                first = _first_failure(failed, self.followers, waited, self.grace)
+            if first is not None and code == 0 and not self.received:
+                code = self._stop_after(first, done)
+            if len(done) == len(self.procs):
+                return code, first
+            if self.kill_at and time.monotonic() > self.kill_at[0]:
+                for p in self.procs:
                     if p.poll() is None:
                         _signal_group(p, signal.SIGKILL)
             if deadline is not None and time.monotonic() > deadline and code == 0:
-                note(f"--timeout {timeout:g} s reached; stopping all processes.")
+                self.note(f"--timeout {timeout:g} s reached; stopping all processes.")
                 code = 124
-                _stop(procs, grace)
+                _stop(self.procs, self.grace)
             time.sleep(0.05)
-    finally:
-        for p in procs:  # never leave a process behind, whatever happened above
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
-        for t in threads:
-            t.join(timeout=5)
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    if received and code == 0:
-        code = 128 + received[0]
-    if first is not None:
-        note(f"exit code {code}: rank {first[0]} failed first ({_describe(first[1])}).")
-    return code
+
+    def _stop_after(self, first: tuple[int, int], done: list[tuple[int, int]]) -> int:
+        """Stops the processes still running after ``first`` failed; its exit code."""
+        rank, c = first
+        alive = sorted(set(range(len(self.procs))) - {r for r, _ in done})
+        self.note(
+            f"rank {rank} {_describe(c)}; stopping the other processes {alive} "
+            f"(SIGTERM, then SIGKILL after {self.grace:g} s)."
+        )
+        _stop(self.procs, self.grace)
+        return 128 - c if c < 0 else c
 
 
 def main(argv: Sequence[str] | None = None) -> int:

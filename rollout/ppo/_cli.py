@@ -455,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
         epilog="--resume takes the config from the run in --out; only --total-steps may grow.",
     )
+    for add in (_run_args, _ppo_args, _output_args, _process_args):
+        add(p)
+    return p
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--env",
         default=None,
@@ -481,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="envs vmapped next to each member (default), or on host CPU cores (rollout.on_cpu)",
     )
+
+
+def _ppo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=_floats, default=None, help="learning rate, or one per member")
     p.add_argument("--ent-coef", type=_floats, default=None, help="entropy coef, or one per member")
     p.add_argument("--clip-coef", type=_floats, default=None, help="clip range, or one per member")
@@ -494,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pbt-fraction", type=float, default=None, help="bottom/top fraction (0.25)")
     p.add_argument("--pbt-factors", type=_floats, default=None, help="perturbations (0.8,1.2)")
     p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=10, help="jit calls per checkpoint")
     p.add_argument(
         "--devices",
@@ -516,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most one metric row per SECONDS goes to --log outputs, and always the last "
         "(default 0.1; 0: every row; metrics.jsonl has every row)",
     )
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "several processes / hosts",
         "default: $JAX_COORDINATOR_ADDRESS, $ENSEMBLE_NUM_PROCESSES, $ENSEMBLE_PROCESS_ID (set "
@@ -525,7 +540,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinator", default=None, help="host:port of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -571,34 +585,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(f"--log-interval must be a number of seconds >= 0, got {interval}.")
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
-    cores = os.cpu_count() or 1
-    from ensemble import _distributed as distributed
-
-    procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
-    members = _members_hint(args, found)
-    if members % procs:
-        raise UsageError(
-            f"--members {members} must be a multiple of the number of processes "
-            f"({procs}): every process holds the same number of members."
-        )
-    # Devices per process for this process's members (on CPU-only hosts). Set before the config
-    # is built: building it may make the env once (gymnax envs start JAX).
-    learner_devices = args.devices or cpu_devices_for(members // procs, cores)
-    configure_devices(max(learner_devices, cores))
-    config = _config_from_args(args, found)
-    if args.resume:
-        ckpt.check_resume(found, config.to_dict())
-    else:
-        ckpt.check_fresh(found, args.overwrite)
-    ckpt.check_writable(args.out)
-    # Joins the other processes (if any) before JAX starts; a no-op for a single process.
-    info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
-    devices, n_dev = _learner_devices(info, learner_devices)
-    try:
-        config.validate(num_devices=n_dev)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    config, info, devices, n_dev = _set_up(args, found, signals)
     import jax
 
     print(
@@ -632,6 +619,41 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0
+
+
+def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
+    """Checks the run directory, starts JAX's devices (joining the other processes, if any)
+    and builds the config: ``(config, process info, learner devices, their count)``."""
+    from ensemble import _distributed as distributed
+    from rollout.ppo import _checkpoint as ckpt
+
+    cores = os.cpu_count() or 1
+    procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
+    members = _members_hint(args, found)
+    if members % procs:
+        raise UsageError(
+            f"--members {members} must be a multiple of the number of processes "
+            f"({procs}): every process holds the same number of members."
+        )
+    # Devices per process for this process's members (on CPU-only hosts). Set before the config
+    # is built: building it may make the env once (gymnax envs start JAX).
+    learner_devices = args.devices or cpu_devices_for(members // procs, cores)
+    configure_devices(max(learner_devices, cores))
+    config = _config_from_args(args, found)
+    if args.resume:
+        ckpt.check_resume(found, config.to_dict())
+    else:
+        ckpt.check_fresh(found, args.overwrite)
+    ckpt.check_writable(args.out)
+    # Joins the other processes (if any) before JAX starts; a no-op for a single process.
+    info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
+    devices, n_dev = _learner_devices(info, learner_devices)
+    try:
+        config.validate(num_devices=n_dev)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return config, info, devices, n_dev
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -514,57 +514,88 @@ class Learner:
         self, ms: MemberState, carry: Rollout, steps: tuple[Transition, Cut], update: jax.Array
     ) -> tuple[MemberState, dict]:
         """GAE, then ``update_epochs`` passes of shuffled minibatches; one member's update."""
-        cfg, spec = self.config, self.spec
-        apply = self.network.apply
-        hp = ms.hparams
+        cfg = self.config
+        batch = self._advantages(ms, carry, steps)
+        batch = jax.tree_util.tree_map(lambda x: x.reshape(cfg.batch_size, *x.shape[2:]), batch)
+        # Linear learning-rate annealing to 0 over the run (CleanRL), per member.
+        frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
+        lr = ms.hparams["learning_rate"] * frac
         key = jax.random.wrap_key_data(carry.rng)
+        params, opt_state, key, stats = self._epochs(ms, batch, lr, key)
+
+        # Metrics: scalars per member (the ensemble vmap makes them [n]).
+        fin_sum, fin_len, fin_count = carry.finished
+        has = fin_count > 0
+        last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), ms.last_return)
+        last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), ms.last_length)
+        metrics = {name: jnp.mean(v) for name, v in stats.items()}
+        metrics.update(
+            returns=last_return, episode_length=last_length, episodes=fin_count, learning_rate=lr
+        )
+        new = self._after_rollout(ms, carry).replace(
+            params=params,
+            opt_state=opt_state,
+            last_return=last_return,
+            last_length=last_length,
+            rng=jax.random.key_data(key),
+        )
+        return new, {name: jnp.asarray(metrics[name], jnp.float32) for name in METRIC_NAMES}
+
+    def _advantages(
+        self, ms: MemberState, carry: Rollout, steps: tuple[Transition, Cut]
+    ) -> tuple[Transition, jax.Array, jax.Array]:
+        """``(trajectory, advantages, value targets)``, ``[num_steps, num_envs, ...]`` each."""
+        cfg, apply = self.config, self.network.apply
         traj, cuts = steps
         if cfg.bootstrap_truncation:  # reward += gamma * V(final obs) where time ran out
             final_value = apply({"params": ms.params}, cuts.final_obs, method="value")
             traj = traj._replace(reward=traj.reward + cuts.cut * cfg.gamma * final_value)
-
-        # Advantages: GAE over the trajectory, bootstrapped with V(obs after the last step).
+        # GAE over the trajectory, bootstrapped with V(obs after the last step).
         last_obs = self._normalize(carry.obs, carry.obs_stats)
         last_value = apply({"params": ms.params}, last_obs, method="value")
         advantages, targets = gae(
             traj.reward, traj.value, traj.done, last_value, cfg.gamma, cfg.gae_lambda
         )
+        return traj, advantages, targets
 
-        # Linear learning-rate annealing to 0 over the run (CleanRL), per member.
-        frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
-        lr = hp["learning_rate"] * frac
-        batch = (traj, advantages, targets)
-        batch = jax.tree_util.tree_map(lambda x: x.reshape(cfg.batch_size, *x.shape[2:]), batch)
+    def _loss(self, params: Any, hp: dict, mb: tuple) -> tuple[jax.Array, dict]:
+        """CleanRL's PPO loss on one minibatch ``(transitions, advantages, targets)``."""
+        cfg, spec = self.config, self.spec
+        t, adv, target = mb
+        pi, value = self.network.apply({"params": params}, t.obs)
+        logp = nets.log_prob(pi, t.action, spec.discrete)
+        log_ratio = logp - t.log_prob
+        ratio = jnp.exp(log_ratio)
+        if cfg.norm_adv:  # per minibatch
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        clip = hp["clip_coef"]
+        pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
+        if cfg.clip_vloss:
+            v_clipped = t.value + jnp.clip(value - t.value, -clip, clip)
+            v_loss = 0.5 * jnp.maximum((value - target) ** 2, (v_clipped - target) ** 2).mean()
+        else:
+            v_loss = 0.5 * ((value - target) ** 2).mean()
+        ent = nets.entropy(pi, spec.discrete).mean()
+        loss = pg_loss - hp["ent_coef"] * ent + cfg.vf_coef * v_loss
+        stats = dict(
+            policy_loss=pg_loss,
+            value_loss=v_loss,
+            entropy=ent,
+            approx_kl=((ratio - 1) - log_ratio).mean(),
+            clipfrac=(jnp.abs(ratio - 1) > clip).astype(jnp.float32).mean(),
+        )
+        return loss, stats
 
-        def loss_fn(params, mb):
-            t, adv, target = mb
-            pi, value = apply({"params": params}, t.obs)
-            logp = nets.log_prob(pi, t.action, spec.discrete)
-            log_ratio = logp - t.log_prob
-            ratio = jnp.exp(log_ratio)
-            if cfg.norm_adv:  # per minibatch
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            clip = hp["clip_coef"]
-            pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
-            if cfg.clip_vloss:
-                v_clipped = t.value + jnp.clip(value - t.value, -clip, clip)
-                v_loss = 0.5 * jnp.maximum((value - target) ** 2, (v_clipped - target) ** 2).mean()
-            else:
-                v_loss = 0.5 * ((value - target) ** 2).mean()
-            ent = nets.entropy(pi, spec.discrete).mean()
-            loss = pg_loss - hp["ent_coef"] * ent + cfg.vf_coef * v_loss
-            stats = dict(
-                policy_loss=pg_loss,
-                value_loss=v_loss,
-                entropy=ent,
-                approx_kl=((ratio - 1) - log_ratio).mean(),
-                clipfrac=(jnp.abs(ratio - 1) > clip).astype(jnp.float32).mean(),
-            )
-            return loss, stats
+    def _epochs(
+        self, ms: MemberState, batch: tuple, lr: jax.Array, key: jax.Array
+    ) -> tuple[Any, Any, jax.Array, dict]:
+        """``update_epochs`` passes of shuffled minibatches over ``batch`` (``[batch_size, ...]``
+        leaves): ``(params, opt_state, key, stats)``, stats ``[epochs, minibatches]``."""
+        cfg = self.config
 
         def minibatch_step(carry, mb):
             params, opt_state = carry
-            grads, stats = jax.grad(loss_fn, has_aux=True)(params, mb)
+            grads, stats = jax.grad(self._loss, has_aux=True)(params, ms.hparams, mb)
             # This member's optimizer: its global-norm clip sees only this member's gradients.
             updates, opt_state = self.tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), stats
@@ -584,25 +615,7 @@ class Learner:
         (params, opt_state, key), stats = jax.lax.scan(
             epoch, (ms.params, opt_state, key), None, length=cfg.update_epochs
         )
-
-        # Metrics: scalars per member (the ensemble vmap makes them [n]).
-        fin_sum, fin_len, fin_count = carry.finished
-        has = fin_count > 0
-        last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), ms.last_return)
-        last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), ms.last_length)
-        metrics = {name: jnp.mean(v) for name, v in stats.items()}
-        metrics.update(
-            returns=last_return, episode_length=last_length, episodes=fin_count, learning_rate=lr
-        )
-        new = self._after_rollout(ms, carry).replace(
-            params=params,
-            opt_state=opt_state,
-            last_return=last_return,
-            last_length=last_length,
-            hparams=hp,
-            rng=jax.random.key_data(key),
-        )
-        return new, {name: jnp.asarray(metrics[name], jnp.float32) for name in METRIC_NAMES}
+        return params, opt_state, key, stats
 
     def exploit_explore(
         self, state: TrainState, recent_returns: Any, key: jax.Array
