@@ -13,6 +13,10 @@ this machine's cores:
   worker processes, EnvPool pools in this process (on their own C++ threads).
   ``ppo-other-place``: as ``ppo-rollout`` with the other placement (gymnasium: in this process,
   ``workers_per_device=0``; EnvPool: in worker processes, cores / devices per device).
+- ``env-layer``: the learner's own host envs (same devices, placement and callback) stepped in
+  one jitted scan with actions drawn before the clock starts: no policy, no statistics. What
+  every jitted rollout pays per step for the callback and the env layer; ``ppo-rollout`` below
+  it is the learner's own share.
 - ``alone``: the same n*E env instances stepped with random actions (drawn before the clock
   starts) by plain loops, one process per core (same-step autoreset; an EnvPool pool of one
   thread per core): what the envs cost with no learner at all, the env-bound limit.
@@ -21,7 +25,8 @@ this machine's cores:
   actor-critic, vmapped over the n members); rollout only, no learning.
 - Every mode is timed ``--repeats`` times in interleaved rounds (shuffled order per round);
   the table shows medians. One sample on a shared 2-core machine varies by 20-30%.
-- Ratios (of the medians): ``rollout/alone`` and ``full/alone`` (goal >= 0.8),
+- Ratios (of the medians): ``layer/alone`` (the env layer's ceiling for any rollout),
+  ``rollout/alone`` and ``full/alone`` (goal >= 0.8),
   ``rollout/cleanrl`` (goal >= 2; both rollouts without learning). The CleanRL loop steps its
   envs on one core, so on C cores
   ``rollout/cleanrl`` cannot exceed about ``alone / cleanrl`` (C times one core's env rate over
@@ -173,6 +178,69 @@ def _rollout_program(learner):
     return run
 
 
+def env_layer(name: str, *, members, num_envs, num_steps, calls):
+    """A timer of the host-env layer alone and a closer: the learner's own envs (same devices,
+    placement and callback) stepped in one jitted scan of ``num_steps`` with actions drawn
+    before the clock starts; no policy, no statistics. What any jitted rollout pays per step."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rollout import envs
+    from rollout.envs import Discrete
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig.for_env(
+        name, members=members, num_envs=num_envs, num_steps=num_steps, total_steps=10**8
+    )
+    learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=envs.make(name))
+    host, space = learner.envs, learner.env.action_space
+    rng = np.random.default_rng(0)
+    shape = (num_steps, members, num_envs)
+    if isinstance(space, Discrete):
+        actions = rng.integers(0, space.num_actions, shape, dtype=np.int32)
+    else:
+        low = np.asarray(space.low, np.float32).reshape(space.shape)
+        high = np.asarray(space.high, np.float32).reshape(space.shape)
+        actions = rng.uniform(low, high, (*shape, *space.shape)).astype(np.float32)
+    actions = jax.device_put(actions, NamedSharding(learner.mesh, P(None, "ensemble")))
+    state = learner.init()
+
+    def steps(env_state, actions):
+        # Seeds are read only if the envs must restart, which they do not here.
+        keys = jax.random.split(jax.random.key(0), (members, num_envs))
+
+        def one(env_state, action):
+            env_state, obs, reward, *_ = host.step(env_state, action, keys)
+            return env_state, reward.sum() + obs.sum()
+
+        env_state, checks = jax.lax.scan(one, env_state, actions)
+        return env_state, checks.sum()
+
+    program = jax.jit(steps, donate_argnums=0)
+    box = {"state": state.members.env_state}
+
+    def run():
+        with jax.set_mesh(learner.mesh):
+            box["state"], out = program(box["state"], actions)
+        return out
+
+    try:
+        jax.block_until_ready(run())  # compile
+    except BaseException:
+        learner.close()
+        raise
+
+    def timed() -> float:
+        start = time.perf_counter()
+        outs = [run() for _ in range(calls)]
+        jax.block_until_ready(outs)
+        return calls * num_steps * num_envs * members / (time.perf_counter() - start)
+
+    return timed, learner.close
+
+
 def _vector_env(name: str, count: int):
     """CleanRL's vector env: gymnasium's SyncVectorEnv, or one EnvPool pool (CleanRL's EnvPool
     scripts), in this process."""
@@ -298,6 +366,7 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
             ("ppo-rollout", lambda: ppo(name, learn=False, **common)),
             ("ppo-full", lambda: ppo(name, **common)),
             ("ppo-other-place", lambda: ppo(name, _other_place(name, n), learn=False, **common)),
+            ("env-layer", lambda: env_layer(name, **common)),
             ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
         ):
             timers[mode], close = make()
@@ -314,6 +383,7 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
             close()
     r = {"env": name, "members": n, "envs_per_member": e, "cores": cores, "repeats": repeats}
     r.update({m: statistics.median(v) for m, v in samples.items()})
+    r["layer/alone"] = r["env-layer"] / r["alone"]
     r["rollout/alone"] = r["ppo-rollout"] / r["alone"]
     r["full/alone"] = r["ppo-full"] / r["alone"]
     r["rollout/cleanrl"] = r["ppo-rollout"] / r["cleanrl"]
@@ -322,8 +392,8 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    modes = ("alone", "ppo-rollout", "ppo-full", "ppo-other-place", "cleanrl")
-    ratios = ("rollout/alone", "full/alone", "rollout/cleanrl")
+    modes = ("alone", "env-layer", "ppo-rollout", "ppo-full", "ppo-other-place", "cleanrl")
+    ratios = ("layer/alone", "rollout/alone", "full/alone", "rollout/cleanrl")
     label = lambda r: f"{r['env']} {r['members']}x{r['envs_per_member']}"
     lines = [
         f"{'env, members x envs':34s} " + " ".join(f"{m:>13s}" for m in modes + ratios)
