@@ -213,7 +213,8 @@ def env_layer(name: str, *, members, num_envs, num_steps, calls):
 
         def one(env_state, action):
             env_state, obs, reward, *_ = host.step(env_state, action, keys)
-            return env_state, reward.sum() + obs.sum()
+            # Per member: a sum over members would be a collective across devices every step.
+            return env_state, reward.sum(axis=1) + obs.reshape(members, -1).sum(axis=1)
 
         env_state, checks = jax.lax.scan(one, env_state, actions)
         return env_state, checks.sum()
