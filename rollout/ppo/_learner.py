@@ -94,6 +94,10 @@ class Rollout(NamedTuple):
     rng: jax.Array
 
 
+# What a rollout takes from the member state and hands back (all but its own episode tally).
+_CARRIED = tuple(name for name in Rollout._fields if name != "finished")
+
+
 class Act(NamedTuple):
     """One member's decision for its envs at one step."""
 
@@ -399,29 +403,11 @@ class Learner:
     def _after_rollout(ms: MemberState, carry: Rollout) -> MemberState:
         """``ms`` advanced by a rollout: its envs, observations, statistics, episode counters
         and key taken from the rollout's final ``carry`` (per member, or all members at once)."""
-        return ms.replace(
-            env_state=carry.env_state,
-            obs=carry.obs,
-            obs_stats=carry.obs_stats,
-            ret_stats=carry.ret_stats,
-            disc_return=carry.disc_return,
-            ep_return=carry.ep_return,
-            ep_length=carry.ep_length,
-            rng=carry.rng,
-        )
+        return ms.replace(**{name: getattr(carry, name) for name in _CARRIED})
 
     def _rollout_carry(self, ms: MemberState, lead: tuple[int, ...]) -> Rollout:
-        return Rollout(
-            env_state=ms.env_state,
-            obs=ms.obs,
-            obs_stats=ms.obs_stats,
-            ret_stats=ms.ret_stats,
-            disc_return=ms.disc_return,
-            ep_return=ms.ep_return,
-            ep_length=ms.ep_length,
-            finished=jnp.zeros((*lead, 3), jnp.float32),
-            rng=ms.rng,
-        )
+        finished = jnp.zeros((*lead, 3), jnp.float32)
+        return Rollout(finished=finished, **{name: getattr(ms, name) for name in _CARRIED})
 
     # ---- one member's pieces (written for a single agent; the ensemble vmaps them) ----------
 
