@@ -119,11 +119,12 @@ def alone(name: str, total_envs: int, steps: int, cores: int) -> float:
     return sum(s for s, _ in results) / max(t for _, t in results)
 
 
-def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, learn=True, **over):
-    """A timer: each call runs ``calls`` compiled updates and returns env steps/s; and a closer.
+def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, mode="update", **over):
+    """A timer: each call runs ``calls`` compiled programs and returns env steps/s; and a closer.
 
-    ``learn=False`` times the learner's rollout alone (the same jitted rollout code as in
-    ``update``: policy, env steps, statistics), no GAE and no gradient steps.
+    ``mode``: ``'update'``, whole ``Learner.update`` calls; ``'rollout'``, the learner's rollout
+    alone (the same jitted rollout code as in ``update``: policy, env steps, statistics), no GAE
+    and no gradient steps; ``'layer'``, the learner's envs alone (see ``_layer_program``).
     """
     import jax
 
@@ -135,7 +136,8 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, learn=T
     )
     env = envs.make(name, workers_per_device=workers)
     learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
-    run = (lambda state: learner.update(state, 1)) if learn else _rollout_program(learner)
+    programs = {"rollout": _rollout_program, "layer": _layer_program}
+    run = (lambda state: learner.update(state, 1)) if mode == "update" else programs[mode](learner)
     box = {}
     try:
         box["state"], out = run(learner.init())  # compile
@@ -178,26 +180,20 @@ def _rollout_program(learner):
     return run
 
 
-def env_layer(name: str, *, members, num_envs, num_steps, calls):
-    """A timer of the host-env layer alone and a closer: the learner's own envs (same devices,
-    placement and callback) stepped in one jitted scan of ``num_steps`` with actions drawn
-    before the clock starts; no policy, no statistics. What any jitted rollout pays per step."""
+def _layer_program(learner):
+    """``state -> (state, checksum)``: the learner's own envs (same devices, placement and
+    callback) stepped for one rollout's length with actions drawn once, here; no policy, no
+    statistics. Only the envs' state advances."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from rollout import envs
     from rollout.envs import Discrete
-    from rollout.ppo import Learner, PPOConfig
 
-    cfg = PPOConfig.for_env(
-        name, members=members, num_envs=num_envs, num_steps=num_steps, total_steps=10**8
-    )
-    learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=envs.make(name))
-    host, space = learner.envs, learner.env.action_space
-    rng = np.random.default_rng(0)
-    shape = (num_steps, members, num_envs)
+    cfg, host, space = learner.config, learner.envs, learner.env.action_space
+    n, e = cfg.members, cfg.num_envs
+    rng, shape = np.random.default_rng(0), (cfg.num_steps, n, e)
     if isinstance(space, Discrete):
         actions = rng.integers(0, space.num_actions, shape, dtype=np.int32)
     else:
@@ -205,41 +201,27 @@ def env_layer(name: str, *, members, num_envs, num_steps, calls):
         high = np.asarray(space.high, np.float32).reshape(space.shape)
         actions = rng.uniform(low, high, (*shape, *space.shape)).astype(np.float32)
     actions = jax.device_put(actions, NamedSharding(learner.mesh, P(None, "ensemble")))
-    state = learner.init()
 
-    def steps(env_state, actions):
+    def layer(state, actions):
         # Seeds are read only if the envs must restart, which they do not here.
-        keys = jax.random.split(jax.random.key(0), (members, num_envs))
+        keys = jax.random.split(jax.random.key(0), (n, e))
 
         def one(env_state, action):
             env_state, obs, reward, *_ = host.step(env_state, action, keys)
             # Per member: a sum over members would be a collective across devices every step.
-            return env_state, reward.sum(axis=1) + obs.reshape(members, -1).sum(axis=1)
+            return env_state, reward.sum(axis=1) + obs.reshape(n, -1).sum(axis=1)
 
-        env_state, checks = jax.lax.scan(one, env_state, actions)
-        return env_state, checks.sum()
+        env_state, checks = jax.lax.scan(one, state.members.env_state, actions)
+        members = state.members.replace(env_state=env_state)
+        return state.replace(members=members), checks.sum()
 
-    program = jax.jit(steps, donate_argnums=0)
-    box = {"state": state.members.env_state}
+    program = jax.jit(layer, donate_argnums=0)
 
-    def run():
+    def run(state):
         with jax.set_mesh(learner.mesh):
-            box["state"], out = program(box["state"], actions)
-        return out
+            return program(state, actions)
 
-    try:
-        jax.block_until_ready(run())  # compile
-    except BaseException:
-        learner.close()
-        raise
-
-    def timed() -> float:
-        start = time.perf_counter()
-        outs = [run() for _ in range(calls)]
-        jax.block_until_ready(outs)
-        return calls * num_steps * num_envs * members / (time.perf_counter() - start)
-
-    return timed, learner.close
+    return run
 
 
 def _vector_env(name: str, count: int):
@@ -364,10 +346,10 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
     timers, closers = {"alone": lambda: alone(name, n * e, num_steps * calls, cores)}, []
     try:
         for mode, make in (
-            ("ppo-rollout", lambda: ppo(name, learn=False, **common)),
+            ("ppo-rollout", lambda: ppo(name, mode="rollout", **common)),
             ("ppo-full", lambda: ppo(name, **common)),
-            ("ppo-other-place", lambda: ppo(name, _other_place(name, n), learn=False, **common)),
-            ("env-layer", lambda: env_layer(name, **common)),
+            ("ppo-other-place", lambda: ppo(name, _other_place(name, n), mode="rollout", **common)),
+            ("env-layer", lambda: ppo(name, mode="layer", **common)),
             ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
         ):
             timers[mode], close = make()
