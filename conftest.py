@@ -1,12 +1,29 @@
 """8 simulated CPU devices for every test and docstring example, set before anything touches a
 JAX backend."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
-# One thread per simulated device keeps 8 devices on 2 cores from oversubscribing.
+# One thread per simulated device keeps 8 devices on 2 cores from oversubscribing. LLVM at -O1:
+# the suite compiles hundreds of small programs and runs most of them a few times, and -O1
+# compiles a conv net's programs several times faster (ResNet-18's init: 12 s -> 2-3 s). It only
+# changes machine-code generation: the optimised HLO (so every sharding, collective and
+# buffer-assignment figure a test checks) is the same as at the default -O2.
 os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=1"
 )
+
+# One persistent compilation cache per test session, shared by the pytest-xdist workers and the
+# CLI and worker processes the tests start (they inherit the environment): the same learner
+# programs are compiled in many of them. The first process to import this file makes it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="sharded-ensembles-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax
 

@@ -65,9 +65,7 @@ MEMBER = "ensemble"
 
 def _simulate_cpu_devices(count: int) -> None:
     """Simulated CPU devices, one thread each; must run before JAX starts a backend."""
-    os.environ.setdefault(
-        "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # a backend is already up (e.g. imported from a test): keep it

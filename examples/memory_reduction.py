@@ -330,9 +330,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], ds: list[int], path: pa
 
 def _simulate_cpu_devices(count: int) -> None:
     """8 simulated CPU devices, one thread each; must run before JAX starts a backend."""
-    os.environ.setdefault(
-        "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # a backend is already up (e.g. imported from a test): keep it

@@ -15,10 +15,26 @@ from __future__ import annotations
 
 import os
 
-_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+# Small ops on one thread per device. Nothing else: XLA stops reading XLA_FLAGS at the first word
+# that is not a --flag, so the often-copied "intra_op_parallelism_threads=1" (not an XLA flag)
+# silently disabled every flag written after it.
+THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
+_NOT_AN_XLA_FLAG = "intra_op_parallelism_threads"
 
 
-def _cores() -> int:
+def with_thread_flag(flags: str, *, drop: tuple[str, ...] = ()) -> str:
+    """``XLA_FLAGS`` value: ``flags`` with one thread per device, flags starting ``drop`` removed.
+
+    Example:
+      >>> with_thread_flag("--xla_dump_to=/tmp/d intra_op_parallelism_threads=1")
+      '--xla_dump_to=/tmp/d --xla_cpu_multi_thread_eigen=false'
+    """
+    drop = ("--xla_cpu_multi_thread_eigen", _NOT_AN_XLA_FLAG, *drop)
+    return " ".join([*(f for f in flags.split() if not f.startswith(drop)), THREAD_FLAG])
+
+
+def available_cores() -> int:
+    """CPU cores this process may use (``os.sched_getaffinity`` where available)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS, Windows
@@ -30,7 +46,7 @@ def configure_cpu_devices(n: int | None = None) -> int:
 
     Call it right after ``import jax`` and before any JAX computation (XLA reads its flags and
     the device count once, when the first backend starts). It sets ``jax_num_cpu_devices`` and
-    adds ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` to ``XLA_FLAGS``
+    adds ``--xla_cpu_multi_thread_eigen=false`` to ``XLA_FLAGS``
     (other flags are kept; a conflicting ``--xla_force_host_platform_device_count`` is dropped),
     so that a device runs its small ops on one thread instead of each one spawning a thread per
     core. Large ops are not confined: with jaxlib 0.10 a single device's 256x1024 @ 1024x1024
@@ -60,7 +76,7 @@ def configure_cpu_devices(n: int | None = None) -> int:
     import jax
 
     if n is None:
-        n = _cores()
+        n = available_cores()
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"configure_cpu_devices: n must be a positive int, got {n!r}")
     try:
@@ -75,16 +91,7 @@ def configure_cpu_devices(n: int | None = None) -> int:
             "devices. Call rollout.configure_cpu_devices() right after `import jax`, before any "
             f"JAX operation, or start Python with JAX_NUM_CPU_DEVICES={n}."
         ) from None
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith(
-            (
-                "--xla_cpu_multi_thread_eigen",
-                "intra_op_parallelism_threads",
-                "--xla_force_host_platform_device_count",
-            )
-        )
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, *_THREAD_FLAGS])
+    os.environ["XLA_FLAGS"] = with_thread_flag(
+        os.environ.get("XLA_FLAGS", ""), drop=("--xla_force_host_platform_device_count",)
+    )
     return n

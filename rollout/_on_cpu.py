@@ -37,7 +37,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, default_workers, shared_pool
+from rollout._devices import available_cores
+from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
 from rollout._pool import _shared as _shared_pools
 
 __all__ = ["OnCpu", "WorkerError", "WorkerTimeout", "on_cpu", "worker_errors"]
@@ -457,7 +458,7 @@ class OnCpu:
         """
         with self._lock:
             # The shared pool this wrapper uses (or would use), even if another wrapper started it.
-            pool = self._pool or _shared_pools.get(self.workers or default_workers())
+            pool = self._pool or _shared_pools.get(self.workers or available_cores())
             self._exports.clear()
             if pool is not None:
                 pool.close()
@@ -492,7 +493,7 @@ class OnCpu:
                 )
             return "inprocess"
         # auto: in-process only for accelerator callers and only if it gets several cores.
-        want = self.workers or default_workers()
+        want = self.workers or available_cores()
         if platform != "cpu" and n_cpu >= min(want, 2):
             return "inprocess"
         return "process"
@@ -501,7 +502,7 @@ class OnCpu:
         with self._lock:
             if kind == "process":
                 if self._pool is None:
-                    self._pool = shared_pool(self.workers or default_workers())
+                    self._pool = shared_pool(self.workers or available_cores())
                     self._pools.append(self._pool)
                 return self._pool
             if self._inprocess is None:

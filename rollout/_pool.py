@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
+from rollout._devices import with_thread_flag
 from rollout._spawn import exit_text, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -47,30 +48,12 @@ class WorkerTimeout(WorkerError, TimeoutError):
     """A call ran over its ``timeout=``, counted from the start of execution (not compile)."""
 
 
-def default_workers() -> int:
-    """CPU cores this process may use (``os.sched_getaffinity`` where available)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
-
-
 def _worker_env(x64: bool) -> dict[str, str]:
     env = dict(os.environ)
     # Drop any device-count flag meant for the parent, then pin one device and one thread.
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith(
-            (
-                "--xla_force_host_platform_device_count",
-                "--xla_cpu_multi_thread_eigen",
-                "intra_op_parallelism_threads",
-            )
-        )
-    ]
-    flags += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = with_thread_flag(
+        env.get("XLA_FLAGS", ""), drop=("--xla_force_host_platform_device_count",)
+    )
     env["JAX_PLATFORMS"] = "cpu"  # never grab the accelerator from a worker
     env["JAX_NUM_CPU_DEVICES"] = "1"
     env["JAX_ENABLE_X64"] = "1" if x64 else "0"  # dtypes must match the exported program

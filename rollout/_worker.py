@@ -2,7 +2,7 @@
 
 Started by ``rollout._pool`` as ``python _worker.py FD`` in a fresh interpreter whose environment
 already pins JAX to one CPU device and one thread (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=1``,
-``XLA_FLAGS=... intra_op_parallelism_threads=1``), so W workers use W cores and no more.
+``XLA_FLAGS=... --xla_cpu_multi_thread_eigen=false``), so W workers use W cores and no more.
 
 Protocol over the socket ``FD`` (pickled tuples through ``multiprocessing.connection``):
 

@@ -224,7 +224,12 @@ def main() -> int:
         if info.is_main:
             print(f"step {t} losses {np.round(host_losses, 4).tolist()}", flush=True)
         t += 1
+        idle_flag = os.path.join(args.out, "idle-rank-is-idle")
         if args.die_rank == rank and t == args.die_after:
+            if args.idle_rank is not None:  # die only once the idle rank is out of collectives
+                deadline = time.time() + 60
+                while not os.path.exists(idle_flag) and time.time() < deadline:
+                    time.sleep(0.05)
             print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
             if args.die_how == "raise":
                 raise RuntimeError(f"rank {rank} fails on purpose")
@@ -232,6 +237,7 @@ def main() -> int:
         if args.idle_rank == rank and t == args.die_after:
             # Far from any collective: only JAX's heartbeat check can notice a dead peer.
             print(f"rank {rank} idle from {time.time():.3f}", flush=True)
+            open(idle_flag, "w").close()
             time.sleep(120)
         if args.forever:
             time.sleep(0.2)

@@ -22,6 +22,7 @@ import pytest
 from ensemble import _distributed as distributed
 from ensemble import launch as launcher
 from ensemble import make_mesh, member_sharding
+from rollout._devices import THREAD_FLAG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
@@ -33,7 +34,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The parent's environment without anything that configures JAX, XLA or a cluster."""
     drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    env["XLA_FLAGS"] = THREAD_FLAG
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)

@@ -5,7 +5,7 @@ Root cause (jax/jaxlib 0.10.2, CPU): a multi-device program in which every devic
 completes: both device threads wait in ``CpuPjRtRawLoadedExecutable::Execute`` while every XLA
 worker thread is idle. ``vmap`` over 2 members per device batches the QR of
 ``nn.initializers.orthogonal``; one member per device (batch 1) does not hang. The hang is there
-with and without ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` and with
+with and without ``--xla_cpu_multi_thread_eigen=false`` and with
 ``OPENBLAS_NUM_THREADS=1``. The init now maps the members of a device one after another
 (``ensemble._mesh.vmap_members``).
 
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from rollout._devices import THREAD_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
-THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 PRELUDE = """
 import jax
@@ -110,7 +111,7 @@ def _run(code: str, xla_flags: str, timeout: float = 90) -> subprocess.Completed
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("xla_flags", ["", THREAD_FLAGS], ids=["default-flags", "thread-flags"])
+@pytest.mark.parametrize("xla_flags", ["", THREAD_FLAG], ids=["default-flags", "thread-flags"])
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_orthogonal_init_two_members_per_device_finishes(api, xla_flags):
     proc = _run(LINEN if api == "linen" else NNX, xla_flags)

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from ensemble.distributed import checkpoint_metadata
+from rollout._devices import THREAD_FLAG
 from rollout.ppo import Learner, PPOConfig, main, train
 from rollout.ppo import _checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
-THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _tiny(**kw) -> PPOConfig:
@@ -368,7 +368,7 @@ def _env(cache: Path | None = None) -> dict[str, str]:
     drop = ("JAX_", "XLA_", "ENSEMBLE_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = str(ROOT)
-    env["XLA_FLAGS"] = THREAD_FLAGS
+    env["XLA_FLAGS"] = THREAD_FLAG
     if cache is not None:  # runs of one test share compiled programs (the same program)
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from rollout._devices import available_cores
 from rollout._host_call import host_call
 from rollout.envs._core import Box, Discrete, Space
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
@@ -160,13 +161,7 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
 
 
 def _default_workers(groups: int) -> int:
-    try:
-        import os
-
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = __import__("os").cpu_count() or 1
-    return max(1, cores // groups)
+    return max(1, available_cores() // groups)
 
 
 class HostEnvs:

@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollout._devices import available_cores, with_thread_flag
 from rollout.ppo._checkpoint import RunDirError
 from rollout.ppo._config import canonical_env
-
-_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def cpu_devices_for(members: int, cores: int) -> int:
@@ -45,8 +44,8 @@ def cpu_devices_for(members: int, cores: int) -> int:
 def configure_devices(num_cpu_devices: int) -> None:
     """Sets the CPU device count and one thread per device; must run before JAX starts."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_multi_thread_eigen" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_THREAD_FLAGS}".strip()
+    if "xla_cpu_multi_thread_eigen" not in flags:  # a user's own choice stands
+        os.environ["XLA_FLAGS"] = with_thread_flag(flags)
     import jax
 
     try:
@@ -627,7 +626,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     from ensemble import _distributed as distributed
     from rollout.ppo import _checkpoint as ckpt
 
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
     members = _members_hint(args, found)
     if members % procs:

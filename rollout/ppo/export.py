@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rollout._devices import available_cores
+
 FORMAT = "rollout.ppo.member"
 VERSION = 1
 #: The learner's observation normalisation: clip and epsilon of ``Learner._normalize``.
@@ -415,7 +417,7 @@ def _devices_for_run(run_dir: str) -> list[jax.Device] | None:
     members = (record or {}).get("config", {}).get("members")
     if not isinstance(members, int) or members < 1:
         return None  # export_run says why
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     wanted = cpu_devices_for(members, cores)
     configure_devices(max(wanted, cores))
     return jax.devices()[:wanted] if jax.default_backend() == "cpu" else None
