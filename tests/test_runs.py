@@ -369,7 +369,10 @@ def _env(cache: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = str(ROOT)
     env["XLA_FLAGS"] = THREAD_FLAG
-    if cache is not None:  # runs of one test share compiled programs (the same program)
+    # Compiled programs come from a cache: the test session's (conftest), or the test's own for
+    # runs killed at random points (a kill in the middle of a cache write leaves a torn entry).
+    cache = cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
