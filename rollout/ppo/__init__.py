@@ -3,7 +3,7 @@
 Example:
   >>> import jax
   >>> from rollout.ppo import Learner, PPOConfig
-  >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=2048)
+  >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=1024)
   >>> learner = Learner(cfg)
   >>> state = learner.init()
   >>> state, metrics = learner.update(state, 1)
