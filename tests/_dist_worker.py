@@ -215,6 +215,7 @@ def main() -> int:
     }
     t = 0
     losses = None
+    idle_flag = os.path.join(args.out, "idle-rank-is-idle")  # the idle rank left collectives
     while args.forever or t < args.steps:
         x, y = batch_at(t % 8)
         old = params
@@ -224,7 +225,6 @@ def main() -> int:
         if info.is_main:
             print(f"step {t} losses {np.round(host_losses, 4).tolist()}", flush=True)
         t += 1
-        idle_flag = os.path.join(args.out, "idle-rank-is-idle")
         if args.die_rank == rank and t == args.die_after:
             if args.idle_rank is not None:  # die only once the idle rank is out of collectives
                 deadline = time.time() + 60
