@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules
 
@@ -130,6 +130,50 @@ def check_member_major(tree: Any, n: int, what: str, hint: str = "") -> None:
             raise ValueError(
                 f"{what}{jax.tree_util.keystr(path)} has shape {shape}; it needs a leading "
                 f"member axis of size n={n}.{' ' + hint if hint else ''}"
+            )
+
+
+# How to fix an input marked per-member / shared that does not look like one.
+INPUT_FIXES = (
+    "Stack one input per member, or build the ensemble with in_axes=None for a shared input.",
+    "Build the ensemble with in_axes=0 (or 0 at this position) to give member i slice i.",
+)
+BATCH_FIXES = (
+    "Use per_member_batch=False (or False for this argument) for a batch shared by all members.",
+    "Use per_member_batch=True (or True for this argument) to give member i slice i.",
+)
+
+
+def check_inputs(
+    args: Sequence[Any], axes: Axes, n: int, what: str, per_member_fix: str, shared_fix: str
+) -> None:
+    """Inputs of a member call, by their axis: per-member ones (0) have a leading member axis
+    of n; shared ones (None) are not laid out one slice per member."""
+    for pos, (arg, ax) in enumerate(zip(args, axes)):
+        if ax == 0:
+            check_member_major(arg, n, f"{what} {pos} (per-member)", per_member_fix)
+        else:
+            check_shared(arg, n, f"{what} {pos}", shared_fix)
+
+
+def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
+    """Refuses a shared input (every member sees all of it) that is laid out one slice per
+    member: a leading axis of n split over the member devices. Such an array is almost surely
+    per-member data marked shared, and a loss that broadcasts it would train every member on
+    every member's slice without an error."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        sharding, shape = leaf.sharding, np.shape(leaf)
+        if not (isinstance(sharding, NamedSharding) and shape and shape[0] == n):
+            continue
+        first = sharding.spec[0] if len(sharding.spec) else None
+        names = first if isinstance(first, tuple) else (first,)
+        if MEMBER_AXIS in names and sharding.mesh.shape.get(MEMBER_AXIS, 1) > 1:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} is shared by all members, but it has a "
+                f"leading axis of n={n} split over the {MEMBER_AXIS!r} devices, one slice per "
+                f"member. {hint}"
             )
 
 

@@ -25,11 +25,13 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ensemble._core import (
+    INPUT_FIXES,
     InAxes,
     Members,
     abstract_signature,
     arg_axes,
     check_in_axes,
+    check_inputs,
     check_live,
     check_member_major,
     split_kwargs,
@@ -329,15 +331,7 @@ class LinenEnsemble:
 
     def _check_args(self, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         axes = arg_axes(self._in_axes, len(args))
-        for pos, (arg, ax) in enumerate(zip(args, axes)):
-            if ax == 0:
-                check_member_major(
-                    arg,
-                    self.n,
-                    f"input {pos}",
-                    "It is per-member (in_axes=0): stack one input per member, or build the "
-                    "ensemble with in_axes=None for a shared input.",
-                )
+        check_inputs(args, axes, self.n, "input", *INPUT_FIXES)
         return axes
 
     def _check_variables(self, variables: Any) -> None:

@@ -31,7 +31,17 @@ from flax import nnx
 from flax.nnx import spmd as nnx_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ensemble._core import InAxes, Members, arg_axes, as_key, check_in_axes, check_live
+from ensemble._core import (
+    BATCH_FIXES,
+    INPUT_FIXES,
+    InAxes,
+    Members,
+    arg_axes,
+    as_key,
+    check_in_axes,
+    check_inputs,
+    check_live,
+)
 from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
@@ -135,6 +145,7 @@ class NNXEnsemble(nnx.Module):
         if not _tracing(args, kwargs, nnx.state(self.members)):
             split = _split_static(args, kwargs)
             if split is not None:
+                self._check_inputs(args, self.in_axes)
                 dynamic, static = split
                 return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
@@ -206,6 +217,11 @@ class NNXEnsemble(nnx.Module):
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _check_inputs(self, args: tuple[Any, ...], in_axes: InAxes) -> None:
+        axes = arg_axes(in_axes, len(args))
+        axes = tuple(ax if _is_array_tree(x) else None for x, ax in zip(args, axes))
+        check_inputs(args, axes, self.n, "input", *INPUT_FIXES)
+
     def _map(
         self,
         fn: Callable[..., Any],
@@ -218,6 +234,7 @@ class NNXEnsemble(nnx.Module):
         kw_names = sorted(kwargs)
         inputs = (*args, *(kwargs[k] for k in kw_names))
         input_axes = (*axes, *(kw_axis for _ in kw_names))
+        self._check_inputs(args, in_axes)
         traced, rebuild, traced_axes = _split_inputs(inputs, input_axes, self.n)
         graphdef, state = nnx.split(self.members)
         check_live(state, "ensemble state ")
@@ -636,6 +653,7 @@ class NNXTrainStep:
     def __call__(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
         """Updates ``ens`` and ``optimizer`` in place; returns per-member losses ``[n]``."""
         _check_pair(ens, optimizer)
+        check_inputs(batch, self._batch_axes(len(batch)), ens.n, "batch argument", *BATCH_FIXES)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
@@ -652,13 +670,15 @@ class NNXTrainStep:
         opt_def, opt_state = nnx.split(optimizer)
         return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
 
+    def _batch_axes(self, count: int) -> tuple[int | None, ...]:
+        pmb = self.per_member_batch
+        axes = tuple(0 if b else None for b in pmb) if isinstance(pmb, tuple) else pmb
+        return arg_axes(0 if axes is True else None if axes is False else axes, count)
+
     def _step(self, ens_def, opt_def, ens_state, opt_state, batch):
         ens = nnx.merge(ens_def, ens_state)
         optimizer = nnx.merge(opt_def, opt_state)
-        if isinstance(self.per_member_batch, tuple):
-            in_axes = tuple(0 if b else None for b in self.per_member_batch)
-        else:
-            in_axes = 0 if self.per_member_batch else None
+        in_axes = self._batch_axes(len(batch))
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
         losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)

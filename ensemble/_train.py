@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ensemble._core import Members, check_live, check_member_major
+from ensemble._core import BATCH_FIXES, Members, check_inputs, check_live, check_member_major
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
 from ensemble._optim import per_member
 
@@ -153,9 +153,7 @@ class TrainStep:
         check_live(params, "params")
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
-        for pos, (arg, ax) in enumerate(zip(batch, axes)):
-            if ax == 0:
-                self._check_member_major(arg, f"batch argument {pos} (per-member)")
+        check_inputs(batch, axes, self.n, "batch argument", *BATCH_FIXES)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
         s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
         key = (
@@ -197,12 +195,7 @@ class TrainStep:
         return member_sharding(self.mesh, len(np.shape(abstract)), None, self._members.rules)
 
     def _check_member_major(self, tree: Any, what: str) -> None:
-        hint = (
-            "Use per_member_batch=False (or False for this argument) for a batch shared by all "
-            "members."
-            if what.startswith("batch")
-            else "Pass the ensemble's variables['params'] and step.init(params)."
-        )
+        hint = "Pass the ensemble's variables['params'] and step.init(params)."
         check_member_major(tree, self.n, f"{what} leaf ", hint)
 
 

@@ -124,7 +124,9 @@ def test_per_member_inputs_and_shape_errors():
         np.testing.assert_allclose(
             y[i], MLP().apply(ens.member(variables, i), xs[i]), rtol=1e-5, atol=1e-6
         )
-    with pytest.raises(ValueError, match=r"input 0 has shape \(4, 3, 5\); it needs a leading"):
+    with pytest.raises(
+        ValueError, match=r"input 0 \(per-member\) has shape \(4, 3, 5\); it needs a leading"
+    ):
         ens.apply(variables, xs[:4])
     with pytest.raises(ValueError, match="leading member axis of size n=8"):
         ens.apply(ens.member(variables, 0), xs)

@@ -377,3 +377,14 @@ def test_bad_inputs(ens8):
         ens8.member(8)
     with pytest.raises(TypeError, match="NNXEnsemble"):
         nnx_optimizer(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+
+
+def test_per_member_data_marked_shared_is_refused(ens8):
+    xs = ensemble.sharding.shard_members(jnp.ones((D, 4, 3)), ens8.mesh, D)
+    with pytest.raises(ValueError, match=r"input 0 is shared .* in_axes=0"):
+        ens8(xs)
+    step = ens8.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"batch argument 0 is shared .* per_member_batch=True"):
+        step(ens8, step.init(), xs)
+    ens8.in_axes = 0
+    assert ens8(xs).shape[0] == D

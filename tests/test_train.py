@@ -209,9 +209,7 @@ def test_train_step_errors():
         ensemble.train_step(mse, optax.sgd(0.1), n=3, mesh=ens.mesh)
     step = ensemble.train_step(mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=True)
     opt_state = step.init(params)
-    with pytest.raises(
-        ValueError, match=r"batch argument 0 \(per-member\) leaf  has shape \(4, 3\)"
-    ):
+    with pytest.raises(ValueError, match=r"batch argument 0 \(per-member\) has shape \(4, 3\)"):
         step(params, opt_state, x, jnp.ones((n, 4, 1)))
     with pytest.raises(ValueError, match=r"params leaf .* leading member axis of size n=8"):
         step.init(ensemble.member(params, 0))
@@ -265,3 +263,27 @@ def test_step_peak_per_device_falls_with_devices():
         )
 
     assert peak(jax.devices()) <= 1.05 * peak(jax.devices()[:1]) / D
+
+
+def test_per_member_data_marked_shared_is_refused():
+    """Targets stacked one per member, on the member axis, passed as a shared batch: ``mse``
+    broadcasts them, so without the check every member would silently fit all n targets."""
+    n = D
+    x = jnp.ones((4, 3))
+    ens, params = setup(n, x)
+    ys = ensemble.sharding.shard_members(jnp.ones((n, 4, 1)), ens.mesh, n)
+    step = ensemble.train_step(mse, optax.sgd(0.1), n=n, mesh=ens.mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"batch argument 1 is shared by all members, but it has a leading axis of n=8 "
+        r"split over the 'ensemble' devices.*per_member_batch=True",
+    ):
+        step(params, step.init(params), x, ys)
+    xs = ensemble.sharding.shard_members(jnp.ones((n, 4, 3)), ens.mesh, n)
+    with pytest.raises(ValueError, match=r"input 0 is shared .* in_axes=0"):
+        ens.apply({"params": params}, xs)
+    # Marked per-member, the same targets are accepted.
+    per_member = ensemble.train_step(
+        mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=(False, True)
+    )
+    per_member(params, per_member.init(params), x, ys)
