@@ -40,18 +40,25 @@ from gymnasium import spaces
 class Walk(gym.Env):
     """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
 
-    def __init__(self, continuous=False, fail_at=None, report_pid=False):
+    def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         if continuous:
             self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         else:
             self.action_space = spaces.Discrete(3)
         self.observation_space = spaces.Box(-np.inf, np.inf, (4,), np.float64)
+        self.tuple_obs = tuple_obs
+        if tuple_obs:  # the position as one of 7 cells, and the rest: not a Box
+            box = spaces.Box(-np.inf, np.inf, (3,), np.float64)
+            self.observation_space = spaces.Tuple((spaces.Discrete(7), box))
         self.steps = 0
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
-        return np.array([self.pos, self.vel, self.np_random.normal(), extra])
+        obs = np.array([self.pos, self.vel, self.np_random.normal(), extra])
+        if self.tuple_obs:
+            return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
+        return obs
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -153,12 +160,18 @@ def seeds_of(keys) -> np.ndarray:
 
 
 def reference(env_id, seeds, actions, **kwargs):
-    """The same envs in a plain Python loop: gymnasium.make, reset(seed), same-step autoreset."""
+    """The same envs in a plain Python loop: gymnasium.make, reset(seed), same-step autoreset;
+    observations that are not a Box flattened by gymnasium's own FlattenObservation."""
     import gymnasium
+
+    def make():
+        env = gymnasium.make(env_id, **kwargs)
+        box = isinstance(env.observation_space, gymnasium.spaces.Box)
+        return env if box else gymnasium.wrappers.FlattenObservation(env)
 
     n, e = seeds.shape
     T = actions.shape[0]
-    probe = gymnasium.make(env_id, **kwargs)
+    probe = make()
     d = probe.observation_space.shape[0]
     probe.close()
     obs0 = np.zeros((n, e, d))
@@ -166,7 +179,7 @@ def reference(env_id, seeds, actions, **kwargs):
     reward, term, trunc = np.zeros((T, n, e)), np.zeros((T, n, e), bool), np.zeros((T, n, e), bool)
     for m in range(n):
         for j in range(e):
-            env = gymnasium.make(env_id, **kwargs)
+            env = make()
             obs0[m, j] = env.reset(seed=int(seeds[m, j]))[0]
             for t in range(T):
                 a = actions[t, m, j]
@@ -189,13 +202,19 @@ def actions_for(env_id, T, n, e, seed=0):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "env_id, workers", [(WALK_ID, 2), ("hostenv_walk:WalkCont-v0", 2), (WALK_ID, 0)]
+    "env_id, workers, kwargs",
+    [
+        (WALK_ID, 2, {}),
+        ("hostenv_walk:WalkCont-v0", 2, {}),
+        (WALK_ID, 0, {}),
+        (WALK_ID, 2, {"tuple_obs": True}),  # Tuple(Discrete, Box) observations: flattened
+    ],
 )
-def test_trajectories_equal_a_python_loop(env_id, workers):
+def test_trajectories_equal_a_python_loop(env_id, workers, kwargs):
     # 4 members on 2 devices, 3 envs each, 2 workers per device: rows split unevenly; or the
     # envs in this process (workers_per_device=0).
     n, e, T = 4, 3, 30
-    host, mesh = bound(env_id, n, e, devices=2, workers_per_device=workers)
+    host, mesh = bound(env_id, n, e, devices=2, workers_per_device=workers, **kwargs)
     try:
         keys = jax.random.split(jax.random.key(7), (n, e))
         actions = actions_for(env_id, T, n, e)
@@ -203,7 +222,8 @@ def test_trajectories_equal_a_python_loop(env_id, workers):
         assert len(host.pids) == 2 * workers
     finally:
         host.close()
-    ref0, ref = reference(env_id, seeds_of(keys), actions)
+    ref0, ref = reference(env_id, seeds_of(keys), actions, **kwargs)
+    assert obs0.shape[-1] == (10 if kwargs else 4)  # one-hot of 7 cells + 3
     np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
     for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
         np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
@@ -368,6 +388,26 @@ def test_killed_worker_is_an_error_within_seconds():
     assert not alive(victim)
 
 
+def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():
+    from rollout.ppo import PPOConfig
+    from rollout.ppo.evaluate import make_kwargs
+
+    cfg = PPOConfig.for_env(f"gymnasium:{WALK_ID}", env_kwargs={"tuple_obs": True, "fail_at": 99})
+    assert cfg.env_kwargs == '{"fail_at": 99, "tuple_obs": true}'  # canonical: one run identity
+    assert cfg.make_kwargs() == {"fail_at": 99, "tuple_obs": True}
+    meta = {"env": cfg.env, "config": cfg.to_dict()}
+    assert make_kwargs(meta) == {"fail_at": 99, "tuple_obs": True}  # evaluate makes the same env
+    assert make_kwargs({**meta, "env": "envpool:CartPole-v1"}) == {}
+    for text, match in [
+        ("{nope", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            PPOConfig.for_env(f"gymnasium:{WALK_ID}", env_kwargs=text).validate()
+    with pytest.raises(ValueError, match="only for gymnasium: and envpool: ids, not 'cartpole'"):
+        PPOConfig.for_env("cartpole", env_kwargs={"a": 1}).validate()
+
+
 @pytest.mark.timeout(60)
 def test_bad_ids_fail_with_one_clear_line():
     with pytest.raises(ValueError, match=r"gymnasium cannot make 'NoSuchEnv-v0'"):
@@ -455,10 +495,12 @@ def test_cli_trains_a_gymnasium_id(tmp_path, walk_module):
     cmd = [
         sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members", "2",
         "--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--out", str(out),
-        "--no-progress",
+        "--no-progress", "--env-kwargs", '{"tuple_obs": true}',
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert json.loads(config["env_kwargs"]) == {"tuple_obs": True}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["env_steps"] for r in rows] == [128, 256]
     assert all(len(r["returns"]) == 2 for r in rows)

@@ -72,8 +72,8 @@ def _space(space: Any, what: str, env_name: str) -> Space:
         high = np.asarray(space.high, np.float64).ravel()
         return Box(tuple(space.shape), tuple(low), tuple(high))
     raise ValueError(
-        f"{env_name}: {what} space {space} is not supported (a Box, or a Discrete action space); "
-        "wrap the env in a gymnasium wrapper that flattens it (e.g. FlattenObservation)."
+        f"{env_name}: {what} space {space} is not supported (observations: a Box, or for "
+        "gymnasium ids any space gymnasium can flatten; actions: a Box or a Discrete)."
     )
 
 
@@ -147,8 +147,10 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
         return spec.observation_space, spec.action_space, limit
     import gymnasium
 
+    from rollout.hostenv._worker import make_gymnasium
+
     try:
-        env = gymnasium.make(env_id, **kwargs)
+        env = make_gymnasium(env_id, **kwargs)
     except gymnasium.error.Error as e:
         raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
     except ModuleNotFoundError as e:

@@ -89,13 +89,33 @@ class SharedArrays:
             pass  # a view is still alive somewhere; the mapping goes with the process
 
 
+def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
+    """``gymnasium.make(env_id, **kwargs)``, its observations made one flat vector where they
+    are not a ``Box`` (``Discrete``: one-hot; ``Tuple``, ``Dict``, ``MultiDiscrete``,
+    ``MultiBinary``: concatenated) by gymnasium's own ``FlattenObservation``. The learner, the
+    workers and ``evaluate`` all make their envs here, so they see the same observations."""
+    import gymnasium
+
+    env = gymnasium.make(env_id, **kwargs)
+    if not isinstance(env.observation_space, gymnasium.spaces.Box):
+        try:
+            env = gymnasium.wrappers.FlattenObservation(env)
+        except Exception as e:  # Text, Graph, Sequence, ...: no fixed-size vector
+            env.close()
+            raise ValueError(
+                f"gymnasium:{env_id}: observation space {env.observation_space} cannot be "
+                f"flattened into a vector ({type(e).__name__}: {e})"
+            ) from None
+    return env
+
+
 class _Gymnasium:
-    """``num_envs`` instances of ``gymnasium.make(env_id, **kwargs)``."""
+    """``num_envs`` instances of :func:`make_gymnasium` ``(env_id, **kwargs)``."""
 
     def __init__(self, env_id: str, kwargs: dict, num_envs: int):
         import gymnasium
 
-        self.envs = [gymnasium.make(env_id, **kwargs) for _ in range(num_envs)]
+        self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
         self.discrete = isinstance(self.envs[0].action_space, gymnasium.spaces.Discrete)
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:

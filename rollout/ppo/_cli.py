@@ -430,6 +430,7 @@ _DEFAULTS = {"env": "cartpole", "members": 4, "seed": 0, "env_on": "device"}
 #: config flags: (flag attribute, PPOConfig field).
 _CONFIG_FLAGS = (
     ("env", "env"),
+    ("env_kwargs", "env_kwargs"),
     ("members", "members"),
     ("seed", "seed"),
     ("env_on", "env_on"),
@@ -465,6 +466,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cartpole (CartPole-v1), pendulum, or gymnasium:<id> (e.g. gymnasium:HalfCheetah-v5),"
         " envpool:<task>, gymnax:<name> (default cartpole)",
+    )
+    p.add_argument(
+        "--env-kwargs",
+        default=None,
+        metavar="JSON",
+        help="""gymnasium.make / envpool.make keyword arguments, e.g. '{"is_slippery": false}'""",
     )
     p.add_argument("--members", type=int, default=None, help="number of agents (default 4)")
     p.add_argument(

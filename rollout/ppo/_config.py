@@ -7,6 +7,7 @@ message that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -107,6 +108,10 @@ class PPOConfig:
     """
 
     env: str = "cartpole"
+    #: Keyword arguments of ``gymnasium.make`` / ``envpool.make`` for ``gymnasium:`` and
+    #: ``envpool:`` ids, as a JSON object (``for_env`` also takes a dict), e.g.
+    #: ``'{"is_slippery": false}'``. Part of the run's identity, like every field.
+    env_kwargs: str = ""
     members: int = 4
     total_steps: int = 500_000
     num_envs: int = 4
@@ -148,11 +153,14 @@ class PPOConfig:
     def for_env(cls, env: str = "cartpole", **overrides: Any) -> PPOConfig:
         """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``), then ``overrides``."""
         name = canonical_env(env)
+        if isinstance(overrides.get("env_kwargs"), dict):
+            overrides["env_kwargs"] = json.dumps(overrides["env_kwargs"], sort_keys=True)
         base = dict(_ENV_DEFAULTS.get(name, {}))
         if ":" in name:  # another library's id: defaults by action space (builds one env)
             from rollout.ppo._env import env_family
 
-            base = dict(_ENV_DEFAULTS[env_family(name)])
+            kwargs = _env_kwargs(name, overrides.get("env_kwargs", ""))
+            base = dict(_ENV_DEFAULTS[env_family(name, kwargs)])
         base.update(overrides)
         for key in PER_MEMBER_FIELDS:
             if isinstance(base.get(key), list):
@@ -179,6 +187,10 @@ class PPOConfig:
         """PPO updates in the whole run (``total_steps // batch_size``)."""
         return self.total_steps // self.batch_size
 
+    def make_kwargs(self) -> dict[str, Any]:
+        """:attr:`env_kwargs` as a dict (a ``ValueError`` names what is wrong with it)."""
+        return _env_kwargs(self.env, self.env_kwargs)
+
     def per_member(self, name: str) -> tuple[float, ...]:
         """The value of a per-member hyperparameter for each member (length ``members``)."""
         value = getattr(self, name)
@@ -202,6 +214,7 @@ class PPOConfig:
                 f"unknown env {self.env!r}; known envs: {sorted(known_envs)} "
                 "(aliases like 'CartPole-v1' work too)."
             )
+        self.make_kwargs()
         if self.env_on not in ("device", "cpu"):
             raise ValueError(f"env_on must be 'device' or 'cpu', got {self.env_on!r}.")
         if self.batch_size % self.num_minibatches:
@@ -251,6 +264,28 @@ class PPOConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
         return cls(**kw)
+
+
+def _env_kwargs(env: str, text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    if not isinstance(text, str):
+        raise ValueError(f"env_kwargs must be a JSON object string or a dict, got {text!r}.")
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"env_kwargs is not valid JSON ({e.msg}): {text!r}; write an object such as "
+            """'{"is_slippery": false}'."""
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"env_kwargs must be a JSON object (name: value), got {text!r}.")
+    if kwargs and not str(env).startswith(("gymnasium:", "envpool:")):
+        raise ValueError(
+            f"env_kwargs go to gymnasium.make / envpool.make: only for gymnasium: and envpool: "
+            f"ids, not {env!r}."
+        )
+    return kwargs
 
 
 def _as_list(value: Any) -> list[Any]:

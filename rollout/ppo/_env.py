@@ -40,14 +40,14 @@ def known_envs() -> tuple[str, ...]:
     return tuple(name.lower() for name in envs.ENV_NAMES) + envs.ENV_PREFIXES
 
 
-def make_env(name: str) -> Any:
-    """The env for a config's ``env`` string (``rollout.envs.make``)."""
+def make_env(name: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """The env for a config's ``env`` string and ``make_kwargs()`` (``rollout.envs.make``)."""
     from rollout import envs
 
-    return envs.make(name)
+    return envs.make(name, **(kwargs or {}))
 
 
-def env_family(name: str) -> str:
+def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
     """``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.
 
     Builds the env once (for host envs: one instance in this process), so an unknown id or a
@@ -55,7 +55,7 @@ def env_family(name: str) -> str:
     """
     from rollout.envs import Discrete
 
-    env = make_env(name)
+    env = make_env(name, kwargs)
     return "discrete" if isinstance(env.action_space, Discrete) else "continuous"
 
 

@@ -186,7 +186,7 @@ class Learner:
         known = envlib.known_envs() if env is None else ()
         config.validate(num_devices=num_devices, known_envs=known)
         self.config = config
-        self.env = envlib.make_env(config.env) if env is None else env
+        self.env = envlib.make_env(config.env, config.make_kwargs()) if env is None else env
         self.spec = envlib.spec_of(self.env)
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)

@@ -15,6 +15,7 @@ one episode of the ensemble's policy (of the member, for a single one) from gymn
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -71,13 +72,23 @@ def episode_returns(policy: Policy, env_id: str, keys: Any) -> np.ndarray:
     return np.asarray(run(keys), np.float64)
 
 
-def gymnasium_returns(policy: Policy, env_id: str, episodes: int, seed: int) -> np.ndarray:
+def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``gymnasium.make`` kwargs the member was trained with (``--env-kwargs``)."""
+    if not str(meta["env"]).startswith("gymnasium:"):
+        return {}  # envpool kwargs (threads, batch sizes) mean nothing to gymnasium
+    return json.loads(meta.get("config", {}).get("env_kwargs") or "{}")
+
+
+def gymnasium_returns(
+    policy: Policy, env_id: str, episodes: int, seed: int, kwargs: dict[str, Any] | None = None
+) -> np.ndarray:
     """Returns of ``episodes`` gymnasium episodes (seeds ``seed``, ``seed + 1``, ...)."""
-    import gymnasium as gym
     import jax
 
+    from rollout.hostenv._worker import make_gymnasium
+
     act = jax.jit(policy)
-    env = gym.make(env_id)
+    env = make_gymnasium(env_id, **(kwargs or {}))
     out = []
     for e in range(episodes):
         obs, _ = env.reset(seed=seed + e)
@@ -104,7 +115,10 @@ def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.n
     if str(env_id).lower() in {name.lower() for name in envs.ENV_NAMES}:
         keys = reset_keys(seed, episodes)
         return {name: episode_returns(p, env_id, keys) for name, p in policies.items()}
-    return {name: gymnasium_returns(p, env_id, episodes, seed) for name, p in policies.items()}
+    kwargs = make_kwargs(members[0].meta)
+    return {
+        name: gymnasium_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
+    }
 
 
 def format_table(results: dict[str, np.ndarray]) -> str:
@@ -124,11 +138,12 @@ def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> 
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     try:
-        import gymnasium as gym
         import imageio.v2 as imageio
         import jax
 
-        env = gym.make(gym_id, render_mode="rgb_array")
+        from rollout.hostenv._worker import make_gymnasium
+
+        env = make_gymnasium(gym_id, **{**make_kwargs(meta), "render_mode": "rgb_array"})
         obs, _ = env.reset(seed=seed)
         frames = [env.render()]
     except Exception as e:  # gymnasium / imageio / a renderer (pygame) missing

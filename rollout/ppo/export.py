@@ -102,7 +102,7 @@ def export_from_state(
     """
     from rollout.ppo import _env as envlib
 
-    spec = envlib.spec_of(envlib.make_env(config.env))
+    spec = envlib.spec_of(envlib.make_env(config.env, config.make_kwargs()))
     normalize = (not spec.discrete) if config.normalize_obs is None else config.normalize_obs
     return _export(config, spec, bool(normalize), state, directory, members)
 
