@@ -325,7 +325,7 @@ class LinenEnsemble:
         self._check_variables(variables)
         if not isinstance(i, int | np.integer) or not -self.n <= i < self.n:
             raise IndexError(f"member index {i!r} out of range for n={self.n} members.")
-        return jax.tree.map(lambda a: take_member(a, int(i), self.mesh, self.n), dict(variables))
+        return take_member(dict(variables), int(i), self.mesh, self.n)
 
     # ------------------------------------------------------------------ checks
 

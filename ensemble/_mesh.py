@@ -256,37 +256,58 @@ def devices_per_member(mesh: Mesh, n: int) -> float:
     return math.prod(mesh.devices.shape) / n
 
 
-def take_member(x: Any, i: int, mesh: Mesh, n: int) -> Any:
-    """Row ``i`` of a member-major array, assembled from the shards that already hold it.
+def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:
+    """Row ``i`` of every member-major array of ``tree``, assembled from the shards that
+    already hold it.
 
     Plain ``x[i]`` would broadcast the row to every device of the mesh (n times the memory for a
     member that barely fits on its own devices). Here each device that holds member ``i`` keeps
     its piece, and the result lives on a mesh of just those devices (the mesh minus its member
     axis, e.g. ``('data', 'model')``). Arrays not split on ``mesh``'s member axis fall back to
-    ``x[i]``.
+    ``x[i]``. Each device cuts all its pieces in one jitted call: one small compile per device
+    and tree, where a slice per array compiled once per array and device.
     """
-    sharding = getattr(x, "sharding", None)
-    if (
-        not isinstance(x, jax.Array)
-        or not isinstance(sharding, NamedSharding)
-        or sharding.mesh != mesh
-        or tuple(sharding.spec)[:1] != (MEMBER_AXIS,)
-    ):
-        return x[i]
     i = int(i) % n
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [k for k, x in enumerate(leaves) if _on_member_axis(x, mesh)]
+    out = [x if k in split else x[i] for k, x in enumerate(leaves)]
+    if not split:
+        return jax.tree.unflatten(treedef, out)
     axis = mesh.axis_names.index(MEMBER_AXIS)
     owner = i // (n // mesh.shape[MEMBER_AXIS])
     devices = np.take(mesh.devices, owner, axis=axis)  # e.g. the (data, model) block of member i
     names = mesh.axis_names[:axis] + mesh.axis_names[axis + 1 :]
     types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
     submesh = Mesh(devices, names, axis_types=types)
-    spec = PartitionSpec(*tuple(sharding.spec)[1:])
-    mine = set(devices.flat)
-    pieces = []
-    for shard in x.addressable_shards:
-        if shard.device in mine:
-            start = shard.index[0].start or 0
-            pieces.append(shard.data[i - start])
-    return jax.make_array_from_single_device_arrays(
-        x.shape[1:], NamedSharding(submesh, spec), pieces
+    pieces: dict[int, list[jax.Array]] = {k: [] for k in split}
+    for device in [d for d in devices.flat if d.process_index == jax.process_index()]:
+        shards = [_shard_on(leaves[k], device) for k in split]
+        row = np.int32(i - (shards[0].index[0].start or 0))
+        for k, piece in zip(split, _rows(tuple(s.data for s in shards), row)):
+            pieces[k].append(piece)
+    for k in split:
+        spec = PartitionSpec(*tuple(leaves[k].sharding.spec)[1:])
+        out[k] = jax.make_array_from_single_device_arrays(
+            leaves[k].shape[1:], NamedSharding(submesh, spec), pieces[k]
+        )
+    return jax.tree.unflatten(treedef, out)
+
+
+def _on_member_axis(x: Any, mesh: Mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(sharding, NamedSharding)
+        and sharding.mesh == mesh
+        and tuple(sharding.spec)[:1] == (MEMBER_AXIS,)
     )
+
+
+def _shard_on(x: jax.Array, device: jax.Device) -> Any:
+    return next(s for s in x.addressable_shards if s.device == device)
+
+
+@jax.jit
+def _rows(arrays: tuple[jax.Array, ...], row: Any) -> tuple[jax.Array, ...]:
+    # The row is traced: one compile serves every member of a device.
+    return tuple(jax.lax.dynamic_index_in_dim(a, row, keepdims=False) for a in arrays)

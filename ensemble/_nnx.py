@@ -188,7 +188,7 @@ class NNXEnsemble(nnx.Module):
         # tree.map builds new Variables, so stripping the member axis from their sharding
         # metadata below leaves the ensemble's own Variables untouched.
         i = int(i) % self.n
-        state = jax.tree.map(lambda x: take_member(x, i, self.mesh, self.n), state)
+        state = take_member(state, i, self.mesh, self.n)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         return nnx.merge(graphdef, state)
 

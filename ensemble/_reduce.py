@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from ensemble._mesh import MEMBER_AXIS, take_member
 
@@ -117,17 +117,13 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
             )
     if not -n <= i < n:
         raise IndexError(f"member index {i} out of range for n={n} members.")
-    return jax.tree_util.tree_map(lambda a: _take(a, int(i), n), tree_or_ensemble)
-
-
-def _take(a: Any, i: int, n: int) -> Any:
-    """``a[i]``; a leaf split over an ensemble mesh's member axis keeps member i on its devices."""
-    sharding = getattr(a, "sharding", None)
-    if isinstance(a, jax.Array) and isinstance(sharding, NamedSharding):
-        mesh = sharding.mesh
-        if isinstance(mesh, Mesh) and MEMBER_AXIS in mesh.axis_names:
-            return take_member(a, i, mesh, n)
-    return a[i]
+    # Leaves split over an ensemble mesh's member axis keep member i on its devices; the rest
+    # (host arrays, other layouts) are a[i].
+    meshes = [getattr(getattr(a, "sharding", None), "mesh", None) for _, a in leaves]
+    mesh = next((m for m in meshes if isinstance(m, Mesh) and MEMBER_AXIS in m.axis_names), None)
+    if mesh is None:
+        return jax.tree_util.tree_map(lambda a: a[int(i)], tree_or_ensemble)
+    return take_member(tree_or_ensemble, int(i), mesh, n)
 
 
 def _member_major(y: Any, what: str) -> jax.Array:

@@ -64,3 +64,16 @@ def test_member_of_an_unsharded_tree_is_the_slice():
     tree = {"w": jnp.arange(12).reshape(4, 3)}
     np.testing.assert_array_equal(ensemble.member(tree, 2)["w"], jnp.array([6, 7, 8]))
     np.testing.assert_array_equal(ensemble.member({"w": np.ones((3, 2))}, 1)["w"], np.ones(2))
+
+
+def test_taking_every_member_compiles_once_per_device_not_per_leaf():
+    from ensemble._mesh import _rows
+
+    n = 16
+    mesh = ensemble.make_mesh(n)
+    shapes = [(n, 3), (n, 2, 5), (n, 7), (n,), (n, 4, 4), (n, 1)]
+    tree = ensemble.shard_members([jnp.ones(s) for s in shapes], mesh, n)
+    before = _rows._cache_size()
+    for i in range(n):
+        _check_member(ensemble.member(tree, i), tree, i, _owners(mesh, n, i))
+    assert _rows._cache_size() - before <= D  # one program per device for all six leaves
