@@ -398,13 +398,20 @@ def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():
     meta = {"env": cfg.env, "config": cfg.to_dict()}
     assert make_kwargs(meta) == {"fail_at": 99, "tuple_obs": True}  # evaluate makes the same env
     assert make_kwargs({**meta, "env": "envpool:CartPole-v1"}) == {}
+    # evaluate runs pure-JAX ids as JAX envs, never as a gymnasium env of the same name.
+    from rollout.ppo.evaluate import is_functional
+
+    assert [is_functional(e) for e in ("CartPole-v1", "gymnax:CartPole-v1", "brax:ant")] == [
+        True, True, True
+    ]  # fmt: skip
+    assert not any(is_functional(e) for e in ("gymnasium:CartPole-v1", "envpool:Ant-v4"))
     for text, match in [
         ("{nope", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ]:
         with pytest.raises(ValueError, match=match):
             PPOConfig.for_env(f"gymnasium:{WALK_ID}", env_kwargs=text).validate()
-    with pytest.raises(ValueError, match="only for gymnasium: and envpool: ids, not 'cartpole'"):
+    with pytest.raises(ValueError, match=r"env_kwargs go to .* not to 'cartpole'"):
         PPOConfig.for_env("cartpole", env_kwargs={"a": 1}).validate()
 
 

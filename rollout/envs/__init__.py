@@ -76,8 +76,9 @@ _REGISTRY: dict[str, type[Env]] = {
 #: Names accepted by `make` (case-insensitive).
 ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v1", "audio")
 
-#: Prefixes of ids from other libraries: `gymnasium:<id>`, `envpool:<task>`, `gymnax:<name>`.
-ENV_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:", "gymnax:")
+#: Prefixes of ids from other libraries: `gymnasium:<id>`, `envpool:<task>`, `gymnax:<name>`,
+#: `brax:<name>`.
+ENV_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:", "gymnax:", "brax:")
 
 
 def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
@@ -94,6 +95,9 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
           `kwargs` go to `envpool.make`.
         - `'gymnax:<name>'` (e.g. `'gymnax:Acrobot-v1'`): a functional env (`GymnaxEnv`, in
           `AutoReset` unless `auto_reset=False`); `kwargs` go to `gymnax.make`.
+        - `'brax:<name>'` (e.g. `'brax:ant'`): a functional env (`BraxEnv`, in `AutoReset`
+          unless `auto_reset=False`); `kwargs` go to `brax.envs.get_environment` (e.g.
+          `backend='spring'`), except `episode_length` (the time limit, default 1000).
       auto_reset: wrap in `AutoReset` (default) so episodes restart inside `step` and `info`
         reports the true final observation and episode statistics; False gives the bare env.
         (Host envs always reset finished episodes in the same step.)
@@ -110,10 +114,12 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
 
         host = {k: kwargs.pop(k) for k in ("workers_per_device", "timeout") if k in kwargs}
         return HostEnv(prefix, rest, kwargs, **host)
-    if sep and prefix == "gymnax":
-        from rollout.envs._gymnax import GymnaxEnv
-
-        env = GymnaxEnv(rest, tuple(sorted(kwargs.items())))
+    if sep and prefix in ("gymnax", "brax"):
+        if prefix == "gymnax":
+            from rollout.envs._gymnax import GymnaxEnv as Adapter
+        else:
+            from rollout.envs._brax import BraxEnv as Adapter
+        env = Adapter(rest, tuple(sorted(kwargs.items())))
         return AutoReset(env) if auto_reset else env
     cls = _REGISTRY.get(str(name).lower())
     if cls is None:

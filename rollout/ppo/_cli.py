@@ -465,7 +465,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         "--env",
         default=None,
         help="cartpole (CartPole-v1), pendulum, or gymnasium:<id> (e.g. gymnasium:HalfCheetah-v5),"
-        " envpool:<task>, gymnax:<name> (default cartpole)",
+        " envpool:<task>, gymnax:<name>, brax:<name> (default cartpole)",
     )
     p.add_argument(
         "--env-kwargs",

@@ -51,8 +51,8 @@ _ENV_DEFAULTS: dict[str, dict[str, Any]] = {
         max_grad_norm=0.5,
         total_steps=1_000_000,
     ),
-    # Other libraries' ids (gymnasium:, envpool:, gymnax:): CleanRL's ppo.py (discrete actions)
-    # and ppo_continuous_action.py (MuJoCo) defaults, picked by the env's action space.
+    # Other libraries' ids (gymnasium:, envpool:, gymnax:, brax:): CleanRL's ppo.py (discrete
+    # actions) and ppo_continuous_action.py (MuJoCo) defaults, picked by the env's action space.
     "discrete": dict(
         num_envs=4,
         num_steps=128,
@@ -108,8 +108,9 @@ class PPOConfig:
     """
 
     env: str = "cartpole"
-    #: Keyword arguments of ``gymnasium.make`` / ``envpool.make`` for ``gymnasium:`` and
-    #: ``envpool:`` ids, as a JSON object (``for_env`` also takes a dict), e.g.
+    #: Keyword arguments of the env library's make function (``gymnasium.make``,
+    #: ``envpool.make``, ``gymnax.make``, ``brax.envs.get_environment``) for ids with a library
+    #: prefix, as a JSON object (``for_env`` also takes a dict), e.g.
     #: ``'{"is_slippery": false}'``. Part of the run's identity, like every field.
     env_kwargs: str = ""
     members: int = 4
@@ -280,10 +281,10 @@ def _env_kwargs(env: str, text: str) -> dict[str, Any]:
         ) from None
     if not isinstance(kwargs, dict):
         raise ValueError(f"env_kwargs must be a JSON object (name: value), got {text!r}.")
-    if kwargs and not str(env).startswith(("gymnasium:", "envpool:")):
+    if kwargs and ":" not in str(env):
         raise ValueError(
-            f"env_kwargs go to gymnasium.make / envpool.make: only for gymnasium: and envpool: "
-            f"ids, not {env!r}."
+            f"env_kwargs go to the make function of another library's env (gymnasium:, "
+            f"envpool:, gymnax:, brax: ids), not to {env!r}."
         )
     return kwargs
 

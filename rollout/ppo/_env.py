@@ -34,7 +34,7 @@ class EnvSpec:
 
 def known_envs() -> tuple[str, ...]:
     """Env names that ``rollout.envs.make`` accepts, lower-cased, and the id prefixes
-    (``'gymnasium:'``, ``'envpool:'``, ``'gymnax:'``) of other libraries' envs."""
+    (``'gymnasium:'``, ``'envpool:'``, ``'gymnax:'``, ``'brax:'``) of other libraries' envs."""
     from rollout import envs
 
     return tuple(name.lower() for name in envs.ENV_NAMES) + envs.ENV_PREFIXES

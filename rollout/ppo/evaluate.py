@@ -6,8 +6,10 @@ members' action probabilities for discrete actions, mean of their mean actions f
 and prints the mean +- std of the episode return for each. Every policy sees the same ``N``
 initial states (drawn from ``--seed``), so the rows compare policies, not luck.
 
-Episodes run in the project's JAX envs (``rollout.envs``: all ``N`` at once, jitted); an env id
-that ``rollout.envs`` does not know runs in gymnasium, if installed. ``--video PATH`` records
+Episodes of pure-JAX envs (the project's own, ``gymnax:`` and ``brax:`` ids) run all ``N`` at
+once, jitted; ``gymnasium:`` ids (and ``envpool:`` ids, as the gymnasium env of the same name)
+run in gymnasium, one after another. The env is made with the run's ``--env-kwargs``
+(observations that are not a ``Box`` flattened as in training). ``--video PATH`` records
 one episode of the ensemble's policy (of the member, for a single one) from gymnasium's
 ``rgb_array`` rendering with imageio; where either is missing it says so in one line and skips.
 """
@@ -46,14 +48,17 @@ def ensemble_act(members: Sequence[Any]) -> Policy:
     return lambda obs: members[0].clip_action(sum(m.head(obs) for m in members) / len(members))
 
 
-def episode_returns(policy: Policy, env_id: str, keys: Any) -> np.ndarray:
-    """Undiscounted return of one episode per key, all episodes at once (``rollout.envs``)."""
+def episode_returns(
+    policy: Policy, env_id: str, keys: Any, kwargs: dict[str, Any] | None = None
+) -> np.ndarray:
+    """Undiscounted return of one episode per key, all episodes at once: a functional env of
+    ``rollout.envs`` (its own, ``gymnax:`` and ``brax:`` ids), made with ``kwargs``."""
     import jax
     import jax.numpy as jnp
 
     from rollout import envs
 
-    env = envs.make(env_id, auto_reset=False)
+    env = envs.make(env_id, auto_reset=False, **(kwargs or {}))
 
     @jax.jit
     def run(keys):
@@ -73,10 +78,20 @@ def episode_returns(policy: Policy, env_id: str, keys: Any) -> np.ndarray:
 
 
 def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
-    """The ``gymnasium.make`` kwargs the member was trained with (``--env-kwargs``)."""
-    if not str(meta["env"]).startswith("gymnasium:"):
-        return {}  # envpool kwargs (threads, batch sizes) mean nothing to gymnasium
+    """The env's make kwargs the member was trained with (``--env-kwargs``); none for EnvPool
+    ids, which ``evaluate`` runs as gymnasium envs (pool threads and batch sizes mean nothing
+    to gymnasium)."""
+    if str(meta["env"]).startswith("envpool:"):
+        return {}
     return json.loads(meta.get("config", {}).get("env_kwargs") or "{}")
+
+
+def is_functional(env_id: str) -> bool:
+    """Whether ``env_id`` is a pure-JAX env of ``rollout.envs`` (run as one jitted program)."""
+    from rollout import envs
+
+    own = {name.lower() for name in envs.ENV_NAMES}
+    return str(env_id).lower() in own or str(env_id).startswith(("gymnax:", "brax:"))
 
 
 def gymnasium_returns(
@@ -106,16 +121,15 @@ def gymnasium_returns(
 def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.ndarray]:
     """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
     there are several members)."""
-    from rollout import envs
 
     policies = {f"member_{m.meta['member']}": m.act for m in members}
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
     env_id = members[0].meta["env"]
-    if str(env_id).lower() in {name.lower() for name in envs.ENV_NAMES}:
-        keys = reset_keys(seed, episodes)
-        return {name: episode_returns(p, env_id, keys) for name, p in policies.items()}
     kwargs = make_kwargs(members[0].meta)
+    if is_functional(env_id):
+        keys = reset_keys(seed, episodes)
+        return {name: episode_returns(p, env_id, keys, kwargs) for name, p in policies.items()}
     return {
         name: gymnasium_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
     }
