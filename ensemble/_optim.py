@@ -12,6 +12,21 @@ import optax
 from ensemble._mesh import MEMBER_AXIS
 
 
+def as_transformation(tx: Any) -> optax.GradientTransformation:
+    """``tx`` as a plain ``GradientTransformation``: ``optax.MultiSteps`` (a wrapper object)
+    becomes its ``gradient_transformation()``; anything else that is not one is a TypeError."""
+    if not isinstance(tx, optax.GradientTransformation) and callable(
+        getattr(tx, "gradient_transformation", None)
+    ):
+        tx = tx.gradient_transformation()
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            "tx must be an optax.GradientTransformation for ONE member (e.g. "
+            f"optax.adam(1e-3)); got {type(tx).__name__}. train_step makes it per-member."
+        )
+    return tx
+
+
 def per_member(
     tx: optax.GradientTransformation,
     n: int,
@@ -32,6 +47,7 @@ def per_member(
       >>> optax.tree_utils.tree_get(state, "learning_rate").shape
       (2,)
     """
+    tx = as_transformation(tx)
     values = {k: jnp.asarray(v, dtype=jnp.float32) for k, v in hyperparams.items()}
     for name, v in values.items():
         if v.shape != (n,):

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ensemble._core import BATCH_FIXES, Members, check_inputs, check_live, check_member_major
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
-from ensemble._optim import per_member
+from ensemble._optim import as_transformation, per_member
 
 
 class TrainStep:
@@ -60,11 +60,7 @@ class TrainStep:
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                "tx must be an optax.GradientTransformation for ONE member (e.g. "
-                f"optax.adam(1e-3)); got {type(tx).__name__}. train_step makes it per-member."
-            )
+        tx = as_transformation(tx)
         self._loss_fn = loss_fn
         self._members = members
         self._member_tx = tx

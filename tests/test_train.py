@@ -287,3 +287,36 @@ def test_per_member_data_marked_shared_is_refused():
         mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=(False, True)
     )
     per_member(params, per_member.init(params), x, ys)
+
+
+def test_multisteps_accumulates_per_member_like_plain_optax():
+    """``optax.MultiSteps`` (a wrapper object, not a GradientTransformation) is taken as its
+    ``gradient_transformation()``; each member accumulates its own gradients."""
+    n, k = D, 3
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    xs = jax.random.normal(jax.random.key(2), (n, 4, 3))
+    ens, params = setup(n, x)
+    make = lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=k)
+    host = jax.device_get(params)
+    tx = make().gradient_transformation()
+    grad = jax.jit(jax.grad(mse))
+    refs = []
+    for i in range(n):
+        p = jax.tree.map(lambda a, i=i: a[i], host)
+        s = tx.init(p)
+        for _ in range(k + 1):
+            u, s = tx.update(grad(p, xs[i], 0.0), s, p)
+            p = optax.apply_updates(p, u)
+        refs.append(p)
+    step = ensemble.train_step(
+        mse, make(), n=n, mesh=ens.mesh, rules=ens.rules, per_member_batch=(True, False)
+    )
+    opt_state = step.init(params)
+    for t in range(k + 1):
+        before = jax.device_get(params)
+        params, opt_state, _ = step(params, opt_state, xs, 0.0)
+        moved = jax.tree.map(lambda a, b: not np.allclose(a, b), before, jax.device_get(params))
+        assert all(jax.tree.leaves(moved)) == (t == k - 1)  # one update every k steps
+    for i, p in enumerate(refs):
+        got = jax.tree.map(lambda a, i=i: np.asarray(a)[i], params)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6), got, p)
