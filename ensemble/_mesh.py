@@ -270,7 +270,7 @@ def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:
     i = int(i) % n
     leaves, treedef = jax.tree.flatten(tree)
     split = [k for k, x in enumerate(leaves) if _on_member_axis(x, mesh)]
-    out = [x if k in split else x[i] for k, x in enumerate(leaves)]
+    out = [x if _on_member_axis(x, mesh) else x[i] for x in leaves]
     if not split:
         return jax.tree.unflatten(treedef, out)
     axis = mesh.axis_names.index(MEMBER_AXIS)

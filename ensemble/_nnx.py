@@ -672,8 +672,9 @@ class NNXTrainStep:
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
         pmb = self.per_member_batch
-        axes = tuple(0 if b else None for b in pmb) if isinstance(pmb, tuple) else pmb
-        return arg_axes(0 if axes is True else None if axes is False else axes, count)
+        if isinstance(pmb, tuple):
+            return arg_axes(tuple(0 if b else None for b in pmb), count)
+        return arg_axes(0 if pmb else None, count)
 
     def _step(self, ens_def, opt_def, ens_state, opt_state, batch):
         ens = nnx.merge(ens_def, ens_state)
