@@ -80,6 +80,9 @@ ENV_NAMES: tuple[str, ...] = ("cartpole", "CartPole-v1", "pendulum", "Pendulum-v
 #: `brax:<name>`.
 ENV_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:", "gymnax:", "brax:")
 
+#: The prefixes whose envs run on the host (`HostEnv` workers); the others are pure JAX.
+HOST_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:")
+
 
 def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
     """Build an environment by name.
@@ -109,7 +112,7 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
         not know, or that library not installed (the message says which extra to install).
     """
     prefix, sep, rest = str(name).partition(":")
-    if sep and prefix in ("gymnasium", "envpool"):
+    if sep and f"{prefix}:" in HOST_PREFIXES:
         from rollout.hostenv import HostEnv
 
         host = {k: kwargs.pop(k) for k in ("workers_per_device", "timeout") if k in kwargs}
@@ -137,6 +140,7 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
 __all__ = [
     "ENV_NAMES",
     "ENV_PREFIXES",
+    "HOST_PREFIXES",
     "AudioState",
     "AudioSynth",
     "AutoReset",

@@ -471,7 +471,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         "--env-kwargs",
         default=None,
         metavar="JSON",
-        help="""gymnasium.make / envpool.make keyword arguments, e.g. '{"is_slippery": false}'""",
+        help="""keyword arguments of the env library's make (gymnasium:, envpool:, gymnax:,"""
+        """ brax: ids), e.g. '{"is_slippery": false}'""",
     )
     p.add_argument("--members", type=int, default=None, help="number of agents (default 4)")
     p.add_argument(

@@ -17,7 +17,6 @@ one episode of the ensemble's policy (of the member, for a single one) from gymn
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -81,9 +80,11 @@ def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
     """The env's make kwargs the member was trained with (``--env-kwargs``); none for EnvPool
     ids, which ``evaluate`` runs as gymnasium envs (pool threads and batch sizes mean nothing
     to gymnasium)."""
+    from rollout.ppo import PPOConfig
+
     if str(meta["env"]).startswith("envpool:"):
         return {}
-    return json.loads(meta.get("config", {}).get("env_kwargs") or "{}")
+    return PPOConfig.from_dict(meta.get("config", {})).make_kwargs()
 
 
 def is_functional(env_id: str) -> bool:
@@ -91,7 +92,8 @@ def is_functional(env_id: str) -> bool:
     from rollout import envs
 
     own = {name.lower() for name in envs.ENV_NAMES}
-    return str(env_id).lower() in own or str(env_id).startswith(("gymnax:", "brax:"))
+    known = str(env_id).lower() in own or str(env_id).startswith(envs.ENV_PREFIXES)
+    return known and not str(env_id).startswith(envs.HOST_PREFIXES)
 
 
 def gymnasium_returns(
@@ -121,7 +123,6 @@ def gymnasium_returns(
 def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.ndarray]:
     """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
     there are several members)."""
-
     policies = {f"member_{m.meta['member']}": m.act for m in members}
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
