@@ -397,7 +397,7 @@ def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():
     assert cfg.make_kwargs() == {"fail_at": 99, "tuple_obs": True}
     meta = {"env": cfg.env, "config": cfg.to_dict()}
     assert make_kwargs(meta) == {"fail_at": 99, "tuple_obs": True}  # evaluate makes the same env
-    assert make_kwargs({**meta, "env": "envpool:CartPole-v1"}) == {}
+    assert make_kwargs({**meta, "env": "envpool:CartPole-v1"}) == cfg.make_kwargs()  # EnvPool too
     # evaluate runs pure-JAX ids as JAX envs, never as a gymnasium env of the same name.
     from rollout.ppo.evaluate import is_functional
 

@@ -62,6 +62,17 @@ _ENV_DEFAULTS: dict[str, dict[str, Any]] = {
         ent_coef=0.01,
         total_steps=500_000,
     ),
+    # CleanRL's ppo_atari.py: discrete actions on image observations.
+    "image": dict(
+        num_envs=8,
+        num_steps=128,
+        update_epochs=4,
+        num_minibatches=4,
+        learning_rate=2.5e-4,
+        clip_coef=0.1,
+        ent_coef=0.01,
+        total_steps=10_000_000,
+    ),
     "continuous": dict(
         num_envs=1,
         num_steps=2048,
@@ -129,13 +140,15 @@ class PPOConfig:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     norm_adv: bool = True
-    #: Running mean/std observation normalisation per member (None: on for continuous actions).
+    #: Running mean/std observation normalisation per member (None: on for continuous actions
+    #: on vector observations; images are scaled to [0, 1] instead).
     normalize_obs: bool | None = None
     #: Reward scaling by the std of the discounted return, per member (None: on for continuous).
     normalize_reward: bool | None = None
     #: On truncation (time limit), add gamma * V(final obs) to the reward instead of treating the
     #: cut as a terminal state (the true final observation comes from the env's ``info``).
     bootstrap_truncation: bool = True
+    #: MLP widths for vector observations (images get a conv torso, see ``make_network``).
     hidden: tuple[int, ...] = (64, 64)
     seed: int = 0
     env_on: Literal["device", "cpu"] = "device"

@@ -30,6 +30,19 @@ class EnvSpec:
     action_dim: int  # number of actions (discrete) or action vector size (continuous)
     action_low: Any = None
     action_high: Any = None
+    obs_scale: float = 1.0  # images in [0, 255]: 1/255 (the network's input scaling)
+
+    @property
+    def image(self) -> bool:
+        return len(self.obs_shape) == 3
+
+
+def normalize_obs(config: Any, spec: EnvSpec) -> bool:
+    """Whether observations get running mean/std normalisation: ``config.normalize_obs``, or
+    by default for continuous actions on vector observations (CleanRL), never for images."""
+    if config.normalize_obs is not None:
+        return bool(config.normalize_obs)
+    return not spec.discrete and not spec.image
 
 
 def known_envs() -> tuple[str, ...]:
@@ -48,7 +61,8 @@ def make_env(name: str, kwargs: dict[str, Any] | None = None) -> Any:
 
 
 def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
-    """``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.
+    """``'image'`` (discrete actions on image observations, CleanRL's Atari defaults),
+    ``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.
 
     Builds the env once (for host envs: one instance in this process), so an unknown id or a
     missing library is a ``ValueError`` here, before anything is compiled.
@@ -56,7 +70,9 @@ def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
     from rollout.envs import Discrete
 
     env = make_env(name, kwargs)
-    return "discrete" if isinstance(env.action_space, Discrete) else "continuous"
+    if not isinstance(env.action_space, Discrete):
+        return "continuous"
+    return "image" if len(env.observation_space.shape) == 3 else "discrete"
 
 
 class MemberEnvs(Protocol):
@@ -121,22 +137,27 @@ def spec_of(env: Any) -> EnvSpec:
     """Reads the observation and action spaces off a ``rollout.envs`` environment."""
     from rollout.envs import Discrete
 
-    obs_shape = tuple(env.observation_space.shape)
-    if len(obs_shape) != 1:
+    obs_space = env.observation_space
+    obs_shape = tuple(obs_space.shape)
+    name = getattr(env, "name", "env")
+    if len(obs_shape) not in (1, 3) or (len(obs_shape) == 3 and sorted(obs_shape)[1] < 3):
         raise ValueError(
-            f"{getattr(env, 'name', 'env')}: observations of shape {obs_shape} are not supported "
-            "(the PPO networks are MLPs on flat vectors); flatten them in the env."
+            f"{name}: observations of shape {obs_shape} are not supported: the PPO networks "
+            "take vectors [D] (an MLP) or images [H, W, C] / [C, H, W] of at least 3x3 (a "
+            "conv net); reshape them in the env."
         )
+    pixels = len(obs_shape) == 3 and set(obs_space.low) == {0.0} and set(obs_space.high) == {255.0}
+    scale = 1.0 / 255.0 if pixels else 1.0
     space = env.action_space
     if isinstance(space, Discrete):
-        return EnvSpec(obs_shape, True, int(space.num_actions))
+        return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale)
     if tuple(space.shape) != (int(np.prod(space.shape)),):
         raise ValueError(f"only flat continuous action boxes are supported, got {space.shape}")
     low, high = space.low_array(), space.high_array()
     # Infinite bounds: no clipping on that side.
     low = None if not np.all(np.isfinite(low)) else low
     high = None if not np.all(np.isfinite(high)) else high
-    return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high)
+    return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high, scale)
 
 
 def final_obs(info: dict, obs: jax.Array) -> jax.Array:

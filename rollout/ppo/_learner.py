@@ -190,13 +190,9 @@ class Learner:
         self.spec = envlib.spec_of(self.env)
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)
-        self.network = nets.ActorCritic(
-            action_dim=self.spec.action_dim, discrete=self.spec.discrete, hidden=config.hidden
-        )
+        self.network = nets.make_network(self.spec, config.hidden)
         self.ensemble = ensemble.build(self.network, n, mesh=self.mesh)
-        self.normalize_obs = (
-            (not self.spec.discrete) if config.normalize_obs is None else config.normalize_obs
-        )
+        self.normalize_obs = envlib.normalize_obs(config, self.spec)
         self.normalize_reward = (
             (not self.spec.discrete) if config.normalize_reward is None else config.normalize_reward
         )

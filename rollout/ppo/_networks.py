@@ -1,5 +1,13 @@
-"""The actor-critic: two 64-64 tanh MLPs with orthogonal init (CleanRL / PureJaxRL), plus the
-categorical and diagonal-Gaussian policy maths written out (no distribution library needed)."""
+"""The actor-critics, plus the categorical and diagonal-Gaussian policy maths written out (no
+distribution library needed).
+
+- Vector observations: two 64-64 tanh MLPs with orthogonal init (CleanRL / PureJaxRL).
+- Image observations ``[H, W, C]`` or ``[C, H, W]``: a shared ReLU conv torso, then the actor and
+  critic heads (CleanRL's ``ppo_atari``). The torso is the Nature DQN CNN (Mnih et al. 2015) for
+  images of at least 36x36, else MinAtar's one-conv network (Young & Tian 2019).
+
+:func:`make_network` picks the one that fits an env's observations.
+"""
 
 from __future__ import annotations
 
@@ -61,6 +69,104 @@ class ActorCritic(nn.Module):
         return self.critic_out(x)[..., 0]
 
 
+#: Image torsos: ``(convs, dense)`` with one ``(features, kernel size, stride)`` per VALID conv.
+TORSOS: dict[str, tuple[tuple[tuple[int, int, int], ...], int]] = {
+    "nature": (((32, 8, 4), (64, 4, 2), (64, 3, 1)), 512),
+    "minatar": (((16, 3, 1),), 128),
+}
+
+
+def image_layout(obs_shape: Sequence[int]) -> tuple[str, bool]:
+    """``(torso, channels_first)`` for an image observation shape.
+
+    Channels are the smaller end axis: ``(4, 84, 84)`` (EnvPool's stacked Atari frames) is
+    channels-first, ``(210, 160, 3)`` and ``(10, 10, 4)`` (MinAtar) are channels-last. Images of
+    at least 36x36 get the Nature CNN, smaller ones MinAtar's.
+
+    Example:
+      >>> image_layout((4, 84, 84)), image_layout((10, 10, 4))
+      (('nature', True), ('minatar', False))
+    """
+    shape = tuple(int(s) for s in obs_shape)
+    if len(shape) != 3:
+        raise ValueError(f"an image observation is [H, W, C] or [C, H, W], got shape {shape}")
+    channels_first = shape[0] < shape[-1]
+    height, width = shape[1:] if channels_first else shape[:2]
+    return ("nature" if min(height, width) >= 36 else "minatar"), channels_first
+
+
+class ImageActorCritic(nn.Module):
+    """A shared conv torso (:data:`TORSOS`), ReLU throughout, then the actor and critic heads.
+
+    Observations ``[..., *obs_shape]`` are multiplied by ``obs_scale`` (1/255 for pixels), made
+    channels-last, passed through the VALID convs, flattened in ``(H, W, C)`` order and through
+    one dense layer. Outputs as :class:`ActorCritic`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> net = ImageActorCritic(action_dim=3, torso="minatar")
+      >>> variables = net.init(jax.random.key(0), jnp.zeros((1, 10, 10, 4)))
+      >>> logits, value = net.apply(variables, jnp.zeros((2, 5, 10, 10, 4)))
+      >>> logits.shape, value.shape
+      ((2, 5, 3), (2, 5))
+    """
+
+    action_dim: int
+    discrete: bool = True
+    torso: str = "nature"
+    channels_first: bool = False
+    obs_scale: float = 1.0
+
+    def setup(self) -> None:
+        zeros, relu_gain = nn.initializers.zeros, math.sqrt(2.0)
+        convs, dense = TORSOS[self.torso]
+        self.convs = [
+            nn.Conv(f, (k, k), (s, s), padding="VALID", kernel_init=orthogonal(relu_gain),
+                    bias_init=zeros)
+            for f, k, s in convs
+        ]  # fmt: skip
+        self.dense = nn.Dense(dense, kernel_init=orthogonal(relu_gain), bias_init=zeros)
+        self.actor_out = nn.Dense(self.action_dim, kernel_init=orthogonal(0.01), bias_init=zeros)
+        self.critic_out = nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=zeros)
+        if not self.discrete:
+            self.log_std = self.param("log_std", zeros, (self.action_dim,))
+
+    def features(self, obs: jax.Array) -> jax.Array:
+        lead = obs.shape[:-3]
+        x = obs.reshape(-1, *obs.shape[-3:]) * self.obs_scale
+        if self.channels_first:
+            x = jnp.transpose(x, (0, 2, 3, 1))
+        for conv in self.convs:
+            x = nn.relu(conv(x))
+        x = nn.relu(self.dense(x.reshape(x.shape[0], -1)))
+        return x.reshape(*lead, x.shape[-1])
+
+    def __call__(self, obs: jax.Array):
+        x = self.features(obs)
+        head, value = self.actor_out(x), self.critic_out(x)[..., 0]
+        if self.discrete:
+            return head, value
+        return (head, jnp.broadcast_to(self.log_std, head.shape)), value
+
+    def value(self, obs: jax.Array) -> jax.Array:
+        return self.critic_out(self.features(obs))[..., 0]
+
+
+def make_network(spec: Any, hidden: Sequence[int]) -> nn.Module:
+    """The actor-critic for an env's ``EnvSpec``: MLPs of widths ``hidden`` for vector
+    observations, :class:`ImageActorCritic` for images (``hidden`` is then unused)."""
+    if len(spec.obs_shape) == 1:
+        return ActorCritic(action_dim=spec.action_dim, discrete=spec.discrete, hidden=hidden)
+    torso, channels_first = image_layout(spec.obs_shape)
+    return ImageActorCritic(
+        action_dim=spec.action_dim,
+        discrete=spec.discrete,
+        torso=torso,
+        channels_first=channels_first,
+        obs_scale=spec.obs_scale,
+    )
+
+
 def orthogonal(scale: float = 1.0) -> nn.initializers.Initializer:
     """``nn.initializers.orthogonal`` without LAPACK: QR by Gram-Schmidt in plain jnp ops.
 
@@ -87,17 +193,40 @@ def orthogonal(scale: float = 1.0) -> nn.initializers.Initializer:
     return init
 
 
-def _gram_schmidt(a: jax.Array) -> jax.Array:
-    """Q of the thin QR of a tall matrix, diag(R) > 0 (classical Gram-Schmidt, twice)."""
-    _, k = a.shape
+def _gram_schmidt(a: jax.Array, block: int = 32) -> jax.Array:
+    """Q of the thin QR of a tall matrix, diag(R) > 0: block classical Gram-Schmidt with
+    re-orthogonalisation (BCGS2). Each block of columns is projected out of the finished blocks
+    and made orthonormal by CGS2, and both are done twice.
+
+    Blocks turn most of the work into matrix products: a column-at-a-time loop over a
+    3136 x 512 kernel (the Nature CNN's dense layer) streams the whole matrix 2k times.
+    """
+    n, k = a.shape
+
+    def add_block(q, start, width):
+        v = jax.lax.dynamic_slice(a, (0, start), (n, width))
+        for _ in range(2):  # project out the finished blocks (q's other columns are still
+            v = _cgs2(v - q @ (q.T @ v))  # zero), then orthonormalise; twice (BCGS2)
+        return jax.lax.dynamic_update_slice(q, v, (0, start))
+
+    full = k // block  # one compiled loop body for the full blocks, then the rest
+    q = jnp.zeros_like(a)
+    if full:
+        q = jax.lax.fori_loop(0, full, lambda b, q: add_block(q, b * block, block), q)
+    return add_block(q, full * block, k - full * block) if k % block else q
+
+
+def _cgs2(a: jax.Array) -> jax.Array:
+    """Q of a thin QR by classical Gram-Schmidt, twice per column (as accurate as Householder
+    here); diag(R) > 0."""
 
     def column(j, q):
         v = a[:, j]
-        for _ in range(2):  # re-orthogonalise once: CGS2 is as accurate as Householder here
+        for _ in range(2):
             v = v - q @ (q.T @ v)  # columns >= j of q are still zero
         return q.at[:, j].set(v / jnp.linalg.norm(v))
 
-    return jax.lax.fori_loop(0, k, column, jnp.zeros_like(a))
+    return jax.lax.fori_loop(0, a.shape[1], column, jnp.zeros_like(a))
 
 
 _LOG_2PI = float(np.log(2 * np.pi))

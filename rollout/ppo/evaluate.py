@@ -7,11 +7,13 @@ and prints the mean +- std of the episode return for each. Every policy sees the
 initial states (drawn from ``--seed``), so the rows compare policies, not luck.
 
 Episodes of pure-JAX envs (the project's own, ``gymnax:`` and ``brax:`` ids) run all ``N`` at
-once, jitted; ``gymnasium:`` ids (and ``envpool:`` ids, as the gymnasium env of the same name)
-run in gymnasium, one after another. The env is made with the run's ``--env-kwargs``
-(observations that are not a ``Box`` flattened as in training). ``--video PATH`` records
-one episode of the ensemble's policy (of the member, for a single one) from gymnasium's
-``rgb_array`` rendering with imageio; where either is missing it says so in one line and skips.
+once, jitted; ``envpool:`` ids run all ``N`` at once in one EnvPool pool (env ``i`` seeded
+``seed + i``, as in training); ``gymnasium:`` ids run in gymnasium, one after another. The env
+is made with the run's ``--env-kwargs`` (observations that are not a ``Box`` flattened as in
+training), so an EnvPool Atari member sees the same preprocessed frames it was trained on.
+``--video PATH`` records one episode of the ensemble's policy (of the member, for a single
+one) from gymnasium's ``rgb_array`` rendering with imageio; where either is missing it says so
+in one line and skips.
 """
 
 from __future__ import annotations
@@ -77,13 +79,9 @@ def episode_returns(
 
 
 def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
-    """The env's make kwargs the member was trained with (``--env-kwargs``); none for EnvPool
-    ids, which ``evaluate`` runs as gymnasium envs (pool threads and batch sizes mean nothing
-    to gymnasium)."""
+    """The env's make kwargs the member was trained with (``--env-kwargs``)."""
     from rollout.ppo import PPOConfig
 
-    if str(meta["env"]).startswith("envpool:"):
-        return {}
     return PPOConfig.from_dict(meta.get("config", {})).make_kwargs()
 
 
@@ -120,6 +118,33 @@ def gymnasium_returns(
     return np.asarray(out)
 
 
+def envpool_returns(
+    policy: Policy, env_id: str, episodes: int, seed: int, kwargs: dict[str, Any] | None = None
+) -> np.ndarray:
+    """Returns of the first episode of each of ``episodes`` envs of one EnvPool pool (env
+    ``i`` seeded ``seed + i``), stepped together."""
+    import jax
+
+    from rollout.hostenv._worker import _EnvPool
+
+    act = jax.jit(policy)
+    pool = _EnvPool(env_id.removeprefix("envpool:"), dict(kwargs or {}), episodes)
+    try:
+        obs = pool.reset(np.asarray([seed]))
+        total, live = np.zeros(episodes), np.ones(episodes, bool)
+        out = (np.empty_like(obs), np.empty(episodes, np.float32), np.empty(episodes, bool),
+               np.empty(episodes, bool), np.empty_like(obs))  # fmt: skip
+        while live.any():
+            pool.step(np.asarray(act(np.asarray(obs, np.float32))), out)
+            obs, reward, term, trunc, _ = out
+            total += np.where(live, reward, 0.0)
+            live &= ~(term | trunc)
+            obs = obs.copy()
+        return total
+    finally:
+        pool.close()
+
+
 def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.ndarray]:
     """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
     there are several members)."""
@@ -131,9 +156,8 @@ def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.n
     if is_functional(env_id):
         keys = reset_keys(seed, episodes)
         return {name: episode_returns(p, env_id, keys, kwargs) for name, p in policies.items()}
-    return {
-        name: gymnasium_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
-    }
+    host = envpool_returns if str(env_id).startswith("envpool:") else gymnasium_returns
+    return {name: host(p, env_id, episodes, seed, kwargs) for name, p in policies.items()}
 
 
 def format_table(results: dict[str, np.ndarray]) -> str:

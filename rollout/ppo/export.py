@@ -2,22 +2,39 @@
 
 :func:`export_members` writes, for each member ``i``, ``<directory>/member_<i>/`` with
 
-- ``member.json``: ``{"format": "rollout.ppo.member", "version": 1, "member": i, "env": ...,
+- ``member.json``: ``{"format": "rollout.ppo.member", "version": 2, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
-  "hparams": {...}, "config": {...}}`` where ``network`` holds ``kind`` ("ActorCritic"),
-  ``obs_shape``, ``hidden`` (layer widths), ``action_dim``, ``discrete`` and ``activation``
-  ("tanh"); ``obs_norm`` holds ``enabled``, ``clip`` and ``epsilon``; ``action`` holds the
-  continuous action box ``low`` / ``high`` (``null``: unbounded or discrete).
-- ``params.npz``: the actor-critic's arrays, named ``<layer>/<kernel|bias>`` (``actor_0``,
-  ``actor_1``, ..., ``actor_out``, ``critic_0``, ..., ``critic_out``) plus ``log_std`` for
-  continuous actions. A Dense layer is ``x @ kernel + bias``.
+  "hparams": {...}, "config": {...}}``. ``network`` holds ``kind``, ``obs_shape``,
+  ``action_dim``, ``discrete`` and ``activation``, and per kind:
+
+  - ``"ActorCritic"`` (vector observations): ``hidden`` (layer widths); ``activation`` "tanh".
+  - ``"ImageActorCritic"`` (image observations): ``convs`` (``[features, kernel size,
+    stride]`` per VALID conv), ``dense`` (width), ``channels_first`` and ``obs_scale``;
+    ``activation`` "relu".
+
+  ``obs_norm`` holds ``enabled``, ``clip`` and ``epsilon``; ``action`` holds the continuous
+  action box ``low`` / ``high`` (``null``: unbounded or discrete).
+- ``params.npz``: the network's arrays, named ``<layer>/<kernel|bias>``, plus ``log_std`` for
+  continuous actions. ``ActorCritic``: ``actor_0``, ``actor_1``, ..., ``actor_out``,
+  ``critic_0``, ..., ``critic_out``. ``ImageActorCritic``: ``convs_0``, ``convs_1``, ...
+  (kernels ``[k, k, in, out]``), ``dense``, ``actor_out``, ``critic_out``. A Dense layer is
+  ``x @ kernel + bias``.
 - ``obs_norm.npz``: ``mean``, ``var`` (observation shape) and ``count`` of the running
   observation statistics.
 
 The policy is: ``z = clip((obs - mean) / sqrt(var + epsilon), -clip, clip)`` when
-``obs_norm.enabled`` (else ``z = obs``); ``h = activation(h @ kernel + bias)`` through the actor
-layers; ``head = h @ actor_out.kernel + actor_out.bias``; the deterministic action is
-``argmax(head)`` (discrete) or ``clip(head, low, high)`` (continuous: the mean of the Gaussian).
+``obs_norm.enabled`` (else ``z = obs``); then
+
+- ``ActorCritic``: ``h = activation(h @ kernel + bias)`` through the actor layers, ``head = h @
+  actor_out.kernel + actor_out.bias``;
+- ``ImageActorCritic``: ``h = z * obs_scale``, transposed ``[C, H, W] -> [H, W, C]`` when
+  ``channels_first``; ``h = relu(conv(h) + bias)`` per conv (VALID padding, the given stride,
+  cross-correlation as in every deep-learning library); flattened in ``(H, W, C)`` order;
+  ``h = relu(h @ dense.kernel + dense.bias)``; ``head = h @ actor_out.kernel + actor_out.bias``.
+
+The deterministic action is ``argmax(head)`` (discrete) or ``clip(head, low, high)``
+(continuous: the mean of the Gaussian). Version 1 (vector observations only) is the same
+``ActorCritic`` format and is still read.
 
 Each member is taken from its own shards (``ensemble.member``): exporting member ``i`` copies
 member ``i``'s arrays to the host and nothing else. With several processes, each process writes
@@ -55,7 +72,9 @@ import numpy as np
 from rollout._devices import available_cores
 
 FORMAT = "rollout.ppo.member"
-VERSION = 1
+VERSION = 2
+#: Format versions this module reads.
+READABLE_VERSIONS = (1, 2)
 #: The learner's observation normalisation: clip and epsilon of ``Learner._normalize``.
 OBS_CLIP, OBS_EPSILON = 10.0, 1e-8
 _GYMNASIUM_IDS = {"cartpole": "CartPole-v1", "pendulum": "Pendulum-v1"}
@@ -103,8 +122,7 @@ def export_from_state(
     from rollout.ppo import _env as envlib
 
     spec = envlib.spec_of(envlib.make_env(config.env, config.make_kwargs()))
-    normalize = (not spec.discrete) if config.normalize_obs is None else config.normalize_obs
-    return _export(config, spec, bool(normalize), state, directory, members)
+    return _export(config, spec, envlib.normalize_obs(config, spec), state, directory, members)
 
 
 def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
@@ -124,7 +142,8 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
         path = root / f"member_{i}"
         path.mkdir(exist_ok=True)
         flat = _flatten(jax.device_get(params))
-        _check_layout(flat, config.hidden, spec.discrete)
+        network = network_meta(config, spec)
+        _check_layout(flat, network)
         np.savez(path / "params.npz", **flat)
         stats = jax.device_get(stats)
         np.savez(
@@ -133,7 +152,8 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
             var=np.asarray(stats.var, np.float32),
             count=np.asarray(stats.count, np.float32),
         )
-        meta = _metadata(config, spec, normalize_obs, i, env_steps, jax.device_get(hparams))
+        hparams = jax.device_get(hparams)
+        meta = _metadata(config, spec, network, normalize_obs, i, env_steps, hparams)
         (path / "member.json").write_text(json.dumps(meta, indent=2) + "\n")
         paths.append(path)
     return paths
@@ -177,16 +197,43 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
     return flat
 
 
-def _check_layout(flat: dict[str, np.ndarray], hidden: Sequence[int], discrete: bool) -> None:
-    """The arrays must be the documented layout; a changed network must not export silently."""
-    want = {
-        f"{tower}_{k}/{p}"
-        for tower in ("actor", "critic")
-        for k in range(len(hidden))
-        for p in ("kernel", "bias")
+def network_meta(config: Any, spec: Any) -> dict[str, Any]:
+    """The ``network`` entry of ``member.json`` for the learner's network on ``spec``."""
+    from rollout.ppo import _networks as nets
+
+    net = nets.make_network(spec, config.hidden)
+    common = {
+        "obs_shape": [int(s) for s in spec.obs_shape],
+        "action_dim": int(spec.action_dim),
+        "discrete": bool(spec.discrete),
     }
-    want |= {f"{t}_out/{p}" for t in ("actor", "critic") for p in ("kernel", "bias")}
-    if not discrete:
+    if isinstance(net, nets.ActorCritic):
+        hidden = [int(h) for h in net.hidden]
+        return {"kind": "ActorCritic", **common, "hidden": hidden, "activation": "tanh"}
+    convs, dense = nets.TORSOS[net.torso]
+    return {
+        "kind": "ImageActorCritic",
+        **common,
+        "convs": [list(c) for c in convs],
+        "dense": dense,
+        "channels_first": bool(net.channels_first),
+        "obs_scale": float(net.obs_scale),
+        "activation": "relu",
+    }
+
+
+def _layer_names(network: dict[str, Any]) -> list[str]:
+    if network["kind"] == "ActorCritic":
+        towers = [f"{t}_{k}" for t in ("actor", "critic") for k in range(len(network["hidden"]))]
+    else:
+        towers = [*(f"convs_{k}" for k in range(len(network["convs"]))), "dense"]
+    return [*towers, "actor_out", "critic_out"]
+
+
+def _check_layout(flat: dict[str, np.ndarray], network: dict[str, Any]) -> None:
+    """The arrays must be the documented layout; a changed network must not export silently."""
+    want = {f"{layer}/{p}" for layer in _layer_names(network) for p in ("kernel", "bias")}
+    if not network["discrete"]:
         want.add("log_std")
     if set(flat) != want:
         raise ValueError(
@@ -195,7 +242,7 @@ def _check_layout(flat: dict[str, np.ndarray], hidden: Sequence[int], discrete: 
         )
 
 
-def _metadata(config, spec, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
+def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
     box = lambda a: None if a is None else np.asarray(a, np.float32).reshape(-1).tolist()
     return {
         "format": FORMAT,
@@ -204,14 +251,7 @@ def _metadata(config, spec, normalize_obs, i, env_steps, hparams) -> dict[str, A
         "env": config.env,
         "gymnasium_id": _GYMNASIUM_IDS.get(config.env),
         "env_steps": env_steps,
-        "network": {
-            "kind": "ActorCritic",
-            "obs_shape": list(spec.obs_shape),
-            "hidden": [int(h) for h in config.hidden],
-            "action_dim": int(spec.action_dim),
-            "discrete": bool(spec.discrete),
-            "activation": "tanh",
-        },
+        "network": network,
         "obs_norm": {"enabled": bool(normalize_obs), "clip": OBS_CLIP, "epsilon": OBS_EPSILON},
         "action": {
             "low": None if spec.discrete else box(spec.action_low),
@@ -248,11 +288,32 @@ class ExportedMember:
 
     def head(self, obs: jax.Array) -> jax.Array:
         """The policy head for raw observations ``[..., *obs_shape]``: logits, or the mean."""
-        act_fn = _ACTIVATIONS[self.meta["network"]["activation"]]
+        network = self.meta["network"]
+        act_fn = _ACTIVATIONS[network["activation"]]
+        dense = lambda h, name: h @ self.params[f"{name}/kernel"] + self.params[f"{name}/bias"]
         h = self.normalize(obs)
-        for k in range(len(self.meta["network"]["hidden"])):
-            h = act_fn(h @ self.params[f"actor_{k}/kernel"] + self.params[f"actor_{k}/bias"])
-        return h @ self.params["actor_out/kernel"] + self.params["actor_out/bias"]
+        if network["kind"] == "ImageActorCritic":
+            h = self._conv_torso(h, act_fn)
+            h = act_fn(dense(h, "dense"))
+        else:
+            for k in range(len(network["hidden"])):
+                h = act_fn(dense(h, f"actor_{k}"))
+        return dense(h, "actor_out")
+
+    def _conv_torso(self, z: jax.Array, act_fn: Callable) -> jax.Array:
+        """``ImageActorCritic``'s convs, flattened: ``[..., *obs_shape] -> [..., features]``."""
+        network = self.meta["network"]
+        lead = z.shape[:-3]
+        h = z.reshape(-1, *z.shape[-3:]) * network["obs_scale"]
+        if network["channels_first"]:
+            h = jnp.transpose(h, (0, 2, 3, 1))
+        for k, (_, _, stride) in enumerate(network["convs"]):
+            h = jax.lax.conv_general_dilated(
+                h, self.params[f"convs_{k}/kernel"], (stride, stride), "VALID",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            )  # fmt: skip
+            h = act_fn(h + self.params[f"convs_{k}/bias"])
+        return h.reshape(*lead, -1)
 
     def probs(self, obs: jax.Array) -> jax.Array:
         """Discrete only: the action probabilities ``softmax(logits)``."""
@@ -288,10 +349,16 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
         raise NotAnExport(f"{meta_path} is not valid JSON ({e}).") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise NotAnExport(f"{meta_path} is not a {FORMAT} file.")
-    if meta.get("version") != VERSION:
-        raise NotAnExport(f"{meta_path} has format version {meta.get('version')}, not {VERSION}.")
-    if meta["network"].get("activation") not in _ACTIVATIONS:
-        raise NotAnExport(f"{meta_path}: unknown activation {meta['network'].get('activation')}.")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise NotAnExport(
+            f"{meta_path} has format version {meta.get('version')}; this version of the "
+            f"library reads {', '.join(map(str, READABLE_VERSIONS))}."
+        )
+    network = meta.get("network") or {}
+    if network.get("kind", "ActorCritic") not in ("ActorCritic", "ImageActorCritic"):
+        raise NotAnExport(f"{meta_path}: unknown network kind {network.get('kind')!r}.")
+    if network.get("activation") not in _ACTIVATIONS:
+        raise NotAnExport(f"{meta_path}: unknown activation {network.get('activation')}.")
     device = device or jax.devices()[0]
     try:
         with np.load(path / "params.npz") as f:
