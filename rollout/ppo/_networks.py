@@ -193,15 +193,18 @@ def orthogonal(scale: float = 1.0) -> nn.initializers.Initializer:
     return init
 
 
-def _gram_schmidt(a: jax.Array, block: int = 32) -> jax.Array:
-    """Q of the thin QR of a tall matrix, diag(R) > 0: block classical Gram-Schmidt with
-    re-orthogonalisation (BCGS2). Each block of columns is projected out of the finished blocks
-    and made orthonormal by CGS2, and both are done twice.
+def _gram_schmidt(a: jax.Array, block: int = 64) -> jax.Array:
+    """Q of the thin QR of a tall matrix, diag(R) > 0.
 
-    Blocks turn most of the work into matrix products: a column-at-a-time loop over a
-    3136 x 512 kernel (the Nature CNN's dense layer) streams the whole matrix 2k times.
+    Up to ``block`` columns: classical Gram-Schmidt, twice per column (CGS2). Wider: block
+    CGS with re-orthogonalisation (BCGS2): each block of columns is projected out of the
+    finished blocks and made orthonormal by CGS2, both twice. Blocks turn most of the work into
+    matrix products: column by column, a 3136 x 512 kernel (the Nature CNN's dense layer) would
+    stream the whole matrix 2k times (14 s here, against 1 s).
     """
     n, k = a.shape
+    if k <= block:
+        return _cgs2(a)  # one loop: the MLPs' kernels compile as fast as ever
 
     def add_block(q, start, width):
         v = jax.lax.dynamic_slice(a, (0, start), (n, width))
@@ -210,9 +213,7 @@ def _gram_schmidt(a: jax.Array, block: int = 32) -> jax.Array:
         return jax.lax.dynamic_update_slice(q, v, (0, start))
 
     full = k // block  # one compiled loop body for the full blocks, then the rest
-    q = jnp.zeros_like(a)
-    if full:
-        q = jax.lax.fori_loop(0, full, lambda b, q: add_block(q, b * block, block), q)
+    q = jax.lax.fori_loop(0, full, lambda b, q: add_block(q, b * block, block), jnp.zeros_like(a))
     return add_block(q, full * block, k - full * block) if k % block else q
 
 
