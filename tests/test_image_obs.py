@@ -109,9 +109,10 @@ def _member(tree, i):
 def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_path):
     """4 devices run each member's plain update; 1 device batches the 4 members (a grouped
     conv, or one member after another where JAX cannot batch it). The export recomputes the
-    network with its own convs, outside flax."""
+    network with its own convs, outside flax. Then PPO learns from pixels (Nature CNN)."""
     if which == "nature":
-        env, cfg = envs.AutoReset(Spot()), _spot_config(num_envs=4, num_steps=8)
+        env = envs.AutoReset(Spot())
+        cfg = _spot_config(learning_rate=1e-3, total_steps=8 * 16 * UPDATES)
     else:
         env = envs.make(MINATAR)
         cfg = _spot_config(env=MINATAR, num_envs=4, num_steps=8, total_steps=4 * 8 * 2)
@@ -151,17 +152,22 @@ def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_p
     assert meta["network"]["dense"] == dense
     assert meta["network"]["channels_first"] == (which == "nature")
     assert meta["network"]["obs_scale"] == pytest.approx(learner.spec.obs_scale)
+    if which == "nature":
+        _learns_the_bandit(learner, state)
     learner.close()
 
 
-@pytest.mark.timeout(300)
-def test_ppo_learns_from_pixels():
-    cfg = _spot_config(members=2, total_steps=8 * 16 * 24, updates_per_call=24,
-                       learning_rate=1e-3)  # fmt: skip
-    learner = Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(Spot()))
-    _, metrics = learner.update(learner.init(), 24)
-    returns = np.asarray(metrics["returns"])  # [members, updates]: mean reward per step
-    assert (returns[:, :3].mean(axis=1) < 0.75).all()  # starts near chance (0.5)
+UPDATES = 24
+
+
+def _learns_the_bandit(learner, state):
+    """Reward 1 for naming the lit half: chance is 0.5 per step."""
+    returns = []
+    for _ in range(UPDATES - 1):  # the same compiled one-update program each time
+        state, metrics = learner.update(state, 1)
+        returns.append(np.asarray(metrics["returns"])[:, -1])
+    returns = np.stack(returns, axis=1)  # [members, updates]: mean reward per step
+    assert (returns[:, :2].mean(axis=1) < 0.8).all(), returns  # near chance early on
     assert (returns[:, -3:].mean(axis=1) > 0.9).all(), returns
 
 
@@ -190,6 +196,5 @@ def test_cli_trains_exports_and_evaluates_envpool_atari(tmp_path):
     assert set(result) == {"member_0", "member_1", "ensemble"}
     for returns in result.values():
         assert returns.shape == (2,) and (returns <= 1).all() and (returns >= -3).all()
-    again = evaluate.evaluate(members, episodes=2, seed=3)
-    for name in result:
-        np.testing.assert_array_equal(again[name], result[name])  # seeded: reproducible
+    again = evaluate.envpool_returns(members[1].act, "envpool:Pong-v5", 2, 3, json.loads(kwargs))
+    np.testing.assert_array_equal(again, result["member_1"])  # seeded: reproducible
