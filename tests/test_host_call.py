@@ -57,7 +57,7 @@ def test_kept_when_results_unused_and_not_merged():
         b = host_call(fn, [x], x)[0]  # same inputs: must not be merged with the previous one
         return a, b
 
-    a, b = f(jnp.ones(2))
+    a, b = jax.block_until_ready(f(jnp.ones(2)))  # dispatch is asynchronous
     assert len(calls) == 3
     assert float(a[0]) == 4.0 and float(b[0]) == 5.0
 
@@ -79,6 +79,7 @@ def test_per_device_calls_inside_shard_map_see_only_their_shard():
     out = jax.jit(
         jax.shard_map(per_device, mesh=mesh, in_specs=P("ensemble"), out_specs=P("ensemble"))
     )(x)
+    jax.block_until_ready(out)  # dispatch is asynchronous: the devices' calls may still run
     assert sorted(seen) == [0, 1, 2, 3]
     for g in range(4):
         np.testing.assert_array_equal(seen[g], [[2 * g, 2 * g + 1]])
