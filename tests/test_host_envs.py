@@ -425,6 +425,17 @@ def test_bad_ids_fail_with_one_clear_line():
         envs.make("gymnasiun:CartPole-v1")
 
 
+@pytest.mark.timeout(60)
+def test_envpool_kwargs_the_layer_owns_or_envpool_rejects_are_one_line():
+    pytest.importorskip("envpool")
+    with pytest.raises(ValueError, match=r"may not set batch_size, seed: the learner makes"):
+        envs.make("envpool:CartPole-v1", batch_size=2, seed=1)
+    for kwargs in ({"nope": 1}, {"max_episode_steps": "x"}):
+        with pytest.raises(ValueError, match=r"envpool cannot make 'CartPole-v1' .*TypeError") as e:
+            envs.make("envpool:CartPole-v1", **kwargs)
+        assert "\n" not in str(e.value)
+
+
 _EXIT_SCRIPT = """
 import os, signal, sys
 import jax

@@ -130,6 +130,10 @@ class HostEnv:
         return HostEnvs(self, mesh, members, num_envs)
 
 
+#: EnvPool ``make`` arguments the host layer sets itself.
+ENVPOOL_POOL_KWARGS = ("num_envs", "batch_size", "seed", "env_type")
+
+
 def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None]:
     """Observation space, action space and time limit of one env built in this process."""
     if backend == "envpool":
@@ -142,7 +146,20 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
             ) from None
         if env_id not in envpool.list_all_envs():
             raise ValueError(f"unknown EnvPool task {env_id!r}; see envpool.list_all_envs().")
-        spec = envpool.make_spec(env_id, **kwargs)
+        reserved = sorted(set(kwargs) & set(ENVPOOL_POOL_KWARGS))
+        if reserved:
+            raise ValueError(
+                f"envpool:{env_id}: make kwargs may not set {', '.join(reserved)}: the learner "
+                "makes the pools (num_envs from the config, seeds from its keys, every env "
+                "stepped each step)."
+            )
+        try:
+            spec = envpool.make_spec(env_id, **kwargs)
+        except (AssertionError, KeyError, TypeError, ValueError) as e:
+            why = (str(e).splitlines() or [""])[0]  # EnvPool's own messages run to many lines
+            raise ValueError(
+                f"envpool cannot make {env_id!r} with {kwargs}: {type(e).__name__}: {why}"
+            ) from None
         limit = getattr(spec.config, "max_episode_steps", None)
         return spec.observation_space, spec.action_space, limit
     import gymnasium
