@@ -94,6 +94,26 @@ def test_the_network_follows_the_observation_shape():
     assert envlib.normalize_obs(dataclasses.replace(cfg, normalize_obs=True), spec)
 
 
+def test_continuous_actions_on_images_export_their_log_std():
+    from rollout.ppo._env import EnvSpec
+
+    spec = EnvSpec((12, 12, 3), False, 2, np.full(2, -1.0), np.full(2, 1.0), 1 / 255)
+    net = nets.make_network(spec, (64, 64))
+    obs = np.random.default_rng(1).integers(0, 256, (4, 12, 12, 3)).astype(np.float32)
+    params = net.init(jax.random.key(0), obs)["params"]
+    params = {**params, "log_std": params["log_std"] - 0.5}
+    (mean, log_std), value = net.apply({"params": params}, obs)
+    assert mean.shape == log_std.shape == (4, 2) and value.shape == (4,)
+    network = export.network_meta(PPOConfig(env="mine"), spec)
+    flat = export._flatten(jax.device_get(params))
+    export._check_layout(flat, network)  # log_std is part of the documented layout
+    meta = {"network": network, "obs_norm": {"enabled": False}, "action": {"low": [-1.0] * 2,
+            "high": [1.0] * 2}}  # fmt: skip
+    member = export.ExportedMember(meta, {k: jnp.asarray(v) for k, v in flat.items()}, 0.0, 1.0)
+    np.testing.assert_allclose(member.head(obs), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(member.act(obs), np.clip(mean, -1, 1), rtol=1e-5, atol=1e-6)
+
+
 def _trained(env, cfg, devices):
     learner = Learner(cfg, devices=jax.devices()[:devices], env=env)
     state, _ = learner.update(learner.init(), 1)
