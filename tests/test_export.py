@@ -119,6 +119,24 @@ def test_export_takes_each_member_from_its_own_devices(cartpole):
             assert leaf.sharding.device_set == {owner}, i
 
 
+def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tmp_path):
+    learner, state = cartpole
+    (path,) = export.export_members(learner, state, tmp_path, members=[2])
+    meta_path = path / "member.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["version"] == export.VERSION == 2
+    obs = _observations(learner)
+    want = np.asarray(export.read_member(path).head(obs))
+    meta_path.write_text(json.dumps({**meta, "version": 1}))  # what version 1 wrote for MLPs
+    np.testing.assert_array_equal(export.read_member(path).head(obs), want)
+    meta_path.write_text(json.dumps({**meta, "version": 3}))
+    with pytest.raises(export.NotAnExport, match=r"format version 3; .* reads 1, 2"):
+        export.read_member(path)
+    meta_path.write_text(json.dumps({**meta, "network": {**meta["network"], "kind": "GRU"}}))
+    with pytest.raises(export.NotAnExport, match=r"unknown network kind 'GRU'"):
+        export.read_member(path)
+
+
 def test_export_from_state_equals_export_members(cartpole, tmp_path):
     learner, state = cartpole
     a = export.export_members(learner, state, tmp_path / "a", members=[2])
