@@ -84,7 +84,7 @@ def test_the_network_follows_the_observation_shape():
     assert (net.torso, net.channels_first) == ("minatar", False)
     assert isinstance(nets.make_network(envlib.spec_of(envs.make("cartpole")), (8,)),
                       nets.ActorCritic)  # fmt: skip
-    for shape in [(84, 84), (2, 2, 3), (1, 4, 4, 3)]:
+    for shape in [(84, 84), (2, 2, 3), (1, 4, 4, 3), (3, 2, 3), (1, 2, 40)]:
         with pytest.raises(ValueError, match=r"mine: observations of shape .* vectors \[D\]"):
             envlib.spec_of(_space(shape, 0, 1))
     # Discrete actions on images: CleanRL's Atari defaults, and no running normalisation.

@@ -140,7 +140,7 @@ def spec_of(env: Any) -> EnvSpec:
     obs_space = env.observation_space
     obs_shape = tuple(obs_space.shape)
     name = getattr(env, "name", "env")
-    if len(obs_shape) not in (1, 3) or (len(obs_shape) == 3 and sorted(obs_shape)[1] < 3):
+    if len(obs_shape) not in (1, 3) or (len(obs_shape) == 3 and not _image_fits(obs_shape)):
         raise ValueError(
             f"{name}: observations of shape {obs_shape} are not supported: the PPO networks "
             "take vectors [D] (an MLP) or images [H, W, C] / [C, H, W] of at least 3x3 (a "
@@ -158,6 +158,16 @@ def spec_of(env: Any) -> EnvSpec:
     low = None if not np.all(np.isfinite(low)) else low
     high = None if not np.all(np.isfinite(high)) else high
     return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high, scale)
+
+
+def _image_fits(obs_shape: tuple[int, ...]) -> bool:
+    from rollout.ppo._networks import image_layout
+
+    try:
+        image_layout(obs_shape)  # the conv nets' own reading of H, W and channels
+    except ValueError:
+        return False
+    return True
 
 
 def final_obs(info: dict, obs: jax.Array) -> jax.Array:

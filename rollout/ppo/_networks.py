@@ -92,6 +92,8 @@ def image_layout(obs_shape: Sequence[int]) -> tuple[str, bool]:
         raise ValueError(f"an image observation is [H, W, C] or [C, H, W], got shape {shape}")
     channels_first = shape[0] < shape[-1]
     height, width = shape[1:] if channels_first else shape[:2]
+    if min(height, width) < 3:
+        raise ValueError(f"images need at least 3x3 pixels, got {height}x{width} in {shape}")
     return ("nature" if min(height, width) >= 36 else "minatar"), channels_first
 
 
