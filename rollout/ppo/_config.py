@@ -62,17 +62,6 @@ _ENV_DEFAULTS: dict[str, dict[str, Any]] = {
         ent_coef=0.01,
         total_steps=500_000,
     ),
-    # CleanRL's ppo_atari.py: discrete actions on image observations.
-    "image": dict(
-        num_envs=8,
-        num_steps=128,
-        update_epochs=4,
-        num_minibatches=4,
-        learning_rate=2.5e-4,
-        clip_coef=0.1,
-        ent_coef=0.01,
-        total_steps=10_000_000,
-    ),
     "continuous": dict(
         num_envs=1,
         num_steps=2048,
@@ -82,6 +71,14 @@ _ENV_DEFAULTS: dict[str, dict[str, Any]] = {
         ent_coef=0.0,
         total_steps=1_000_000,
     ),
+}
+
+# CleanRL's ppo_atari.py (discrete actions on image observations): ppo.py's, with these changes.
+_ENV_DEFAULTS["image"] = {
+    **_ENV_DEFAULTS["discrete"],
+    "num_envs": 8,
+    "clip_coef": 0.1,
+    "total_steps": 10_000_000,
 }
 
 ENV_ALIASES = {

@@ -202,7 +202,7 @@ def _gram_schmidt(a: jax.Array, block: int = 64) -> jax.Array:
     CGS with re-orthogonalisation (BCGS2): each block of columns is projected out of the
     finished blocks and made orthonormal by CGS2, both twice. Blocks turn most of the work into
     matrix products: column by column, a 3136 x 512 kernel (the Nature CNN's dense layer) would
-    stream the whole matrix 2k times (14 s here, against 1 s).
+    stream the whole matrix 2k times (5.9 s here, against 0.6 s in blocks).
     """
     n, k = a.shape
     if k <= block:

@@ -134,6 +134,7 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     env_steps = int(jax.device_get(state.update)) * config.batch_size
+    network = network_meta(config, spec)
     paths = []
     for i in chosen:
         if not _held_here(state.members.params, i, n):
@@ -142,7 +143,6 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
         path = root / f"member_{i}"
         path.mkdir(exist_ok=True)
         flat = _flatten(jax.device_get(params))
-        network = network_meta(config, spec)
         _check_layout(flat, network)
         np.savez(path / "params.npz", **flat)
         stats = jax.device_get(stats)
