@@ -18,27 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_env import clean_env
 
 from ensemble import _distributed as distributed
 from ensemble import launch as launcher
 from ensemble import make_mesh, member_sharding
-from rollout._devices import THREAD_FLAG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
 # Subprocess budgets: generous for 2 busy cores, yet far below "hangs forever".
 RUN_TIMEOUT = 150
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The parent's environment without anything that configures JAX, XLA or a cluster."""
-    drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["XLA_FLAGS"] = THREAD_FLAG
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def run_launcher(args: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:

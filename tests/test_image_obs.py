@@ -177,7 +177,7 @@ def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_p
     learner.close()
 
 
-UPDATES = 24
+UPDATES = 10
 
 
 def _learns_the_bandit(learner, state):

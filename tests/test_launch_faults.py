@@ -13,17 +13,11 @@ import sys
 import time
 
 import pytest
+from subprocess_env import clean_env
 
 from ensemble import launch as launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("JAX_", "XLA_", "ENSEMBLE_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 # Rank 0 listens on the coordinator port (as JAX's coordinator does), then both ranks wait.

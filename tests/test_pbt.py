@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from subprocess_env import clean_env
 
 import ensemble
 from rollout.ppo import Learner, PPOConfig, train
@@ -236,13 +236,6 @@ def test_cli_bad_pbt_flags_are_one_line_errors(tmp_path, capsys, flags, match):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-def _clean_env() -> dict[str, str]:
-    drop = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 def _rows(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(x).items() if k != "env_steps_per_s"} for x in lines]
@@ -261,12 +254,12 @@ def test_cli_pbt_on_two_processes_learns_exactly_like_one(tmp_path):
     launch = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--timeout", "270", "--"]
     ref = subprocess.Popen(
         [*args, "--devices", "4", "--out", str(one)],
-        env=_clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         proc = subprocess.run(
             [*launch, *args, "--devices", "2", "--out", str(two)],
-            env=_clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=290,
+            env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=290,
         )  # fmt: skip
         _, ref_err = ref.communicate(timeout=200)
     finally:

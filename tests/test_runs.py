@@ -22,9 +22,9 @@ import chex
 import jax
 import numpy as np
 import pytest
+from subprocess_env import clean_env
 
 from ensemble.distributed import checkpoint_metadata
-from rollout._devices import THREAD_FLAG
 from rollout.ppo import Learner, PPOConfig, main, train
 from rollout.ppo import _checkpoint as ckpt
 
@@ -365,17 +365,9 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
 
 
 def _env(cache: Path | None = None) -> dict[str, str]:
-    drop = ("JAX_", "XLA_", "ENSEMBLE_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = str(ROOT)
-    env["XLA_FLAGS"] = THREAD_FLAG
-    # Compiled programs come from a cache: the test session's (conftest), or the test's own for
-    # runs killed at random points (a kill in the middle of a cache write leaves a torn entry).
-    cache = cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if cache is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
+    """The session's compilation cache, or the test's own for runs killed at random points (a
+    kill in the middle of a cache write leaves a torn entry)."""
+    return clean_env(**({} if cache is None else {"JAX_COMPILATION_CACHE_DIR": str(cache)}))
 
 
 _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps", "16",

@@ -1,0 +1,32 @@
+"""The environment for JAX processes the tests start (CLI runs, launchers, workers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What configures JAX, XLA or a cluster: a started process must configure itself (or be given
+# it explicitly by the test), not inherit this pytest worker's settings.
+_CONFIG = ("JAX_", "XLA_", "ENSEMBLE_", "TPU_", "SLURM_", "OMPI_", "PMI", "KUBERNETES_")
+# Kept: the session's compilation cache and compile-speed flags (conftest). They change how
+# fast programs compile, not what they compute or where; the started processes compile many of
+# the same programs.
+_SPEED = (
+    "XLA_FLAGS",
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without JAX/XLA/cluster configuration (but with the compile
+    cache and flags), the project on ``PYTHONPATH``, unbuffered output, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k in _SPEED or not k.startswith(_CONFIG)}
+    env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
