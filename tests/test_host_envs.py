@@ -19,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,8 @@ from gymnasium import spaces
 class Walk(gym.Env):
     """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
 
-    def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False):
+    def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
+                 pixels=False, pixel_dtype="uint8"):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         if continuous:
             self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -51,11 +53,18 @@ class Walk(gym.Env):
         if tuple_obs:  # the position as one of 7 cells, and the rest: not a Box
             box = spaces.Box(-np.inf, np.inf, (3,), np.float64)
             self.observation_space = spaces.Tuple((spaces.Discrete(7), box))
+        self.pixels, self.pixel_dtype = pixels, np.dtype(pixel_dtype)
+        if pixels:  # a frame in [0, 255]: channel 0 shows the position, the others noise
+            self.observation_space = spaces.Box(0, 255, (3, 5, 5), self.pixel_dtype)
         self.steps = 0
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
         obs = np.array([self.pos, self.vel, self.np_random.normal(), extra])
+        if self.pixels:
+            frame = self.np_random.integers(0, 256, (3, 5, 5), dtype=np.uint8)
+            frame[0] = np.uint8(np.clip(128 + 40 * self.pos, 0, 255))
+            return frame.astype(self.pixel_dtype)
         if self.tuple_obs:
             return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
         return obs
@@ -172,10 +181,10 @@ def reference(env_id, seeds, actions, **kwargs):
     n, e = seeds.shape
     T = actions.shape[0]
     probe = make()
-    d = probe.observation_space.shape[0]
+    d = probe.observation_space.shape
     probe.close()
-    obs0 = np.zeros((n, e, d))
-    obs, final = np.zeros((T, n, e, d)), np.zeros((T, n, e, d))
+    obs0 = np.zeros((n, e, *d))
+    obs, final = np.zeros((T, n, e, *d)), np.zeros((T, n, e, *d))
     reward, term, trunc = np.zeros((T, n, e)), np.zeros((T, n, e), bool), np.zeros((T, n, e), bool)
     for m in range(n):
         for j in range(e):
@@ -208,6 +217,7 @@ def actions_for(env_id, T, n, e, seed=0):
         ("hostenv_walk:WalkCont-v0", 2, {}),
         (WALK_ID, 0, {}),
         (WALK_ID, 2, {"tuple_obs": True}),  # Tuple(Discrete, Box) observations: flattened
+        (WALK_ID, 2, {"pixels": True}),  # uint8 frames: they travel as uint8
     ],
 )
 def test_trajectories_equal_a_python_loop(env_id, workers, kwargs):
@@ -223,7 +233,12 @@ def test_trajectories_equal_a_python_loop(env_id, workers, kwargs):
     finally:
         host.close()
     ref0, ref = reference(env_id, seeds_of(keys), actions, **kwargs)
-    assert obs0.shape[-1] == (10 if kwargs else 4)  # one-hot of 7 cells + 3
+    if kwargs.get("pixels"):
+        assert obs0.shape[2:] == (3, 5, 5)
+        assert obs0.dtype == steps[0].dtype == steps[4].dtype == np.uint8
+    else:
+        assert obs0.shape[-1] == (10 if kwargs else 4)  # one-hot of 7 cells + 3
+        assert obs0.dtype == steps[0].dtype == np.float32
     np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
     for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
         np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
@@ -497,6 +512,45 @@ def test_learner_with_make_kwargs_closes_its_workers():
         learner.close()
     assert learner.envs.pids == [] and not any(alive(p) for p in pids)
     assert not _shared_files()
+
+
+@pytest.mark.timeout(240)
+def test_uint8_frames_stay_uint8_to_the_rollout_buffer_and_train_like_float_frames():
+    """The same frames as uint8 or as float32: the learner keeps uint8 ones as they come
+    (workers, carry, rollout buffer), so the compiled update holds at least 3 bytes less per
+    pixel of its rollout; the network casts them, so both train to the same numbers."""
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig.for_env(
+        f"gymnasium:{WALK_ID}", members=1, total_steps=128, num_envs=4, num_steps=16,
+        env_kwargs={"pixels": True},
+    )  # fmt: skip
+    assert cfg.clip_coef == 0.1  # discrete actions on images: CleanRL's Atari defaults
+    runs = {}
+    for dtype in ("uint8", "float32"):
+        env = envs.make(f"gymnasium:{WALK_ID}", pixels=True, pixel_dtype=dtype)
+        learner = Learner(cfg, devices=jax.devices()[:1], env=env)
+        try:
+            assert learner.normalize_obs is False and learner.network.obs_scale == 1 / 255
+            shapes = learner.state_shapes()
+            assert shapes.members.obs.dtype == dtype
+            like = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                shapes, learner.state_shardings(),
+            )  # fmt: skip
+            compiled = learner.lower(like, 2).compile()  # the program update(state, 2) runs
+            state, metrics = learner.update(learner.init(), 2)
+            runs[dtype] = (compiled.memory_analysis().temp_size_in_bytes,
+                           jax.device_get((state.members.params, metrics)))  # fmt: skip
+        finally:
+            learner.close()
+    (temp8, out8), (temp32, out32) = runs["uint8"], runs["float32"]
+    chex.assert_trees_all_close(out8, out32, rtol=1e-5, atol=1e-6)
+    assert np.asarray(out8[1]["episodes"]).sum() > 0
+    # The rollout's frames and its final frames (for the truncation
+    # bootstrap), num_steps x num_envs x 75 pixels each.
+    rollout_pixels = cfg.num_steps * cfg.num_envs * 3 * 5 * 5
+    assert temp32 - temp8 >= 2 * 3 * rollout_pixels, (temp32, temp8)
 
 
 def _shared_files() -> list[str]:

@@ -65,7 +65,7 @@ class WorkerGroup:
       env_id: the id given to ``gymnasium.make`` / ``envpool.make``.
       kwargs: keyword arguments for it.
       counts: env instances per worker.
-      obs_shape: the shape of one env's observation.
+      obs_shape, obs_dtype: one env's observation (uint8 pixels travel as uint8).
       action_shape, action_dtype: one env's action (actions are cast to ``action_dtype``).
       label: how errors name this group (e.g. ``'device group 3 (members 6-7)'``).
       timeout: seconds a request may take before it is an error (None: no limit; a dead worker
@@ -81,6 +81,7 @@ class WorkerGroup:
         counts: Sequence[int],
         label: str,
         obs_shape: tuple[int, ...],
+        obs_dtype: Any,
         action_shape: tuple[int, ...],
         action_dtype: Any,
         timeout: float | None = None,
@@ -88,7 +89,9 @@ class WorkerGroup:
     ):
         self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
         self.counts = [int(c) for c in counts]
-        self.spec = step_spec(sum(self.counts), tuple(obs_shape), tuple(action_shape), action_dtype)
+        self.spec = step_spec(
+            sum(self.counts), tuple(obs_shape), obs_dtype, tuple(action_shape), action_dtype
+        )
         self._shared: SharedArrays | None = None
         self.label, self.timeout, self.startup_timeout = label, timeout, startup_timeout
         self.lock = threading.Lock()  # one request at a time per group
@@ -274,6 +277,7 @@ class InProcessGroup:
         rows: int,
         label: str,
         obs_shape: tuple[int, ...],
+        obs_dtype: Any,
         action_shape: tuple[int, ...],
         action_dtype: Any,
         threads: int = 1,
@@ -282,7 +286,7 @@ class InProcessGroup:
         if backend == "envpool":
             self.kwargs.setdefault("num_threads", threads)
         self.rows, self.label = rows, label
-        self.spec = step_spec(rows, tuple(obs_shape), tuple(action_shape), action_dtype)
+        self.spec = step_spec(rows, tuple(obs_shape), obs_dtype, tuple(action_shape), action_dtype)
         self.lock = threading.Lock()
         self._envs: Any = None
         self.failed: str | None = None

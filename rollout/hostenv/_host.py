@@ -56,7 +56,7 @@ class HostState(NamedTuple):
 
     session: jax.Array  # uint32: which reset of the workers this state belongs to
     t: jax.Array  # int32: steps taken since that reset (checked on every step)
-    obs: jax.Array  # float32 [n, num_envs, *obs_shape]: the last observation
+    obs: jax.Array  # [n, num_envs, *obs_shape], the env's dtype: the last observation
 
 
 def _space(space: Any, what: str, env_name: str) -> Space:
@@ -70,7 +70,10 @@ def _space(space: Any, what: str, env_name: str) -> Space:
     if isinstance(space, gymnasium.spaces.Box):
         low = np.asarray(space.low, np.float64).ravel()
         high = np.asarray(space.high, np.float64).ravel()
-        return Box(tuple(space.shape), tuple(low), tuple(high))
+        # uint8 observations (pixels) travel as uint8, a quarter of float32's bytes; anything
+        # else as float32, the networks' input type.
+        uint8 = what == "observation" and np.dtype(space.dtype) == np.uint8
+        return Box(tuple(space.shape), tuple(low), tuple(high), jnp.uint8 if uint8 else jnp.float32)
     raise ValueError(
         f"{env_name}: {what} space {space} is not supported (observations: a Box, or for "
         "gymnasium ids any space gymnasium can flatten; actions: a Box or a Discrete)."
@@ -207,6 +210,7 @@ class HostEnvs:
         discrete = isinstance(env.action_space, Discrete)
         shapes = dict(
             obs_shape=tuple(env.observation_space.shape),
+            obs_dtype=self._obs_dtype,
             action_shape=() if discrete else tuple(env.action_space.shape),
             action_dtype=np.int32 if discrete else np.float32,
         )
@@ -295,7 +299,7 @@ class HostEnvs:
     def reset(self, keys: jax.Array) -> tuple[HostState, jax.Array]:
         """Resets all envs (``keys``: ``[n, num_envs]``, one seed drawn from each)."""
         obs_shape = self.env.observation_space.shape
-        types = self._types(((), jnp.uint32), (obs_shape, jnp.float32))
+        types = self._types(((), jnp.uint32), (obs_shape, self._obs_dtype))
         session, obs = self._sharded(self._host_reset, types, self._seeds(keys))
         t = jnp.zeros((self.members, self.num_envs), jnp.int32)
         return HostState(session, t, obs), obs
@@ -315,11 +319,11 @@ class HostEnvs:
         types = self._types(
             ((), jnp.uint32),
             ((), jnp.int32),
-            (obs_shape, jnp.float32),
+            (obs_shape, self._obs_dtype),
             ((), jnp.float32),
             ((), jnp.bool_),
             ((), jnp.bool_),
-            (obs_shape, jnp.float32),
+            (obs_shape, self._obs_dtype),
         )
         args = (state.session, state.t, state.obs, action, self._seeds(keys))
         session, t, obs, reward, term, trunc, final = self._sharded(self._host_step, types, *args)
@@ -331,7 +335,7 @@ class HostEnvs:
     def _host_reset(self, g: Any, lead: Any, seeds: np.ndarray) -> tuple[np.ndarray, ...]:
         m, e = seeds.shape
         if not lead:
-            return np.zeros((m, e), np.uint32), np.zeros((m, e, *self._obs_shape), np.float32)
+            return np.zeros((m, e), np.uint32), np.zeros((m, e, *self._obs_shape), self._obs_dtype)
         g = int(g)
         group = self.groups[g]
         with group.lock:
@@ -345,11 +349,15 @@ class HostEnvs:
         obs = group.reset(seeds.reshape(-1))
         session = secrets.randbits(32)
         self._session[g], self._t[g] = session, 0
-        return session, self._unflat(obs, np.float32)
+        return session, self._unflat(obs, self._obs_dtype)
 
     @property
     def _obs_shape(self) -> tuple[int, ...]:
         return tuple(self.env.observation_space.shape)
+
+    @property
+    def _obs_dtype(self) -> np.dtype:
+        return np.dtype(self.env.observation_space.dtype)
 
     def _unflat(self, x: np.ndarray, dtype: Any) -> np.ndarray:
         return np.asarray(x, dtype).reshape(self.per_group, self.num_envs, *x.shape[1:])
@@ -358,9 +366,9 @@ class HostEnvs:
         m, e = session.shape
         if not lead:
             zeros = lambda dt, shape=(): np.zeros((m, e, *shape), dt)
-            f32, o = np.float32, self._obs_shape
-            return (zeros(np.uint32), zeros(np.int32), zeros(f32, o), zeros(f32), zeros(bool),
-                    zeros(bool), zeros(f32, o))  # fmt: skip
+            f32, o, od = np.float32, self._obs_shape, self._obs_dtype
+            return (zeros(np.uint32), zeros(np.int32), zeros(od, o), zeros(f32), zeros(bool),
+                    zeros(bool), zeros(od, o))  # fmt: skip
         g = int(g)
         group = self.groups[g]
         with group.lock:
@@ -374,9 +382,10 @@ class HostEnvs:
                 rows = action.reshape(m * e, *action.shape[2:])
                 new_obs, reward, term, trunc, final = group.step(rows)
                 self._t[g] += 1
-                return (session, t + 1, self._unflat(new_obs, np.float32),
+                od = self._obs_dtype
+                return (session, t + 1, self._unflat(new_obs, od),
                         self._unflat(reward, np.float32), self._unflat(term, bool),
-                        self._unflat(trunc, bool), self._unflat(final, np.float32))  # fmt: skip
+                        self._unflat(trunc, bool), self._unflat(final, od))  # fmt: skip
             # Not the live session: a restored checkpoint, a state from before close(), or an
             # older state of this run. The envs cannot go back to it: restart them.
             return self._restart(g, session, t, obs, seeds)
@@ -397,7 +406,7 @@ class HostEnvs:
         self._t[g] = int(_one(t, "step counter")) + 1
         return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
                 np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
-                np.asarray(obs, np.float32))  # fmt: skip
+                np.asarray(obs, self._obs_dtype))  # fmt: skip
 
 
 def _one(x: np.ndarray, what: str) -> int:

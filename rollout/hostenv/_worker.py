@@ -38,16 +38,18 @@ import numpy as np
 STEP_FIELDS = ("obs", "reward", "terminated", "truncated", "final_obs")
 
 
-def step_spec(rows: int, obs_shape: tuple, action_shape: tuple, action_dtype: Any) -> list:
+def step_spec(
+    rows: int, obs_shape: tuple, obs_dtype: Any, action_shape: tuple, action_dtype: Any
+) -> list:
     """The shared arrays of a group of ``rows`` envs: ``[(name, shape, dtype str), ...]``."""
-    obs = (rows, *obs_shape)
+    obs, obs_dtype = (rows, *obs_shape), np.dtype(obs_dtype).str
     return [
         ("action", (rows, *action_shape), np.dtype(action_dtype).str),
-        ("obs", obs, "<f4"),
+        ("obs", obs, obs_dtype),
         ("reward", (rows,), "<f8"),
         ("terminated", (rows,), "|b1"),
         ("truncated", (rows,), "|b1"),
-        ("final_obs", obs, "<f4"),
+        ("final_obs", obs, obs_dtype),
     ]
 
 

@@ -31,6 +31,7 @@ class EnvSpec:
     action_low: Any = None
     action_high: Any = None
     obs_scale: float = 1.0  # images in [0, 255]: 1/255 (the network's input scaling)
+    obs_dtype: Any = np.float32  # what the env returns: uint8 (pixels) or float32
 
     @property
     def image(self) -> bool:
@@ -43,6 +44,15 @@ def normalize_obs(config: Any, spec: EnvSpec) -> bool:
     if config.normalize_obs is not None:
         return bool(config.normalize_obs)
     return not spec.discrete and not spec.image
+
+
+def obs_dtype(config: Any, spec: EnvSpec) -> Any:
+    """The dtype the learner keeps observations in (its carry, rollout buffer and checkpoint):
+    an env's uint8 images as they come, a quarter of float32's bytes (the network scales them
+    to floats), unless they are normalised; everything else float32."""
+    if spec.image and np.dtype(spec.obs_dtype) == np.uint8 and not normalize_obs(config, spec):
+        return jnp.uint8
+    return jnp.float32
 
 
 def known_envs() -> tuple[str, ...]:
@@ -148,16 +158,18 @@ def spec_of(env: Any) -> EnvSpec:
         )
     pixels = len(obs_shape) == 3 and set(obs_space.low) == {0.0} and set(obs_space.high) == {255.0}
     scale = 1.0 / 255.0 if pixels else 1.0
+    uint8 = np.dtype(getattr(obs_space, "dtype", np.float32)) == np.uint8
+    dtype = np.uint8 if uint8 else np.float32
     space = env.action_space
     if isinstance(space, Discrete):
-        return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale)
+        return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
     if tuple(space.shape) != (int(np.prod(space.shape)),):
         raise ValueError(f"only flat continuous action boxes are supported, got {space.shape}")
     low, high = space.low_array(), space.high_array()
     # Infinite bounds: no clipping on that side.
     low = None if not np.all(np.isfinite(low)) else low
     high = None if not np.all(np.isfinite(high)) else high
-    return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high, scale)
+    return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high, scale, dtype)
 
 
 def _image_fits(obs_shape: tuple[int, ...]) -> bool:

@@ -193,6 +193,7 @@ class Learner:
         self.network = nets.make_network(self.spec, config.hidden)
         self.ensemble = ensemble.build(self.network, n, mesh=self.mesh)
         self.normalize_obs = envlib.normalize_obs(config, self.spec)
+        self.obs_dtype = envlib.obs_dtype(config, self.spec)
         self.normalize_reward = (
             (not self.spec.discrete) if config.normalize_reward is None else config.normalize_reward
         )
@@ -241,7 +242,7 @@ class Learner:
         env_state, obs = self.envs.reset(env_keys)  # all members' envs, [n, num_envs, ...]
 
         def one(key, obs):
-            obs = obs.astype(jnp.float32)
+            obs = obs.astype(self.obs_dtype)
             obs_stats = RunningStats.zeros(self.spec.obs_shape)
             if self.normalize_obs:
                 obs_stats = obs_stats.update(obs)
@@ -443,7 +444,7 @@ class Learner:
         """Book one env step: episode stats, reward scaling, truncation bootstrap, obs stats."""
         cfg = self.config
         env_state, next_obs, reward, term, trunc, info = out
-        next_obs = next_obs.astype(jnp.float32)
+        next_obs = next_obs.astype(self.obs_dtype)
         reward = reward.astype(jnp.float32)
         term, trunc = term.astype(bool), trunc.astype(bool)
         done = term | trunc
@@ -471,7 +472,7 @@ class Learner:
         # The values are computed after the rollout in one batched critic call (_learn), so
         # here only the (normalised) final observation is kept.
         obs_stats = carry.obs_stats
-        final = self._normalize(envlib.final_obs(info, next_obs).astype(jnp.float32), obs_stats)
+        final = self._normalize(envlib.final_obs(info, next_obs).astype(self.obs_dtype), obs_stats)
         cut = (trunc & ~term).astype(jnp.float32)
         if self.normalize_obs:
             obs_stats = obs_stats.update(next_obs)

@@ -100,9 +100,10 @@ def image_layout(obs_shape: Sequence[int]) -> tuple[str, bool]:
 class ImageActorCritic(nn.Module):
     """A shared conv torso (:data:`TORSOS`), ReLU throughout, then the actor and critic heads.
 
-    Observations ``[..., *obs_shape]`` are multiplied by ``obs_scale`` (1/255 for pixels), made
-    channels-last, passed through the VALID convs, flattened in ``(H, W, C)`` order and through
-    one dense layer. Outputs as :class:`ActorCritic`.
+    Observations ``[..., *obs_shape]`` (float, or uint8 pixels as the env gives them) are cast
+    to float32 and multiplied by ``obs_scale`` (1/255 for pixels), made channels-last, passed
+    through the VALID convs, flattened in ``(H, W, C)`` order and through one dense layer.
+    Outputs as :class:`ActorCritic`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -135,7 +136,7 @@ class ImageActorCritic(nn.Module):
 
     def features(self, obs: jax.Array) -> jax.Array:
         lead = obs.shape[:-3]
-        x = obs.reshape(-1, *obs.shape[-3:]) * self.obs_scale
+        x = obs.reshape(-1, *obs.shape[-3:]).astype(jnp.float32) * self.obs_scale
         if self.channels_first:
             x = jnp.transpose(x, (0, 2, 3, 1))
         for conv in self.convs:
