@@ -20,6 +20,7 @@ from pathlib import Path
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from subprocess_env import clean_env
@@ -249,6 +250,34 @@ def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
     back, _ = ckpt.restore_latest(out, meta["run_id"], like, warn=print)
     same = jax.tree_util.tree_map(lambda a, s: a.sharding == s, back, learner.state_shardings())
     assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_a_leaf_saved_in_another_dtype_restores_when_its_values_fit(tmp_path):
+    """A checkpoint from a version that kept a leaf in another dtype (uint8 frames were float32):
+    read as saved, checked against its checksums, then cast, or refused if the values change."""
+    out = tmp_path / "run"
+    state, _ = _run(_tiny(), out)
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    learner = _learner(_tiny())
+    like = ckpt.restore_targets(learner)
+
+    def save_with_update(value):
+        old = state.replace(update=jnp.asarray(value, jnp.float32))  # int32 in this version
+        shutil.rmtree(ckpt.checkpoints(out)[-1])
+        ckpt.save(out, old, run_id=run_id, rows=6, config={})
+
+    save_with_update(6.0)
+    back, _ = ckpt.restore_latest(out, run_id, like, warn=print)
+    assert back.update.dtype == jnp.int32 and int(back.update) == 6
+    chex.assert_trees_all_equal(jax.device_get(back), jax.device_get(state))
+    save_with_update(6.5)  # int(6.5) is still update 6: only the cast can tell
+    lines = []
+    back, _ = ckpt.restore_latest(out, run_id, like, warn=lines.append)
+    assert int(back.update) == 5  # the one before
+    assert lines == [
+        f"warning: checkpoint {out / 'ckpt_00000006'} cannot be restored (.update was saved as "
+        "float32 and its values do not fit int32); trying the one before."
+    ]
 
 
 def _numpy_checksum(x: np.ndarray) -> list[int]:

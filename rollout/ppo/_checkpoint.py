@@ -360,7 +360,9 @@ def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any
         raise RunDirError(f"written by run {str(meta.get('run_id'))[:8]}, not this run")
     if _name(int(meta.get("update", -1))) != path.name:
         raise RunDirError(f"its metadata says update {meta.get('update')}")
-    state = restore_checkpoint(path, like)
+    # Read each leaf in the dtype it was saved in (an older version may have kept another one:
+    # uint8 frames were float32), check it against its checksum, then cast it if exact.
+    state = restore_checkpoint(path, _as_saved(path, like))
     sums = fingerprints(state)
     if sums != meta.get("checksums"):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
@@ -368,7 +370,50 @@ def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any
         raise RunDirError(f"checksum mismatch in {bad[:3] or 'the leaf list'}")
     if int(jax.device_get(state.update)) != meta["update"]:
         raise RunDirError(f"its state is at update {int(state.update)}")
-    return state, meta
+    return _cast_exactly(state, like), meta
+
+
+def _leaf_names(path: tuple) -> tuple:
+    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _as_saved(path: Path, like: Any) -> Any:
+    """``like`` with each leaf's dtype as saved in the checkpoint at ``path``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
+    dtypes = {
+        _leaf_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)
+    }  # fmt: skip
+
+    def one(p, x):
+        dtype = dtypes.get(_leaf_names(p), x.dtype)
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, like)
+
+
+def _cast_exactly(state: Any, like: Any) -> Any:
+    """``state``'s leaves in ``like``'s dtypes; a leaf whose values the cast would change is an
+    error (the checkpoint's values cannot be this version's state)."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(p, x, want):
+        if x.dtype == want.dtype:
+            return x
+        cast = jax.jit(lambda v: v.astype(want.dtype), out_shardings=want.sharding)(x)
+        exact = jax.jit(lambda a, b: jnp.array_equal(a.astype(b.dtype), b))(cast, x)
+        if not bool(exact):
+            raise RunDirError(
+                f"{jax.tree_util.keystr(p)} was saved as {x.dtype} and its values do not fit "
+                f"{want.dtype}"
+            )
+        return cast
+
+    return jax.tree_util.tree_map_with_path(one, state, like)
 
 
 def fingerprints(tree: Any) -> list[list[int]]:
