@@ -384,9 +384,7 @@ def _as_saved(path: Path, like: Any) -> Any:
 
     with ocp.StandardCheckpointer() as checkpointer:
         saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
-    dtypes = {
-        _leaf_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)
-    }  # fmt: skip
+    dtypes = {_leaf_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)}
 
     def one(p, x):
         dtype = dtypes.get(_leaf_names(p), x.dtype)
