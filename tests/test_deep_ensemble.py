@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from subprocess_env import clean_env
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 
@@ -194,8 +194,7 @@ def test_cli_rejects_bad_input(de, capsys):
 
 @pytest.mark.timeout(150)
 def test_example_runs_end_to_end(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = clean_env()
     argv = [
         "--members",
         "2",

@@ -7,7 +7,6 @@ test instead of killing the test session.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,10 +14,9 @@ import textwrap
 import flax.linen as nn
 import jax
 import pytest
+from subprocess_env import clean_env
 
 import ensemble
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(
     """
@@ -46,10 +44,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.timeout(120)
 def test_donated_arrays_reused_raise_a_clear_error():
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("XLA_FLAGS", None)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=110, env=env
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=110, env=clean_env()
     )
     assert out.returncode == 0, out.stderr[-2000:]
     errors = [line for line in out.stdout.splitlines() if line.startswith("ValueError")]

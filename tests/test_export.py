@@ -4,7 +4,6 @@ is taken from its own devices, and ``python -m rollout.ppo.evaluate`` reports re
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_env import clean_env
 
 from rollout import envs
 from rollout.ppo import Learner, PPOConfig, evaluate, export
@@ -200,8 +200,7 @@ def test_ensemble_of_continuous_members_is_the_mean_action(pendulum, tmp_path):
 
 
 def _run_evaluate(*args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = clean_env()
     cmd = [sys.executable, "-m", "rollout.ppo.evaluate", *map(str, args)]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 

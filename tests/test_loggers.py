@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import subprocess
 import sys
@@ -12,16 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from subprocess_env import clean_env
 
 from rollout.ppo import _loggers
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _cli_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
-    env.pop("XLA_FLAGS", None)
-    return env
+    return clean_env(WANDB_MODE="offline", WANDB_SILENT="true")
 
 
 # ---------------------------------------------------------------------- readers written here

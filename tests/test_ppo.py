@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from subprocess_env import clean_env
 
 import ensemble
 from rollout.ppo import Learner, PPOConfig, gae, train
@@ -269,8 +269,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 
 def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = clean_env()
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
     cmd += ["--total-steps", "1024", "--num-steps", "64", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
