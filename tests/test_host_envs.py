@@ -561,49 +561,40 @@ def _shared_files() -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_cli_trains_a_gymnasium_id(tmp_path, walk_module):
-    out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
-    cmd = [
-        sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members", "2",
-        "--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--out", str(out),
-        "--no-progress", "--env-kwargs", '{"tuple_obs": true}',
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    config = json.loads((out / "run.json").read_text())["config"]
-    assert json.loads(config["env_kwargs"]) == {"tuple_obs": True}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["env_steps"] for r in rows] == [128, 256]
-    assert all(len(r["returns"]) == 2 for r in rows)
-    assert any(v is not None for v in rows[-1]["returns"])
-
-
-@pytest.mark.timeout(280)
-def test_cli_resume_restarts_host_envs_and_is_reproducible(tmp_path, walk_module):
-    """Policy, optimizer and statistics come back from the checkpoint; the envs restart from
-    seeds of the restored key, so resuming the same checkpoint twice gives the same rows."""
+def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp_path, walk_module):
+    """The CLI trains a user's registered id with make kwargs. On resume, policy, optimizer and
+    statistics come back from the checkpoint and the envs restart from seeds of the restored
+    key, so resuming the same checkpoint twice gives the same rows."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
 
     def cli(out, steps, *extra):
         cmd = [
             sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members",
             "2", "--total-steps", str(steps), "--num-envs", "2", "--num-steps", "64", "--out",
-            str(out), "--no-progress", *extra,
+            str(out), "--no-progress", "--env-kwargs", '{"tuple_obs": true}', *extra,
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stderr
 
+    def rows(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
     a, b = tmp_path / "a", tmp_path / "b"
     cli(a, 256)
+    config = json.loads((a / "run.json").read_text())["config"]
+    assert json.loads(config["env_kwargs"]) == {"tuple_obs": True}
+    first = rows(a)
+    assert [r["env_steps"] for r in first] == [128, 256]
+    assert all(len(r["returns"]) == 2 for r in first)
+    assert any(v is not None for v in first[-1]["returns"])
+
     shutil.copytree(a, b)
     for out in (a, b):
         err = cli(out, 512, "--resume")
         assert "restarting the envs from reset" in err, err[-2000:]
-    rows = [[json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()] for o in (a, b)]
-    assert [r["env_steps"] for r in rows[0]] == [128, 256, 384, 512]
-    assert rows[0] == rows[1]
+    assert [r["env_steps"] for r in rows(a)] == [128, 256, 384, 512]
+    assert rows(a)[:2] == first and rows(a) == rows(b)
 
 
 @pytest.mark.timeout(60)

@@ -13,6 +13,8 @@ member axis was left to it (vmapped convs become grouped convs); they are here o
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -134,6 +136,16 @@ def _linen_loss(model, x, kw, mutable, streams):
     return loss_fn
 
 
+@functools.cache
+def _linen_references(name):
+    """The plain model's forward pass, loss and jitted value-and-grad: one of each per layer,
+    shared by every n (the plain model does not change with n, only its variables do)."""
+    model, x, kw, mutable, streams = LINEN_ZOO[name]
+    plain = jax.jit(lambda v, k: model.apply(v, x, rngs=_rngs(streams, k), mutable=mutable, **kw))
+    loss_fn = _linen_loss(model, x, kw, mutable, streams)
+    return plain, loss_fn, jax.jit(jax.value_and_grad(loss_fn))
+
+
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("name", sorted(LINEN_ZOO))
 def test_linen_member_equals_plain_model(name, n):
@@ -146,9 +158,7 @@ def test_linen_member_equals_plain_model(name, n):
     out = ens.apply(variables, x, rngs=call_rngs, mutable=mutable, **kw)
     member_keys = jax.random.split(k_call, n)
 
-    plain = jax.jit(lambda v, k: model.apply(v, x, rngs=_rngs(streams, k), mutable=mutable, **kw))
-    loss_fn = _linen_loss(model, x, kw, mutable, streams)
-    ref_step = jax.jit(jax.value_and_grad(loss_fn))
+    plain, loss_fn, ref_step = _linen_references(name)
     refs = []
     # Member i's variables sliced on the host: the reference never goes through the library.
     host = jax.device_get(variables)
@@ -281,6 +291,15 @@ def _on_first_device(module):
     return nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
 
 
+@functools.cache
+def _nnx_references(name):
+    """The loss, the plain member's jitted call and value-and-grad: one of each per layer."""
+    _, x, _, with_rngs = NNX_ZOO[name]
+    loss_fn = _nnx_loss(x, with_rngs)
+    call = nnx.jit(lambda m, k: m(x, rngs=nnx.Rngs(dropout=k)) if with_rngs else m(x))
+    return loss_fn, call, nnx.jit(nnx.value_and_grad(loss_fn))
+
+
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("name", sorted(NNX_ZOO))
 def test_nnx_member_equals_plain_model(name, n):
@@ -293,12 +312,10 @@ def test_nnx_member_equals_plain_model(name, n):
     # Plain members first: the ensemble's call updates batch statistics in place.
     plain = [_on_first_device(ens.member(i)) for i in range(n)]
     out = ens(x, rngs=nnx.Rngs(dropout=key)) if with_rngs else ens(x)
-    loss_fn = _nnx_loss(x, with_rngs)
-    call = nnx.jit(lambda m, k: m(x, rngs=nnx.Rngs(dropout=k)) if with_rngs else m(x))
+    loss_fn, call, grad_fn = _nnx_references(name)
     for i, m in enumerate(plain):
         np.testing.assert_allclose(out[i], call(m, member_keys[i]), **TOL)
     # The step: fresh plain members taken after the call, one SGD step each.
-    grad_fn = nnx.jit(nnx.value_and_grad(loss_fn))
     refs = []
     for i in range(n):
         m = _on_first_device(ens.member(i))
