@@ -115,9 +115,12 @@ def test_continuous_actions_on_images_export_their_log_std():
 
 
 def _trained(env, cfg, devices):
+    """A learner after one update, and its members' parameters from before it."""
     learner = Learner(cfg, devices=jax.devices()[:devices], env=env)
-    state, _ = learner.update(learner.init(), 1)
-    return learner, state
+    state = learner.init()
+    start = jax.device_get(state.members.params)  # the update donates the state
+    state, _ = learner.update(state, 1)
+    return learner, state, start
 
 
 def _member(tree, i):
@@ -136,7 +139,7 @@ def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_p
     else:
         env = envs.make(MINATAR)
         cfg = _spot_config(env=MINATAR, num_envs=4, num_steps=8, total_steps=4 * 8 * 2)
-    learner, state = _trained(env, cfg, 4)
+    learner, state, start = _trained(env, cfg, 4)
     assert isinstance(learner.network, nets.ImageActorCritic) and learner.network.torso == which
     ref = jax.device_get(state.members.params)
     leaves = jax.tree.leaves(ref)
@@ -146,9 +149,9 @@ def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_p
     # have them (seen: one output channel, up to 0.15 lr); a wrong or mixed-up member's
     # gradient would move most weights by whole steps.
     lr = cfg.learning_rate
-    start = jax.tree.leaves(jax.device_get(learner.init().members.params))
+    start = jax.tree.leaves(start)
     assert max(np.abs(a - b).max() for a, b in zip(leaves, start)) > lr / 2  # it did train
-    _, batched = _trained(env, cfg, 1)
+    _, batched, _ = _trained(env, cfg, 1)
     got = jax.tree.leaves(jax.device_get(batched.members.params))
     diff = np.concatenate([np.abs(b - a).ravel() for a, b in zip(leaves, got)])
     assert diff.max() < 0.3 * lr and (diff > 1e-6).mean() < 0.01, (diff.max(), (diff > 1e-6).mean())
