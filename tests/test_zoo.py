@@ -160,8 +160,8 @@ def test_linen_member_equals_plain_model(name, n):
 
     plain, loss_fn, ref_step = _linen_references(name)
     refs = []
-    # Member i's variables sliced on the host: the reference never goes through the library.
-    host = jax.device_get(variables)
+    # Members' rows sliced on the host: the reference never goes through the library.
+    host, out = jax.device_get((variables, out))
     for i in range(n):
         v_i = jax.tree.map(lambda a, i=i: a[i], host)
         expected = plain(v_i, member_keys[i])
@@ -169,12 +169,14 @@ def test_linen_member_equals_plain_model(name, n):
         jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, **TOL), got, expected)
         rest = {k: c for k, c in v_i.items() if k != "params"}
         loss, grads = ref_step(v_i["params"], rest, member_keys[i])
-        refs.append((loss, jax.tree.map(lambda p, g: p - LR * g, v_i["params"], grads)))
+        grads = jax.device_get(grads)
+        refs.append((loss, jax.tree.map(lambda p, g: p - np.float32(LR) * g, v_i["params"], grads)))
 
     params = variables["params"]
     rest = {k: c for k, c in variables.items() if k != "params"}
     step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
     params, _, losses = step(params, step.init(params), rest, member_keys)
+    params, losses = jax.device_get((params, losses))
     for i, (loss, new_params) in enumerate(refs):
         np.testing.assert_allclose(losses[i], loss, **TOL)
         got = jax.tree.map(lambda a, i=i: a[i], params)
@@ -311,7 +313,7 @@ def test_nnx_member_equals_plain_model(name, n):
     member_keys = jax.random.split(nnx.Rngs(dropout=key).dropout(), n)
     # Plain members first: the ensemble's call updates batch statistics in place.
     plain = [_on_first_device(ens.member(i)) for i in range(n)]
-    out = ens(x, rngs=nnx.Rngs(dropout=key)) if with_rngs else ens(x)
+    out = np.asarray(ens(x, rngs=nnx.Rngs(dropout=key)) if with_rngs else ens(x))
     loss_fn, call, grad_fn = _nnx_references(name)
     for i, m in enumerate(plain):
         np.testing.assert_allclose(out[i], call(m, member_keys[i]), **TOL)
@@ -323,7 +325,7 @@ def test_nnx_member_equals_plain_model(name, n):
         new = jax.tree.map(lambda p, g: p - LR * g, nnx.state(m, nnx.Param), grads)
         refs.append((loss, new))
     step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
-    losses = step(ens, step.init(), member_keys)
+    losses = np.asarray(step(ens, step.init(), member_keys))
     for i, (loss, new) in enumerate(refs):
         np.testing.assert_allclose(losses[i], loss, **TOL)
         got = nnx.state(ens.member(i), nnx.Param)
