@@ -24,6 +24,8 @@ from rollout.ppo import _pbt as pbt
 ROOT = Path(__file__).resolve().parents[1]
 FACTORS = (0.8, 1.2)
 F32 = {float(np.float32(f)) for f in FACTORS}  # the factors as float32 holds them
+# Jitted as the learner runs it (inside its PBT program); eager, every op would compile apart.
+plan = jax.jit(pbt.plan, static_argnums=(2, 3))
 
 
 def _tiny(env: str, members: int, **kw) -> PPOConfig:
@@ -60,7 +62,7 @@ def test_plan_replaces_the_bottom_with_top_members(fraction):
         returns[rng.random(n) < 0.2] = np.nan  # no finished episode yet: not ranked
         if trial % 5 == 0:
             returns[: n // 2] = 1.0  # ties
-        parent, factor = pbt.plan(returns, jax.random.key(trial), fraction, FACTORS)
+        parent, factor = plan(returns, jax.random.key(trial), fraction, FACTORS)
         parent, factor = np.asarray(parent), np.asarray(factor)
         top, bottom = _reference_plan(returns, fraction)
         for i in range(n):
@@ -73,7 +75,7 @@ def test_plan_replaces_the_bottom_with_top_members(fraction):
     returns = np.arange(8, dtype=np.float32)
     parents, factors = set(), set()
     for s in range(10):
-        p, f = pbt.plan(returns, jax.random.key(s), 0.5, FACTORS)
+        p, f = plan(returns, jax.random.key(s), 0.5, FACTORS)
         parents |= {int(v) for v in np.asarray(p)[:4]}
         factors |= set(np.asarray(f)[:4].ravel().tolist())
     assert parents == {4, 5, 6, 7} and factors == F32

@@ -71,10 +71,14 @@ def test_orthogonal_init_matches_flax_without_lapack():
     from rollout.ppo._networks import orthogonal
 
     # Conv kernels and the Nature CNN's 3136 x 512 dense kernel span several Gram-Schmidt blocks.
+    # Jitted, as inits run inside a model's init (eager, every op would compile on its own).
+    init, flax_init = (
+        jax.jit(f(1.5), static_argnums=1) for f in (orthogonal, nn.initializers.orthogonal)
+    )
     for shape in [(4, 64), (64, 64), (64, 2), (3, 64), (3, 3, 16, 16), (3136, 512), (512, 100)]:
         key = jax.random.key(sum(shape))
-        mine = orthogonal(1.5)(key, shape)
-        np.testing.assert_allclose(mine, nn.initializers.orthogonal(1.5)(key, shape), atol=2e-6)
+        mine = init(key, shape)
+        np.testing.assert_allclose(mine, flax_init(key, shape), atol=2e-6)
         flat = np.asarray(mine).reshape(-1, shape[-1])
         gram = flat.T @ flat if flat.shape[0] >= flat.shape[1] else flat @ flat.T
         np.testing.assert_allclose(gram, 2.25 * np.eye(len(gram)), atol=3e-6)
