@@ -6,8 +6,8 @@ Example:
   >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=1024)
   >>> learner = Learner(cfg)
   >>> state = learner.init()
-  >>> state, metrics = learner.update(state, 1)
-  >>> metrics["returns"].shape == (cfg.members, 1)
+  >>> state, metrics = learner.update(state, 2)  # 2 updates in one jitted call
+  >>> metrics["returns"].shape == (cfg.members, 2)
   True
 
 The command line (``python -m rollout.ppo --help``) trains, logs ``metrics.jsonl``, plots the

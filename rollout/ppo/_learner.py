@@ -164,12 +164,14 @@ class Learner:
     Example:
       >>> import jax
       >>> from rollout.ppo import Learner, PPOConfig
-      >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=1024,
-      ...                         num_steps=32, updates_per_call=2)
+      >>> cfg = PPOConfig.for_env("cartpole", members=jax.device_count(), total_steps=1024)
       >>> learner = Learner(cfg)
       >>> state = learner.init()
       >>> state, metrics = learner.update(state, 2)
       >>> metrics["returns"].shape == (cfg.members, 2)
+      True
+      >>> leaf = jax.tree.leaves(state.members.params)[0]  # one member's rows per device
+      >>> [s.data.shape[0] for s in leaf.addressable_shards] == [1] * jax.device_count()
       True
     """
 
