@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_env import clean_env
 
 import ensemble
 from rollout import envs
@@ -472,9 +473,12 @@ if sys.argv[1] == "kill":
 def test_workers_stop_when_the_parent_exits_or_is_killed(how, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(_EXIT_SCRIPT))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(script), how], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, str(script), how],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2, proc.stderr[-2000:]
@@ -565,7 +569,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
     """The CLI trains a user's registered id with make kwargs. On resume, policy, optimizer and
     statistics come back from the checkpoint and the envs restart from seeds of the restored
     key, so resuming the same checkpoint twice gives the same rows."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
 
     def cli(out, steps, *extra):
         cmd = [
@@ -600,9 +604,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
 @pytest.mark.timeout(60)
 def test_cli_unknown_gymnasium_id_is_one_line_exit_2():
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "gymnasium:Nope-v9", "--no-progress"]
-    proc = subprocess.run(
-        cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=50
-    )
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert "error: gymnasium cannot make 'Nope-v9'" in proc.stderr
     assert "Traceback" not in proc.stderr

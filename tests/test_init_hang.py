@@ -13,13 +13,13 @@ Each case runs in its own process (2 CPU devices, its own XLA_FLAGS) under a har
 regression fails the test instead of hanging the suite.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_env import clean_env
 
 from rollout._devices import THREAD_FLAG
 
@@ -90,11 +90,7 @@ print("OK")
 
 
 def _run(code: str, xla_flags: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["JAX_NUM_CPU_DEVICES"] = "2"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = xla_flags
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = clean_env(JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     script = textwrap.dedent(PRELUDE) + textwrap.dedent(code)
     try:
         return subprocess.run(
