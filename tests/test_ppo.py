@@ -292,7 +292,17 @@ def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):
 
     argv = ["--members", "3", "--devices", "2", "--out", str(tmp_path), "--no-progress"]
     assert main(argv) == 2
-    assert "n=3 members on D=2 devices" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--members 3 does not fit 2 devices:" in err
+    assert "give --devices a divisor of 3 (1, 3: several" in err
+    from rollout.ppo._cli import UsageError, _check_fits
+
+    for members, n_dev in ((8, 4), (2, 4), (4, 4)):
+        _check_fits(members, n_dev, 1, on_cpu=False)
+    with pytest.raises(UsageError, match="the 4 accelerators: use a multiple or a divisor of 4"):
+        _check_fits(6, 4, 1, on_cpu=False)
+    with pytest.raises(UsageError, match=r"\(2 per process\): give --devices a divisor of 3"):
+        _check_fits(6, 4, 2, on_cpu=True)
     assert main(["--env", "acrobot", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown env 'acrobot'" in capsys.readouterr().err
 

@@ -656,11 +656,32 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
+    _check_fits(config.members, n_dev, procs, on_cpu=devices is not None)
     try:
         config.validate(num_devices=n_dev)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return config, info, devices, n_dev
+
+
+def _check_fits(members: int, n_dev: int, procs: int, on_cpu: bool) -> None:
+    """The members must fill the devices evenly; the error names the flag that fixes it."""
+    if members % n_dev == 0 or n_dev % members == 0:
+        return
+    if on_cpu:
+        per = members // procs
+        divisors = [d for d in range(1, per + 1) if per % d == 0]
+        where = f"{n_dev} devices" + (f" ({n_dev // procs} per process)" if procs > 1 else "")
+        listed = ", ".join(map(str, divisors))
+        raise UsageError(
+            f"--members {members} does not fit {where}: give --devices a divisor of {per} "
+            f"({listed}: several members per device) or a multiple of it ({per}, {2 * per}, "
+            "...: each member spans several devices)."
+        )
+    raise UsageError(
+        f"--members {members} does not fit the {n_dev} accelerators: use a multiple or a "
+        f"divisor of {n_dev}, or show the run fewer devices (e.g. CUDA_VISIBLE_DEVICES)."
+    )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
