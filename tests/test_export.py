@@ -256,6 +256,12 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
     run = tmp_path / "run"
     state, _ = train(cfg, run, progress=False, devices=jax.devices()[:DEVICES])
     before = sorted(p.name for p in run.iterdir())
+    # Evaluating the run itself, not an export, says the command that exports it.
+    assert evaluate.main([str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {run} is a training run, not an export: export it "
+        f"(python -m rollout.ppo.export {run}), then evaluate {run / 'export'}."
+    )
     assert export.main([str(run), "--to", str(tmp_path / "cli"), "--members", "1,3"]) == 0
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / "cli" / f"member_{i}") for i in (1, 3)]
@@ -269,6 +275,10 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
                 np.testing.assert_array_equal(got[key], ref[key])
         meta = json.loads((tmp_path / "cli" / f"member_{i}" / "member.json").read_text())
         assert meta["member"] == i and meta["env_steps"] == 2 * 256
+    assert export.main([str(run)]) == 0  # the default place, which the error then names
+    capsys.readouterr()
+    assert evaluate.main([str(run)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"not an export: evaluate {run / 'export'}.")
 
 
 @pytest.mark.timeout(120)

@@ -391,9 +391,14 @@ def member_dirs(directory: str | os.PathLike) -> list[Path]:
         return [path]
     found = [p for p in path.glob("member_*") if (p / "member.json").is_file()]
     if not found:
+        if (path / "run.json").is_file():  # a training run's --out
+            export = path / "export"
+            how = f"export it (python -m rollout.ppo.export {path}), then "
+            how = "" if export.is_dir() else how
+            raise NotAnExport(f"{path} is a training run, not an export: {how}evaluate {export}.")
         raise NotAnExport(
             f"{path} holds no exported members (member_<i>/member.json); write them with "
-            "rollout.ppo.export.export_members."
+            "python -m rollout.ppo.export RUN_DIR or rollout.ppo.export.export_members."
         )
     index = lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1
     return sorted(found, key=lambda p: (index(p), p.name))
