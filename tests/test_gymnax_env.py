@@ -127,6 +127,42 @@ def test_learner_takes_a_user_env_object():
         Learner(cfg, devices=jax.devices()[:2])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mistaken(Drift):
+    """Drift with one of the mistakes a user env can make."""
+
+    mistake: str = ""
+
+    def step(self, state, action, key, params=None):
+        state, obs, reward, term, trunc, info = super().step(state, action, key, params)
+        if self.mistake == "obs":
+            obs = jnp.concatenate([obs, obs])
+        if self.mistake == "reward":
+            reward = reward[None]
+        return state, obs, reward, term, trunc, info
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (Drift(), r"drift: step's info has no 'final_obs'.* wrap the env in rollout.envs.AutoR"),
+        (envs.AutoReset(_Mistaken(mistake="obs")), r"step returns observations of shape \(4,\), "
+         r"but its observation_space has shape \(2,\)"),
+        (envs.AutoReset(_Mistaken(mistake="reward")), r"step returns reward of shape \(1,\); "
+         "reward, terminated and truncated are scalars"),
+    ],
+    ids=["bare-env", "obs-shape", "reward-shape"],
+)  # fmt: skip
+def test_user_env_mistakes_are_one_clear_error_before_anything_compiles(env, message):
+    """A bare env (never restarting its episodes) would otherwise train on whatever follows an
+    episode's end; wrong shapes would fail deep inside the jitted update."""
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig(env="drift", members=2, total_steps=256, num_envs=4, num_steps=32)
+    with pytest.raises(ValueError, match=message):
+        Learner(cfg, devices=jax.devices()[:2], env=env)
+
+
 @pytest.mark.timeout(300)
 def test_cli_trains_a_gymnax_id(tmp_path):
     out = tmp_path / "run"

@@ -182,12 +182,54 @@ def _image_fits(obs_shape: tuple[int, ...]) -> bool:
     return True
 
 
-def final_obs(info: dict, obs: jax.Array) -> jax.Array:
-    """The true last observation of an episode that just ended (auto-reset put a new one in obs)."""
-    for key in ("final_obs", "final_observation"):
-        if key in info:
-            return info[key]
-    return obs  # env without the key: bootstrapping on truncation then uses the reset obs
+_FINAL_KEYS = ("final_obs", "final_observation")
+
+
+def final_obs(info: dict) -> jax.Array:
+    """The true last observation of an episode that just ended (auto-reset put a new one in
+    obs); every env the learner takes has it (``check_functional_env``, host envs' own)."""
+    return next(info[key] for key in _FINAL_KEYS if key in info)
+
+
+def check_functional_env(env: Any, spec: EnvSpec) -> None:
+    """Traces one env's ``reset`` and ``step`` abstractly (``jax.eval_shape``: nothing runs or
+    compiles), so a user env's mistake is one ``ValueError`` naming it here, not a shape error
+    inside the jitted update, and an env that never restarts its episodes (a bare env, not in
+    ``AutoReset``) cannot train silently on what comes after their end."""
+    from rollout.envs import AutoReset
+
+    name = getattr(env, "name", type(env).__name__)
+    # The wrapped env first: AutoReset's own tracing would fail on its shapes less clearly.
+    inner = env.env if isinstance(env, AutoReset) else env
+    obs, next_obs, *flags, info = _trace_one_step(inner)
+    for what, got in (("reset", obs), ("step", next_obs)):
+        if tuple(got.shape) != spec.obs_shape:
+            raise ValueError(
+                f"{name}: {what} returns observations of shape {tuple(got.shape)}, but its "
+                f"observation_space has shape {spec.obs_shape}."
+            )
+    for what, got in zip(("reward", "terminated", "truncated"), flags):
+        if tuple(got.shape) != ():
+            raise ValueError(
+                f"{name}: step returns {what} of shape {tuple(got.shape)}; reward, terminated "
+                "and truncated are scalars (one env: the learner vmaps it)."
+            )
+    info = info if inner is env else _trace_one_step(env)[-1]
+    if not isinstance(info, dict) or not any(k in info for k in _FINAL_KEYS):
+        raise ValueError(
+            f"{name}: step's info has no 'final_obs', so nothing restarts finished episodes: "
+            "wrap the env in rollout.envs.AutoReset (an env that restarts its own episodes "
+            "must put the observation each step reached, before its reset, in "
+            "info['final_obs'])."
+        )
+
+
+def _trace_one_step(env: Any) -> tuple:
+    """``(obs, next_obs, reward, terminated, truncated, info)`` of one env, as shapes."""
+    key = jax.random.key(0)
+    state, obs = jax.eval_shape(env.reset, key)
+    action = jax.eval_shape(env.action_space.sample, key)
+    return (obs, *jax.eval_shape(env.step, state, action, key)[1:])
 
 
 def to_env_action(action: jax.Array, spec: EnvSpec) -> jax.Array:

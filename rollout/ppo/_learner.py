@@ -159,7 +159,9 @@ class Learner:
       env: an environment object instead of ``config.env``'s name: a functional env following
         ``rollout.envs.Env`` (yours, or ``rollout.envs.make('gymnax:...')``), or a host env
         (``rollout.envs.make('gymnasium:HalfCheetah-v5', **make_kwargs)``). ``config.env`` is
-        then only its label.
+        then only its label. A functional env must restart its episodes (``AutoReset``, which
+        puts ``final_obs`` in ``info``) and match its spaces: checked here, by tracing one
+        step abstractly (``ValueError`` otherwise).
 
     Example:
       >>> import jax
@@ -206,6 +208,8 @@ class Learner:
             learning_rate=config.per_member("learning_rate")[0],
             max_grad_norm=config.max_grad_norm,
         )
+        if not hasattr(self.env, "bind"):
+            envlib.check_functional_env(self.env, self.spec)
         # Every member's envs behind one interface (reset / step on [n, num_envs, ...]).
         self.envs = envlib.member_envs(self.env, config, self.mesh)
         # A functional env on device steps inside each member's own program (no host trip).
@@ -474,7 +478,7 @@ class Learner:
         # The values are computed after the rollout in one batched critic call (_learn), so
         # here only the (normalised) final observation is kept.
         obs_stats = carry.obs_stats
-        final = self._normalize(envlib.final_obs(info, next_obs).astype(self.obs_dtype), obs_stats)
+        final = self._normalize(envlib.final_obs(info).astype(self.obs_dtype), obs_stats)
         cut = (trunc & ~term).astype(jnp.float32)
         if self.normalize_obs:
             obs_stats = obs_stats.update(next_obs)
