@@ -373,6 +373,10 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     assert "learning_rate has 3 values" in _cli_error(
         ["--out", out, "--members", "2", "--lr", "1e-3,2e-3,3e-3"], capsys
     )
+    line = _cli_error(["--out", out, "--pbt-interval", "5", "--pbt-window", "2"], capsys)
+    assert line == "error: --pbt-interval, --pbt-window only tune --pbt, which this run does " + (
+        "not use: add --pbt."
+    )
     assert not Path(out).exists()  # nothing written by a refused command
 
 

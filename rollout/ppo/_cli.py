@@ -428,6 +428,7 @@ def _floats(text: str) -> float | tuple[float, ...]:
 #: CLI defaults of the config flags; on --resume the saved run's values are used instead.
 _DEFAULTS = {"env": "cartpole", "members": 4, "seed": 0, "env_on": "device"}
 #: config flags: (flag attribute, PPOConfig field).
+_PBT_OPTIONS = ("pbt_interval", "pbt_fraction", "pbt_factors", "pbt_window")  # tune --pbt
 _CONFIG_FLAGS = (
     ("env", "env"),
     ("env_kwargs", "env_kwargs"),
@@ -442,10 +443,7 @@ _CONFIG_FLAGS = (
     ("num_steps", "num_steps"),
     ("updates_per_call", "updates_per_call"),
     ("pbt", "pbt"),
-    ("pbt_interval", "pbt_interval"),
-    ("pbt_fraction", "pbt_fraction"),
-    ("pbt_factors", "pbt_factors"),
-    ("pbt_window", "pbt_window"),
+    *((flag, flag) for flag in _PBT_OPTIONS),
 )
 
 
@@ -712,6 +710,11 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
         config.validate(known_envs=known_envs())
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    stray = [f"--{a.replace('_', '-')}" for a in _PBT_OPTIONS if getattr(args, a) is not None]
+    if stray and not config.pbt:  # most likely --pbt was forgotten: say so, do not ignore them
+        raise UsageError(
+            f"{', '.join(stray)} only tune --pbt, which this run does not use: add --pbt."
+        )
     return config
 
 
