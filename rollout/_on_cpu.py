@@ -771,12 +771,13 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     if explicit:
         # Explicit axes: shard_map wants inputs that already carry its in_specs.
-        args = [jax.reshard(x, s) for x, s in zip(args, specs)]
+        # (NamedShardings, not bare specs: the caller need not be inside `jax.set_mesh`.)
+        args = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
     outs = jax.shard_map(
         call.callback, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False
     )(*args)
     if explicit and padded > n:  # explicit sharding cannot slice 13 rows out of 8 shards
-        outs = [jax.reshard(o, P()) for o in outs]
+        outs = [jax.reshard(o, NamedSharding(mesh, P())) for o in outs]
     return [o[:n] for o in outs]
 
 

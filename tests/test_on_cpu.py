@@ -6,6 +6,7 @@ exactly the case in which the naive pure_callback + pmap pattern deadlocks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,13 +107,15 @@ def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
     # A batch that does not divide by the 8 devices is padded and stripped.
     x = jax.device_put(fresh(2, 13, 24), NamedSharding(mesh, P()))
     close(jax.jit(rollout_fn)(p, x), synth(p, x))
-    # The same under a mesh with Explicit axes (jax.make_mesh's default).
+    # The same on a mesh with Explicit axes (jax.make_mesh's default), inside `jax.set_mesh`
+    # and outside it (arrays placed on such a mesh, no context entered).
     emesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(emesh):
-        for rows, spec in ((16, P("d")), (13, P())):
-            x = jax.device_put(fresh(rows, rows, 24), NamedSharding(emesh, spec))
-            got = jax.jit(rollout_fn)(params_for(rows), x)
-            close(got, synth(params_for(rows), np.asarray(x)))  # reference on unsharded input
+    for context in (jax.set_mesh(emesh), contextlib.nullcontext()):
+        with context:
+            for rows, spec in ((16, P("d")), (13, P())):
+                x = jax.device_put(fresh(rows, rows, 24), NamedSharding(emesh, spec))
+                got = jax.jit(rollout_fn)(params_for(rows), x)
+                close(got, synth(params_for(rows), np.asarray(x)))  # reference: unsharded
     # An empty batch gives empty outputs without bothering the workers.
     assert jax.jit(rollout_fn)(p, jnp.zeros((0, 24))).shape == (0, 24)
 
