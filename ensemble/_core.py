@@ -60,6 +60,20 @@ def check_in_axes(in_axes: Any) -> InAxes:
     )
 
 
+def batch_default(in_axes: InAxes) -> bool:
+    """``per_member_batch`` of a train step made for an ensemble without one: what the
+    ensemble's ``in_axes`` say its inputs are. A batch with a leading axis of n taken as shared
+    would train every member on all n slices without an error, so an ensemble built for
+    per-member inputs trains on per-member batches unless told otherwise."""
+    if in_axes is None or isinstance(in_axes, int):
+        return in_axes == 0
+    raise ValueError(
+        f"this ensemble's in_axes={tuple(in_axes)} say which of its model's inputs are "
+        "per-member, not which of the loss's batch arguments are: pass per_member_batch= "
+        "(True, False or one flag per batch argument)."
+    )
+
+
 def arg_axes(in_axes: InAxes, count: int) -> Axes:
     """One axis (0 or None) per positional input."""
     if in_axes is None or isinstance(in_axes, int):

@@ -30,6 +30,7 @@ from ensemble._core import (
     Members,
     abstract_signature,
     arg_axes,
+    batch_default,
     check_in_axes,
     check_inputs,
     check_live,
@@ -293,6 +294,10 @@ class LinenEnsemble:
     def train_step(self, loss_fn: Callable[..., Any], tx: Any, **options: Any) -> Any:
         """:func:`ensemble.train_step` for this ensemble (its n, mesh, rules and axis name).
 
+        ``per_member_batch`` defaults to this ensemble's ``in_axes``: an ensemble built with
+        ``in_axes=0`` trains on per-member batches (leading axis n), one with ``in_axes=None``
+        on shared ones; with a tuple of ``in_axes``, give it.
+
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
           >>> ens = LinenEnsemble(nn.Dense(1), n=8)
@@ -305,6 +310,8 @@ class LinenEnsemble:
         """
         from ensemble._train import TrainStep
 
+        if "per_member_batch" not in options:
+            options["per_member_batch"] = batch_default(self._in_axes)
         return TrainStep.for_members(loss_fn, tx, self._members, **options)
 
     # ------------------------------------------------------------------ members

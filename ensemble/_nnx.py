@@ -38,6 +38,7 @@ from ensemble._core import (
     Members,
     arg_axes,
     as_key,
+    batch_default,
     check_in_axes,
     check_inputs,
     check_live,
@@ -627,7 +628,7 @@ class NNXTrainStep:
     def __init__(
         self,
         loss_fn: Callable[..., Any],
-        per_member_batch: bool | tuple[bool, ...],
+        per_member_batch: bool | tuple[bool, ...] | None,
         has_aux: bool,
         donate: bool,
     ):
@@ -653,7 +654,8 @@ class NNXTrainStep:
     def __call__(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
         """Updates ``ens`` and ``optimizer`` in place; returns per-member losses ``[n]``."""
         _check_pair(ens, optimizer)
-        check_inputs(batch, self._batch_axes(len(batch)), ens.n, "batch argument", *BATCH_FIXES)
+        axes = self._batch_axes(len(batch), ens.in_axes)
+        check_inputs(batch, axes, ens.n, "batch argument", *BATCH_FIXES)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
@@ -670,8 +672,10 @@ class NNXTrainStep:
         opt_def, opt_state = nnx.split(optimizer)
         return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
 
-    def _batch_axes(self, count: int) -> tuple[int | None, ...]:
+    def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch
+        if pmb is None:  # not given: the ensemble's own in_axes decide
+            pmb = batch_default(ens_in_axes)
         if isinstance(pmb, tuple):
             return arg_axes(tuple(0 if b else None for b in pmb), count)
         return arg_axes(0 if pmb else None, count)
@@ -679,7 +683,7 @@ class NNXTrainStep:
     def _step(self, ens_def, opt_def, ens_state, opt_state, batch):
         ens = nnx.merge(ens_def, ens_state)
         optimizer = nnx.merge(opt_def, opt_state)
-        in_axes = self._batch_axes(len(batch))
+        in_axes = self._batch_axes(len(batch), ens.in_axes)
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
         losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)
@@ -719,7 +723,7 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
 def nnx_train_step(
     loss_fn: Callable[..., Any],
     *,
-    per_member_batch: bool | Sequence[bool] = False,
+    per_member_batch: bool | Sequence[bool] | None = None,
     has_aux: bool = False,
     donate: bool = True,
 ) -> NNXTrainStep:
@@ -735,8 +739,9 @@ def nnx_train_step(
     Args:
       loss_fn: ``(member_module, *batch) -> scalar`` (or ``(scalar, aux)``).
       per_member_batch: batch leaves have a leading member axis n (e.g. bootstrapped data);
-        default: one batch shared by all members. A sequence of bools decides per batch argument
-        (e.g. ``(True, False)``: per-member inputs, shared targets).
+        ``False``: one batch shared by all members. A sequence of bools decides per batch
+        argument (e.g. ``(True, False)``: per-member inputs, shared targets). Default: the
+        ensemble's ``in_axes`` (``0``: per-member, ``None``: shared; a tuple needs it given).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the ensemble's and the optimizer's state buffers.
 
@@ -753,6 +758,6 @@ def nnx_train_step(
         raise TypeError(f"loss_fn must be callable (member, *batch) -> scalar, got {loss_fn!r}.")
     if isinstance(per_member_batch, (list, tuple)):
         per_member_batch = tuple(bool(b) for b in per_member_batch)
-    else:
+    elif per_member_batch is not None:
         per_member_batch = bool(per_member_batch)
     return NNXTrainStep(loss_fn, per_member_batch, bool(has_aux), bool(donate))

@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -136,6 +137,17 @@ def test_per_member_inputs_and_shape_errors():
         ens.member(variables, n)
     with pytest.raises(ValueError, match="in_axes must be None"):
         ensemble.build(MLP(), n, in_axes=1)
+    # Its train step takes per-member batches too: member i's loss is on slice i of host data
+    # (no layout to check), not on all n slices broadcast through the loss.
+    ys = np.random.default_rng(0).normal(size=(n, 3, 1))
+    loss = lambda p, x, y: jnp.mean((MLP().apply({"params": p}, x) - y) ** 2)
+    step = ens.train_step(loss, optax.sgd(0.1))
+    params = variables["params"]
+    want = [loss(ens.member(variables, i)["params"], xs[i], ys[i]) for i in (0, 7)]
+    _, _, losses = step(params, step.init(params), np.asarray(xs), ys)
+    np.testing.assert_allclose(np.asarray(losses)[[0, 7]], want, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"in_axes=\(0, None\) .* pass per_member_batch="):
+        ensemble.build(MLP(), n, in_axes=(0, None)).train_step(loss, optax.sgd(0.1))
 
 
 def test_model_parallel_rules_split_member_weights():

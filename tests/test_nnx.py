@@ -302,6 +302,25 @@ def test_per_member_clip_and_batches_are_independent():
     assert not np.allclose(results[0][0], results[1][0])
 
 
+def test_an_ensemble_built_for_per_member_inputs_trains_on_per_member_batches():
+    """Host data (no layout to check) with a leading axis of n: member i trains on slice i,
+    not on all n slices broadcast through its loss."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(D, 4, 3)), rng.normal(size=(D, 4, 1))
+    ens = build_nnx(linear, D, rngs=3, in_axes=0)
+    members = [ens.member(i) for i in range(D)]
+    shared = nnx_train_step(mse, per_member_batch=False, donate=False)  # said: all slices
+    all_slices = shared(nnx.clone(ens), nnx_optimizer(ens, optax.sgd(0.1)), x, y)
+    step = ens.train_step(mse, optax.sgd(0.1))  # per_member_batch from in_axes=0
+    losses = step(ens, step.init(), x, y)
+    for i, member in enumerate(members):
+        np.testing.assert_allclose(losses[i], mse(member, x[i], y[i]), rtol=1e-5)
+        np.testing.assert_allclose(all_slices[i], mse(member, x, y), rtol=1e-5)
+    ens.in_axes = (0, None)
+    with pytest.raises(ValueError, match=r"in_axes=\(0, None\) .* pass per_member_batch="):
+        nnx_train_step(mse)(ens, nnx_optimizer(ens, optax.sgd(0.1)), x, y)
+
+
 def test_per_member_learning_rates():
     ens = build_nnx(linear, D, rngs=8)
     lrs = np.arange(D, dtype=np.float32) * 0.01  # member 0 does not move
