@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import jax
+import numpy as np
 
 MB = 1e6  # tables use decimal megabytes: 1 MB = 10**6 bytes
 
@@ -309,13 +310,25 @@ def print_memory(
             raise TypeError(
                 "extra arguments are only for a function to compile: print_memory(fn, *args)."
             )
-        if isinstance(what, Mapping) and what and all(isinstance(k, jax.Device) for k in what):
-            mem = dict(what)
-        else:
-            mem = live_memory(what)
+        by_device = (
+            isinstance(what, Mapping) and what and all(isinstance(k, jax.Device) for k in what)
+        )
+        mem = dict(what) if by_device else live_memory(what)
         text = _format_live(mem, title or ("all live arrays" if what is None else "live arrays"))
+        if what is not None and not by_device:
+            text += _host_note(what)
     print(text, file=file if file is not None else sys.stdout)
     return text
+
+
+def _host_note(tree: Any) -> str:
+    """A line for the tree's host (NumPy) arrays, which no device holds: without it a tree of
+    them reads as 0 MB everywhere, as if it were empty."""
+    host = [x for x in jax.tree_util.tree_leaves(_as_tree(tree)) if isinstance(x, np.ndarray)]
+    if not host:
+        return ""
+    mb = sum(x.nbytes for x in host) / MB
+    return f"\n+ {len(host)} host (NumPy) array(s), {mb:.3f} MB, on no device"
 
 
 def _is_function(x: Any) -> bool:

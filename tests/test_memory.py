@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
@@ -115,6 +116,11 @@ def test_print_memory_tables(capsys):
     assert capsys.readouterr().out.strip() == text
     assert text.splitlines()[0] == "state"
     assert "cpu:7       1.000" in text and "total       8.000" in text
+    assert "host" not in text
+    # Host arrays sit on no device: one line says so instead of a silent 0 MB.
+    text = ensemble.print_memory({"x": x, "h": np.ones(500_000, np.float32)}, file=None)
+    assert "total       8.000" in text
+    assert text.splitlines()[-1] == "+ 1 host (NumPy) array(s), 2.000 MB, on no device"
 
     step = jax.jit(lambda a: a * 2, donate_argnums=0)
     text = ensemble.print_memory(step, x)
