@@ -80,8 +80,16 @@ def main(argv=None) -> None:
     ap.add_argument("--executor", default="auto", choices=["auto", "inprocess", "process"])
     ap.add_argument("--workers", type=int, default=None, help="CPU workers (default: cores)")
     args = ap.parse_args(argv)
+    for name in ("steps", "batch", "samples", "hidden", "workers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
 
     devices = jax.devices()
+    if args.batch % len(devices):
+        ap.error(
+            f"--batch {args.batch} must be a multiple of the {len(devices)} devices it is split "
+            "over"
+        )
     mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     print(

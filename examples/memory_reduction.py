@@ -349,6 +349,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts D"
     )
     args = parser.parse_args(argv)
+    for name in ("members", "hidden", "input_dim", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.devices) < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
     _simulate_cpu_devices(8)
     available = jax.devices()
     ds = [d for d in args.devices if d <= len(available) and args.members % d == 0]

@@ -138,7 +138,7 @@ def test_print_memory_tables(capsys):
 
 
 @pytest.mark.slow
-def test_memory_reduction_example_runs(tmp_path, monkeypatch):
+def test_memory_reduction_example_runs(tmp_path, monkeypatch, capsys):
     """The README's main job stays runnable (small hidden size, D = 2)."""
     import importlib.util
     import pathlib
@@ -157,6 +157,11 @@ def test_memory_reduction_example_runs(tmp_path, monkeypatch):
     assert ens["step_alias"] > 0 and naive["step_alias"] == 0
     assert report["bias_specs"]["naive bias"] == "P()"
     assert {p.name for p in tmp_path.iterdir()} >= {"memory_reduction.json", "memory_reduction.png"}
+    for bad in (["--members", "0"], ["--devices", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            module.main(["--out", str(tmp_path), *bad])
+        assert exit_.value.code == 2
+        assert f"error: {bad[0]} must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

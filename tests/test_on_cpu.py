@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -446,3 +447,30 @@ def test_rollout_train_step_with_nnx_jit_and_shard_map(rollout_fn):
         close(h, run_rnn(rnn_state, np.asarray(x) ** 2))
         assert np.isfinite(float(loss))
     assert rnn_cpu.last_executor == "process"
+
+
+# ------------------------------------------------------------------------------ the example
+
+
+@pytest.mark.timeout(150)
+def test_cpu_rollout_example_runs_and_refuses_bad_flags():
+    """examples/cpu_rollout.py (in the README) stays runnable: a sharded train step whose loss
+    renders audio with a GRU in the CPU workers; a mistaken flag is one line and exit 2."""
+    from subprocess_env import clean_env
+
+    script = os.path.join(ROOT, "examples", "cpu_rollout.py")
+
+    def run(*args):
+        cmd = [sys.executable, script, *args]
+        return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+
+    proc = run("--steps", "3", "--batch", "8", "--samples", "64", "--hidden", "8", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "executor=process" in proc.stdout  # a CPU-only host: worker processes, no deadlock
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line[:5] == "step "]
+    assert len(losses) == 3 and np.isfinite(losses).all(), proc.stdout
+    assert "this process + 2 workers" in proc.stdout
+    bad = run("--batch", "3")
+    assert bad.returncode == 2
+    last = bad.stderr.strip().splitlines()[-1]
+    assert re.match(r"cpu_rollout.py: error: --batch 3 must be a multiple of the \d+ devices", last)
