@@ -663,9 +663,15 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
 
 
 def _check_fits(members: int, n_dev: int, procs: int, on_cpu: bool) -> None:
-    """The members must fill the devices evenly; the error names the flag that fixes it."""
-    if members % n_dev == 0 or n_dev % members == 0:
+    """The members must fill the devices evenly (``ensemble.layout``'s rule); the error names
+    the flag that fixes it."""
+    from ensemble import layout
+
+    try:
+        layout(members, n_dev)
         return
+    except ValueError:
+        pass  # said below, in the CLI's own terms
     if on_cpu:
         per = members // procs
         divisors = [d for d in range(1, per + 1) if per % d == 0]
