@@ -142,7 +142,7 @@ def learn(envs=("cartpole", "pendulum"), members: int = 4) -> list[dict]:
             cfg, out, overwrite=True, progress=True, checkpoint_every=10**9, devices=jax.devices()
         )
         wall = time.perf_counter() - t0
-        final = np.array([r["returns"] for r in metrics[-10:]], dtype=float).mean(axis=0)
+        final = np.nanmean(np.array([r["returns"] for r in metrics[-10:]], dtype=float), axis=0)
         goal = 475.0 if env == "cartpole" else -250.0
         row = {
             "env": env,

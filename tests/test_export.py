@@ -110,6 +110,35 @@ def test_loaded_policy_acts_like_the_learner(which, request, tmp_path):
         assert float(f["count"]) == float(np.asarray(state.members.obs_stats.count)[1])
 
 
+def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
+    """A box unbounded on some sides still clips the others, in the learner's env step and in
+    an exported member (JSON has no infinity: null)."""
+    from rollout.ppo import _env as envlib
+
+    def spec(action_space):
+        env = type("E", (), dict(name="mine", action_space=action_space,
+                                 observation_space=envs.Box.uniform((2,), -1, 1)))()  # fmt: skip
+        return envlib.spec_of(env)
+
+    box = spec(envs.Box((3,), (0.0, -1.0, -np.inf), (np.inf, 1.0, np.inf)))
+    actions = jnp.asarray([[-5.0, 7.0, 3.0], [9.0, -9.0, -4.0]])
+    want = np.asarray([[0.0, 1.0, 3.0], [9.0, -1.0, -4.0]])
+    np.testing.assert_array_equal(envlib.to_env_action(actions, box), want)
+    free = spec(envs.Box((3,), (-np.inf,) * 3, (np.inf,) * 3))
+    np.testing.assert_array_equal(envlib.to_env_action(actions, free), actions)
+
+    learner, state = pendulum  # its network, with this box written into the export
+    (path,) = export.export_members(learner, state, tmp_path, members=[0])
+    meta_path = path / "member.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["action"] == {"low": [-2.0], "high": [2.0]}
+    meta["action"] = {"low": [0.0, -1.0, None], "high": [None, 1.0, None]}  # as box is written
+    written = export._metadata(learner.config, box, meta["network"], True, 0, 0, {})["action"]
+    assert written == meta["action"]
+    meta_path.write_text(json.dumps(meta))
+    np.testing.assert_array_equal(export.read_member(path).clip_action(actions), want)
+
+
 def test_export_takes_each_member_from_its_own_devices(cartpole):
     _learner, state = cartpole
     per_device = MEMBERS // DEVICES

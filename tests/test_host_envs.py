@@ -508,8 +508,9 @@ def test_learner_with_make_kwargs_closes_its_workers():
         assert len(pids) == 2 and all(alive(p) for p in pids)
         obs = np.asarray(state.members.obs)
         assert {int(p) for p in obs[..., 3].ravel()} == set(pids)  # the kwarg reached the workers
-        assert np.asarray(metrics["episodes"]).sum() > 0
-        assert np.isfinite(np.asarray(metrics["returns"])[:, -1]).all()
+        returns, episodes = np.asarray(metrics["returns"]), np.asarray(metrics["episodes"])
+        assert episodes.sum() > 0
+        assert np.isfinite(returns[episodes > 0]).all() and np.isnan(returns[episodes == 0]).all()
         # The step arrays' shared file is unlinked once the workers have mapped it.
         assert not _shared_files()
     finally:
@@ -599,6 +600,17 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
         assert "restarting the envs from reset" in err, err[-2000:]
     assert [r["env_steps"] for r in rows(a)] == [128, 256, 384, 512]
     assert rows(a)[:2] == first and rows(a) == rows(b)
+
+    # Exported, the members play the user's module env in evaluate: gymnasium.make gets the id
+    # without the 'gymnasium:' prefix (with it, 'gymnasium:hostenv_walk:Walk-v0' cannot parse).
+    from rollout.ppo import evaluate, export
+
+    paths = export.export_run(a, tmp_path / "export", devices=jax.devices()[:2])
+    members = [export.read_member(p) for p in paths]
+    assert members[0].meta["gymnasium_id"] == WALK_ID
+    results = evaluate.evaluate(members, 2, 0)
+    assert sorted(results) == ["ensemble", "member_0", "member_1"]
+    assert all(len(r) == 2 and np.isfinite(r).all() for r in results.values())
 
 
 @pytest.mark.timeout(60)

@@ -276,7 +276,7 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
                     run.save(state, len(rows))  # collective: every process calls it
             if bar is not None:
                 bar.update(k * cfg.batch_size)
-                bar.set_postfix_str(_postfix(new_rows[-1]["returns"], sps), refresh=False)
+                bar.set_postfix_str(_postfix(latest_returns(rows), sps), refresh=False)
     finally:
         if bar is not None:
             bar.close()
@@ -338,9 +338,9 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str 
     steps = [r["env_steps"] for r in rows]
     n = len(rows[0]["returns"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i in range(n):
-        ys = [r["returns"][i] if r["returns"][i] is not None else math.nan for r in rows]
-        ax.plot(steps, ys, lw=1.2, label=f"member {i}")
+    for i in range(n):  # updates without a finished episode have no point
+        xy = [(x, r["returns"][i]) for x, r in zip(steps, rows) if r["returns"][i] is not None]
+        ax.plot([x for x, _ in xy], [y for _, y in xy], lw=1.2, label=f"member {i}")
     ax.set_xlabel("env steps per member")
     ax.set_ylabel("mean episode return")
     ax.set_title(f"ensemble PPO {title} (n={n})")
@@ -349,6 +349,21 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def latest_returns(rows: list[dict[str, Any]]) -> list[float | None]:
+    """Per member, the return of the latest update in which an episode finished (None: none
+    did). A row's own ``returns`` is None where none finished in that update.
+
+    >>> latest_returns([{"returns": [1.0, 2.0]}, {"returns": [None, 3.0]}])
+    [1.0, 3.0]
+    """
+    latest: list[float | None] = [None] * (len(rows[-1]["returns"]) if rows else 0)
+    for row in reversed(rows):  # newest first: usually done after a row or two
+        latest = [new if old is None else old for old, new in zip(latest, row["returns"])]
+        if None not in latest:
+            break
+    return latest
 
 
 def _postfix(returns: list[float | None], sps: float | None) -> str:
@@ -621,7 +636,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     )
     logs.close()  # (also at exit if training raised)
     if rows and info.is_main:
-        final = ", ".join("-" if r is None else f"{r:.1f}" for r in rows[-1]["returns"])
+        final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0
 

@@ -165,10 +165,10 @@ def spec_of(env: Any) -> EnvSpec:
         return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
     if tuple(space.shape) != (int(np.prod(space.shape)),):
         raise ValueError(f"only flat continuous action boxes are supported, got {space.shape}")
+    # Per dimension: an infinite bound clips nothing on its side, the finite ones still clip.
     low, high = space.low_array(), space.high_array()
-    # Infinite bounds: no clipping on that side.
-    low = None if not np.all(np.isfinite(low)) else low
-    high = None if not np.all(np.isfinite(high)) else high
+    low = None if np.all(low == -np.inf) else low
+    high = None if np.all(high == np.inf) else high
     return EnvSpec(obs_shape, False, int(np.prod(space.shape)), low, high, scale, dtype)
 
 
@@ -236,6 +236,4 @@ def to_env_action(action: jax.Array, spec: EnvSpec) -> jax.Array:
     """Clip continuous actions into the box (the log-prob stays that of the unclipped sample)."""
     if spec.discrete:
         return action.astype(jnp.int32)
-    if spec.action_low is not None and spec.action_high is not None:
-        return jnp.clip(action, spec.action_low, spec.action_high)
-    return action
+    return jnp.clip(action, spec.action_low, spec.action_high)  # None: unbounded on that side

@@ -514,9 +514,11 @@ class Learner:
 
         # Metrics: scalars per member (the ensemble vmap makes them [n]).
         fin_sum, fin_len, fin_count = carry.finished
+        # NaN when no episode finished in this update (a long episode spanning updates): an
+        # earlier update's return repeated here would pass for a fresh one (metrics, PBT).
         has = fin_count > 0
-        last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), ms.last_return)
-        last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), ms.last_length)
+        last_return = jnp.where(has, fin_sum / jnp.maximum(fin_count, 1.0), jnp.nan)
+        last_length = jnp.where(has, fin_len / jnp.maximum(fin_count, 1.0), jnp.nan)
         metrics = {name: jnp.mean(v) for name, v in stats.items()}
         metrics.update(
             returns=last_return, episode_length=last_length, episodes=fin_count, learning_rate=lr

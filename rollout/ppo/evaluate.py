@@ -156,8 +156,19 @@ def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.n
     if is_functional(env_id):
         keys = reset_keys(seed, episodes)
         return {name: episode_returns(p, env_id, keys, kwargs) for name, p in policies.items()}
-    host = envpool_returns if str(env_id).startswith("envpool:") else gymnasium_returns
+    if str(env_id).startswith("envpool:"):
+        host = envpool_returns
+    else:
+        host, env_id = gymnasium_returns, _gymnasium_id(members[0].meta)
     return {name: host(p, env_id, episodes, seed, kwargs) for name, p in policies.items()}
+
+
+def _gymnasium_id(meta: dict[str, Any]) -> str:
+    """What ``gymnasium.make`` takes for an exported member's env (older exports left
+    ``gymnasium_id`` empty for ``gymnasium:<id>`` envs, so it is derived again here)."""
+    from rollout.ppo.export import gymnasium_id
+
+    return meta.get("gymnasium_id") or gymnasium_id(meta["env"]) or meta["env"]
 
 
 def format_table(results: dict[str, np.ndarray]) -> str:
@@ -172,7 +183,7 @@ def format_table(results: dict[str, np.ndarray]) -> str:
 
 def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> str:
     """Records one gymnasium episode to ``path``; returns a one-line note of what happened."""
-    gym_id = meta.get("gymnasium_id") or meta["env"]
+    gym_id = _gymnasium_id(meta)
     # gymnasium's classic-control renderer is pygame: no audio and no window needed here.
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")

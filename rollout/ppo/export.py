@@ -4,8 +4,9 @@
 
 - ``member.json``: ``{"format": "rollout.ppo.member", "version": 2, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
-  "hparams": {...}, "config": {...}}``. ``network`` holds ``kind``, ``obs_shape``,
-  ``action_dim``, ``discrete`` and ``activation``, and per kind:
+  "hparams": {...}, "config": {...}}``. ``gymnasium_id`` is what ``gymnasium.make`` takes for
+  the env (``null`` where gymnasium has no such env). ``network`` holds ``kind``,
+  ``obs_shape``, ``action_dim``, ``discrete`` and ``activation``, and per kind:
 
   - ``"ActorCritic"`` (vector observations): ``hidden`` (layer widths); ``activation`` "tanh".
   - ``"ImageActorCritic"`` (image observations): ``convs`` (``[features, kernel size,
@@ -13,7 +14,9 @@
     ``activation`` "relu".
 
   ``obs_norm`` holds ``enabled``, ``clip`` and ``epsilon``; ``action`` holds the continuous
-  action box ``low`` / ``high`` (``null``: unbounded or discrete).
+  action box ``low`` / ``high``: one number per action dimension, ``null`` for an infinite
+  bound (no clipping on that side of that dimension); the whole entry is ``null`` for a
+  discrete action or a side unbounded in every dimension.
 - ``params.npz``: the network's arrays, named ``<layer>/<kernel|bias>``, plus ``log_std`` for
   continuous actions. ``ActorCritic``: ``actor_0``, ``actor_1``, ..., ``actor_out``,
   ``critic_0``, ..., ``critic_out``. ``ImageActorCritic``: ``convs_0``, ``convs_1``, ...
@@ -242,14 +245,26 @@ def _check_layout(flat: dict[str, np.ndarray], network: dict[str, Any]) -> None:
         )
 
 
+def gymnasium_id(env: str) -> str | None:
+    """The id ``gymnasium.make`` takes for ``env``, or None: ``'gymnasium:<id>'`` -> ``<id>``
+    (``module:EnvId`` included); the built-in CartPole and Pendulum ports -> gymnasium's own."""
+    if env.startswith("gymnasium:"):
+        return env.removeprefix("gymnasium:")
+    return _GYMNASIUM_IDS.get(env)
+
+
 def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
-    box = lambda a: None if a is None else np.asarray(a, np.float32).reshape(-1).tolist()
+    def box(a: Any) -> list[float | None] | None:  # JSON has no infinity: null
+        if a is None:
+            return None
+        return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float32).ravel()]
+
     return {
         "format": FORMAT,
         "version": VERSION,
         "member": i,
         "env": config.env,
-        "gymnasium_id": _GYMNASIUM_IDS.get(config.env),
+        "gymnasium_id": gymnasium_id(config.env),
         "env_steps": env_steps,
         "network": network,
         "obs_norm": {"enabled": bool(normalize_obs), "clip": OBS_CLIP, "epsilon": OBS_EPSILON},
@@ -263,6 +278,13 @@ def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> di
 
 
 # ---------------------------------------------------------------------- reading
+
+
+def _bound(values: list[float | None] | None, sign: int) -> jax.Array | None:
+    """One side of the action box as stored (``null``: infinite), for ``jnp.clip``."""
+    if values is None:
+        return None
+    return jnp.asarray([sign * np.inf if v is None else v for v in values], jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -321,10 +343,8 @@ class ExportedMember:
 
     def clip_action(self, action: jax.Array) -> jax.Array:
         """A continuous action clipped into the env's box (as the learner's env step does)."""
-        low, high = self.meta["action"]["low"], self.meta["action"]["high"]
-        if low is not None and high is not None:
-            action = jnp.clip(action, jnp.asarray(low), jnp.asarray(high))
-        return action
+        low, high = (_bound(self.meta["action"][k], s) for k, s in (("low", -1), ("high", 1)))
+        return jnp.clip(action, low, high)  # None: unbounded on that side
 
     def act(self, obs: jax.Array) -> jax.Array:
         """Deterministic actions for raw observations: argmax (int32) or the clipped mean."""
