@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import traceback
 
@@ -103,4 +104,10 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
+    # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
+    # the job, and a worker dying of it first would fail that step. We still end with the
+    # parent (our socket closes) and on SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     main(int(sys.argv[1]))

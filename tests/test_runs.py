@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -407,7 +408,10 @@ _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps
              "--updates-per-call", "1", "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
 
 
-def _start(out: Path, *extra: str, total: int = 12, cache: Path | None = None) -> subprocess.Popen:
+def _start(
+    out: Path, *extra: str, total: int = 12, cache: Path | None = None, group: bool = False
+) -> subprocess.Popen:
+    """The CLI on a tiny run; ``group``: in a process group of its own (pid = group id)."""
     cmd = [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32)]
     return subprocess.Popen(
         [*cmd, "--out", str(out), *extra],
@@ -416,6 +420,7 @@ def _start(out: Path, *extra: str, total: int = 12, cache: Path | None = None) -
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=group,
     )
 
 
@@ -436,14 +441,25 @@ def _wait(proc: subprocess.Popen, until, timeout: float = 120.0, poll: float = 0
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig):
-    out = tmp_path / "run"
-    proc = _start(out, total=400)
+@pytest.mark.parametrize(
+    "sig, env",
+    [(signal.SIGINT, ("--env-on", "cpu")), (signal.SIGTERM, ("--env", "gymnasium:CartPole-v1"))],
+    ids=["SIGINT-on_cpu-workers", "SIGTERM-host-env-workers"],
+)
+def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env):
+    """The signal goes to every process of the run, as a terminal's Ctrl-C or a scheduler's
+    SIGTERM does: the env workers must leave it to the learner, which checkpoints, then ends
+    them."""
+    out = tmp_path / "my run"  # the printed command must survive being pasted into a shell
+    proc = _start(out, *env, total=400, group=True)
     try:
         assert _wait(proc, lambda: _rows(out) >= 2, poll=0.05), proc.communicate()
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig)
         _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid), "workers outlived the learner"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -451,10 +467,20 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig):
     assert proc.returncode == 128 + sig, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith(signal.Signals(sig).name) and f"--resume --out {out}" in last, err
+    assert last.startswith(signal.Signals(sig).name), err
+    command = shlex.split(last.split("continue with: ")[1])
+    assert command == ["python", "-m", "rollout.ppo", "--resume", "--out", str(out)], last
     newest = ckpt.checkpoints(out)[-1]
     meta = checkpoint_metadata(newest)
     assert meta["metrics_rows"] == meta["update"] == _rows(out)  # rows == the checkpoint's
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.timeout(600)

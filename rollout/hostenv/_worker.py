@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -255,6 +256,12 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
+    # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
+    # the job, and a worker dying of it first would fail that step. We still end with the
+    # parent (our socket closes) and on SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Drop this file's directory from the path: the worker must not shadow user modules.
     sys.path.pop(0)
     main(int(sys.argv[1]))

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -322,7 +323,7 @@ def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupte
     return Interrupted(
         signum,
         f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue "
-        f"with: python -m rollout.ppo --resume --out {run.out}",
+        f"with: python -m rollout.ppo --resume --out {shlex.quote(str(run.out))}",
     )
 
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -413,9 +414,15 @@ def member_dirs(directory: str | os.PathLike) -> list[Path]:
     if not found:
         if (path / "run.json").is_file():  # a training run's --out
             export = path / "export"
-            how = f"export it (python -m rollout.ppo.export {path}), then "
-            how = "" if export.is_dir() else how
-            raise NotAnExport(f"{path} is a training run, not an export: {how}evaluate {export}.")
+            q = lambda p: shlex.quote(str(p))  # commands to paste into a shell
+            how = (
+                ""
+                if export.is_dir()
+                else f"export it (python -m rollout.ppo.export {q(path)}), then "
+            )
+            raise NotAnExport(
+                f"{path} is a training run, not an export: {how}evaluate {q(export)}."
+            )
         raise NotAnExport(
             f"{path} holds no exported members (member_<i>/member.json); write them with "
             "python -m rollout.ppo.export RUN_DIR or rollout.ppo.export.export_members."
