@@ -19,7 +19,6 @@ refused. Eager calls (concrete inputs) run the host side directly, without a cal
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -40,8 +39,9 @@ from jax.sharding import PartitionSpec as P
 from rollout._devices import available_cores
 from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
 from rollout._pool import _shared as _shared_pools
+from rollout._relay import remember
 
-__all__ = ["OnCpu", "WorkerError", "WorkerTimeout", "on_cpu", "worker_errors"]
+__all__ = ["OnCpu", "WorkerError", "WorkerTimeout", "on_cpu"]
 
 Executor = Literal["auto", "inprocess", "process"]
 _EXECUTORS = ("auto", "inprocess", "process")
@@ -202,60 +202,6 @@ class _LRU:
         evicted, self._d = list(self._d), collections.OrderedDict()
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker errors across the callback boundary: JAX turns an exception raised in a pure_callback into
-# a JaxRuntimeError or ValueError whose text holds the original's message (no __cause__). The
-# callback records its WorkerErrors here, so that worker_errors() can raise the original again.
-
-_recent: collections.deque[WorkerError] = collections.deque(maxlen=16)
-_recent_lock = threading.Lock()
-
-
-def _remember(error: WorkerError) -> None:
-    with _recent_lock:
-        _recent.append(error.with_traceback(None))  # frames of the callback thread: not needed
-
-
-def _recall(text: str) -> WorkerError | None:
-    """The latest recorded WorkerError whose message appears in ``text`` (then forgotten)."""
-    with _recent_lock:
-        for error in reversed(_recent):
-            if str(error) in text:
-                _recent.remove(error)
-                return error
-    return None
-
-
-@contextlib.contextmanager
-def worker_errors():
-    """Raise worker failures inside ``with`` as :class:`WorkerError`, also from jitted code.
-
-    An ``on_cpu`` function called eagerly raises :class:`WorkerError` (or :class:`WorkerTimeout`)
-    itself. Called inside ``jax.jit`` / ``shard_map``, it fails inside a JAX callback, and JAX
-    re-raises that as a ``jax.errors.JaxRuntimeError`` (a ``ValueError`` on some dispatch paths)
-    carrying only the text. This context
-    manager (also usable as a decorator) turns such an error back into the original exception,
-    chained to JAX's (``__cause__``); other errors pass unchanged.
-
-    Example::
-
-        with rollout.worker_errors():
-            try:
-                loss = train_step(state, batch)  # jitted, calls an on_cpu function
-            except rollout.WorkerError:
-                ...  # a worker died, raised or timed out; the next call restarts the workers
-    """
-    try:
-        yield
-    except WorkerError:
-        raise
-    except Exception as e:  # JaxRuntimeError, or ValueError from some dispatch paths
-        original = _recall(str(e))
-        if original is None:
-            raise
-        raise original from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,7 +689,7 @@ class _Call:
         try:
             return self.run(*flat)
         except WorkerError as e:
-            _remember(e)
+            remember(e)
             raise
 
     def callback(self, *xs: Any) -> list[Any]:

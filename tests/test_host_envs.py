@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -572,14 +573,14 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
     key, so resuming the same checkpoint twice gives the same rows."""
     env = clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
 
-    def cli(out, steps, *extra):
+    def cli(out, steps, *extra, kwargs='{"tuple_obs": true}', code=0):
         cmd = [
             sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members",
             "2", "--total-steps", str(steps), "--num-envs", "2", "--num-steps", "64", "--out",
-            str(out), "--no-progress", "--env-kwargs", '{"tuple_obs": true}', *extra,
+            str(out), "--no-progress", "--env-kwargs", kwargs, *extra,
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == code, proc.stderr[-3000:]
         return proc.stderr
 
     def rows(out):
@@ -600,6 +601,18 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
         assert "restarting the envs from reset" in err, err[-2000:]
     assert [r["env_steps"] for r in rows(a)] == [128, 256, 384, 512]
     assert rows(a)[:2] == first and rows(a) == rows(b)
+
+    # An env that raises: one line naming the env, the worker and the env's own exception
+    # (not JAX's callback wrapper), and nothing more at exit.
+    err = cli(tmp_path / "c", 256, kwargs='{"tuple_obs": true, "fail_at": 3}', code=1)
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("ensemble PPO:"), err[-3000:]
+    assert re.fullmatch(
+        rf"error: HostEnvError: host env gymnasium:{WALK_ID}, device group \d \(members \d\), "
+        r"worker 0 \(pid \d+, envs 0-1 of the group\) raised ValueError: the walk fell over at "
+        r"step 3 \(run again with --debug for the traceback\)",
+        lines[1],
+    ), lines[1]
 
     # Exported, the members play the user's module env in evaluate: gymnasium.make gets the id
     # without the 'gymnasium:' prefix (with it, 'gymnasium:hostenv_walk:Walk-v0' cannot parse).

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from rollout._devices import available_cores
 from rollout._host_call import host_call
+from rollout._relay import remember
 from rollout.envs._core import Box, Discrete, Space
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
@@ -274,7 +275,7 @@ class HostEnvs:
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
-            outs = host_call(host, local_types, g, lead, *local)
+            outs = host_call(_recording(host), local_types, g, lead, *local)
             if not replicated:
                 return outs
             # Only the leader stepped the envs; share its result with the other replicas.
@@ -407,6 +408,20 @@ class HostEnvs:
         return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
                 np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
                 np.asarray(obs, self._obs_dtype))  # fmt: skip
+
+
+def _recording(host: Any) -> Any:
+    """``host``, recording the ``HostEnvError`` it raises so that ``rollout.worker_errors``
+    can raise it again as itself (JAX passes on only its text)."""
+
+    def call(*args: Any) -> tuple[np.ndarray, ...]:
+        try:
+            return host(*args)
+        except HostEnvError as e:
+            remember(e)
+            raise
+
+    return call
 
 
 def _one(x: np.ndarray, what: str) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout._devices import available_cores, with_thread_flag
+from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError
 from rollout.ppo._config import canonical_env
 
@@ -91,11 +92,13 @@ def train(
     removes that run's files). ``resume=True`` continues from the newest checkpoint that restores
     whole, exactly as the uninterrupted run would (metric rows past it are cut and recomputed);
     ``config.total_steps`` may be larger than the saved run's (a longer run), nothing else may
-    differ. Errors about the directory are :class:`RunDirError` (a ``ValueError``).
-    ``learner``: reuse an existing :class:`Learner` for ``config`` (and its compiled programs).
-    ``on_update``: called with each metric row as it arrives. ``stop``: polled after every
-    jitted call; when it returns a signal number, a checkpoint is written and
-    :class:`Interrupted` raised. ``warn``: where one-line notes go (default stderr).
+    differ. Errors about the directory are :class:`RunDirError` (a ``ValueError``); a host env
+    or ``env_on='cpu'`` worker that fails raises its own ``HostEnvError`` / ``WorkerError``
+    (``rollout.worker_errors``), not JAX's wrapper of it. ``learner``: reuse an existing
+    :class:`Learner` for ``config`` (and its compiled programs). ``on_update``: called with each
+    metric row as it arrives. ``stop``: polled after every jitted call; when it returns a signal
+    number, a checkpoint is written and :class:`Interrupted` raised. ``warn``: where one-line
+    notes go (default stderr).
 
     Example:
       >>> import jax
@@ -119,8 +122,9 @@ def train(
     try:
         if learner is None:
             learner = Learner(config, devices=devices)
-        state, rows = run.open(learner) if run is not None else (learner.init(), [])
-        return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
+        with worker_errors():
+            state, rows = run.open(learner) if run is not None else (learner.init(), [])
+            return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
     finally:
         if owned and learner is not None:
             learner.close()

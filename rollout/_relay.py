@@ -1,0 +1,84 @@
+"""Errors raised inside host callbacks, raised again as themselves in the caller.
+
+JAX re-raises an exception from inside a callback (``pure_callback``, ``io_callback``,
+``rollout._host_call.host_call``) as a ``jax.errors.JaxRuntimeError`` (a ``ValueError`` on some
+dispatch paths) that carries only its text, and, since the program had an effect, keeps that
+error in the device's runtime token, which raises it again at every ``jax.effects_barrier()``
+and at interpreter exit. The callbacks of this package record their own errors here
+(``remember``: an ``on_cpu`` worker's ``WorkerError``, a host env's ``HostEnvError``), and
+``worker_errors()`` raises the original again, chained to JAX's, once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Iterator
+
+_recent: collections.deque[Exception] = collections.deque(maxlen=16)
+_lock = threading.Lock()
+
+
+def remember(error: Exception) -> None:
+    """Records an error a callback is about to raise (for ``worker_errors``)."""
+    with _lock:
+        _recent.append(error.with_traceback(None))  # frames of the callback thread: not needed
+
+
+def _recall(text: str) -> Exception | None:
+    """The latest recorded error whose message appears in ``text`` (then forgotten)."""
+    with _lock:
+        for error in reversed(_recent):
+            if str(error) in text:
+                _recent.remove(error)
+                return error
+    return None
+
+
+def _drop_failed_tokens() -> None:
+    """Forgets the runtime tokens that hold the error just raised, so that it is not raised
+    again by every later ``jax.effects_barrier()`` and at exit. JAX has no public way to do
+    this; where its private token set has moved, nothing is dropped (only the exit is noisier).
+    """
+    try:
+        from jax._src import dispatch
+
+        tokens = dispatch.runtime_tokens.output_runtime_tokens
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+        return
+    for device, token in list(tokens.items()):
+        try:
+            token.block_until_ready()
+        except Exception:
+            tokens.pop(device, None)
+
+
+@contextlib.contextmanager
+def worker_errors() -> Iterator[None]:
+    """Raise worker failures inside ``with`` as themselves, also from jitted code.
+
+    An ``on_cpu`` function called eagerly raises :class:`rollout.WorkerError` (or
+    :class:`rollout.WorkerTimeout`) itself. Called inside ``jax.jit`` / ``shard_map``, it fails
+    inside a JAX callback, and JAX re-raises that as a ``jax.errors.JaxRuntimeError`` (a
+    ``ValueError`` on some dispatch paths) carrying only the text; the same holds for a host
+    env's ``HostEnvError`` (an env that raised, a worker that died). This context manager (also
+    usable as a decorator) turns such an error back into the original exception, chained to
+    JAX's (``__cause__``); other errors pass unchanged. ``rollout.ppo.train`` uses it.
+
+    Example::
+
+        with rollout.worker_errors():
+            try:
+                loss = train_step(state, batch)  # jitted, calls an on_cpu function
+            except rollout.WorkerError:
+                ...  # a worker died, raised or timed out; the next call restarts the workers
+    """
+    try:
+        yield
+    except Exception as e:  # JaxRuntimeError, or ValueError from some dispatch paths
+        original = _recall(str(e))
+        if original is None or original is e:
+            raise
+        _drop_failed_tokens()
+        raise original from e
