@@ -127,13 +127,10 @@ def initialize(
         jax.config.update("jax_num_cpu_devices", int(local_cpu_devices))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR_ADDRESS)
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-    if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-    if not _joins_a_run(coordinator_address, num_processes, process_id):
+    settings = resolve_settings(coordinator_address, num_processes, process_id)
+    if settings is None:
         return _info()  # a plain single-process run: nothing to join
+    coordinator_address, num_processes, process_id = settings
 
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT_TIMEOUT) or 30
@@ -168,6 +165,25 @@ def _check_not_too_late(num_processes: int | None, local_cpu_devices: int | None
             "backend has already started, so devices and processes are fixed). Call it at "
             "the top of your program, right after the imports."
         )
+
+
+def resolve_settings(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> tuple[str | None, int | None, int | None] | None:
+    """The run's ``(coordinator address, processes, process id)`` from the arguments, else the
+    environment (see the module docstring); None for a plain single-process run. Incomplete or
+    inconsistent settings raise a ``ValueError`` that says what to give. Starts nothing, so a
+    CLI can check its flags before it creates any file."""
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR_ADDRESS)
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    if not _joins_a_run(coordinator_address, num_processes, process_id):
+        return None
+    return coordinator_address, num_processes, process_id
 
 
 def _joins_a_run(

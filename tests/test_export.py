@@ -126,6 +126,8 @@ def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
     np.testing.assert_array_equal(envlib.to_env_action(actions, box), want)
     free = spec(envs.Box((3,), (-np.inf,) * 3, (np.inf,) * 3))
     np.testing.assert_array_equal(envlib.to_env_action(actions, free), actions)
+    with pytest.raises(ValueError, match=r"mine: continuous actions of shape \(2, 2\) are not"):
+        spec(envs.Box.uniform((2, 2), -1, 1))
 
     learner, state = pendulum  # its network, with this box written into the export
     (path,) = export.export_members(learner, state, tmp_path, members=[0])

@@ -44,7 +44,7 @@ class Walk(gym.Env):
     """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
-                 pixels=False, pixel_dtype="uint8"):
+                 pixels=False, pixel_dtype="uint8", grid=False):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         if continuous:
             self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -58,7 +58,9 @@ class Walk(gym.Env):
         self.pixels, self.pixel_dtype = pixels, np.dtype(pixel_dtype)
         if pixels:  # a frame in [0, 255]: channel 0 shows the position, the others noise
             self.observation_space = spaces.Box(0, 255, (3, 5, 5), self.pixel_dtype)
-        self.steps = 0
+        if grid:  # a 2x2 matrix: neither a vector nor an image
+            self.observation_space = spaces.Box(-np.inf, np.inf, (2, 2), np.float64)
+        self.grid, self.steps = grid, 0
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
@@ -69,7 +71,7 @@ class Walk(gym.Env):
             return frame.astype(self.pixel_dtype)
         if self.tuple_obs:
             return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
-        return obs
+        return obs.reshape(2, 2) if self.grid else obs
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -573,7 +575,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
     key, so resuming the same checkpoint twice gives the same rows."""
     env = clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(walk_module)]))
 
-    def cli(out, steps, *extra, kwargs='{"tuple_obs": true}', code=0):
+    def cli(out, steps, *extra, kwargs='{"tuple_obs":true}', code=0):
         cmd = [
             sys.executable, "-m", "rollout.ppo", "--env", f"gymnasium:{WALK_ID}", "--members",
             "2", "--total-steps", str(steps), "--num-envs", "2", "--num-steps", "64", "--out",
@@ -589,7 +591,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
     a, b = tmp_path / "a", tmp_path / "b"
     cli(a, 256)
     config = json.loads((a / "run.json").read_text())["config"]
-    assert json.loads(config["env_kwargs"]) == {"tuple_obs": True}
+    assert config["env_kwargs"] == '{"tuple_obs": true}'  # one text: spacing is not identity
     first = rows(a)
     assert [r["env_steps"] for r in first] == [128, 256]
     assert all(len(r["returns"]) == 2 for r in first)
@@ -597,7 +599,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
 
     shutil.copytree(a, b)
     for out in (a, b):
-        err = cli(out, 512, "--resume")
+        err = cli(out, 512, "--resume", kwargs='{ "tuple_obs" : true }')
         assert "restarting the envs from reset" in err, err[-2000:]
     assert [r["env_steps"] for r in rows(a)] == [128, 256, 384, 512]
     assert rows(a)[:2] == first and rows(a) == rows(b)
@@ -627,12 +629,24 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
 
 
 @pytest.mark.timeout(60)
-def test_cli_unknown_gymnasium_id_is_one_line_exit_2():
+def test_cli_unknown_gymnasium_id_is_one_line_exit_2(tmp_path, capsys):
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "gymnasium:Nope-v9", "--no-progress"]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert "error: gymnasium cannot make 'Nope-v9'" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # Spaces the networks cannot take: the same, before JAX compiles anything.
+    from rollout.ppo._cli import main
+
+    out = tmp_path / "run"
+    argv = ["--env", f"gymnasium:{WALK_ID}", "--env-kwargs", '{"grid": true}', "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: gymnasium:{WALK_ID}: observations of shape (2, 2) are not supported: the PPO "
+        "networks take vectors [D] (an MLP) or images [H, W, C] / [C, H, W] of at least 3x3 (a "
+        "conv net); reshape them in the env."
+    )
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------- EnvPool

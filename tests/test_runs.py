@@ -378,6 +378,11 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     assert line == "error: --pbt-interval, --pbt-window only tune --pbt, which this run does " + (
         "not use: add --pbt."
     )
+    line = _cli_error(["--out", out, "--members", "2", "--num-processes", "2"], capsys)
+    assert "needs the coordinator address" in line and "--coordinator HOST:PORT" in line
+    line = _cli_error(["--out", out, "--num-processes", "2", "--process-id", "5",
+                       "--coordinator", "localhost:1"], capsys)  # fmt: skip
+    assert "process_id=5 must be in 0..num_processes-1" in line
     assert not Path(out).exists()  # nothing written by a refused command
 
 

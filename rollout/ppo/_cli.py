@@ -23,7 +23,7 @@ from typing import Any
 from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError
-from rollout.ppo._config import canonical_env
+from rollout.ppo._config import canonical_env, canonical_env_kwargs
 
 
 def cpu_devices_for(members: int, cores: int) -> int:
@@ -652,6 +652,11 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     from ensemble import _distributed as distributed
     from rollout.ppo import _checkpoint as ckpt
 
+    try:
+        distributed.resolve_settings(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:  # before anything is created or started
+        flags = "--coordinator HOST:PORT, --num-processes N and --process-id I"
+        raise UsageError(f"{e} On the command line: {flags}.") from None
     cores = available_cores()
     procs = args.num_processes or _env_processes(distributed.ENV_NUM_PROCESSES)
     members = _members_hint(args, found)
@@ -729,6 +734,8 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
             saved = PPOConfig.from_dict(found.record["config"])
             if "env" in given:
                 given["env"] = canonical_env(given["env"])
+            if "env_kwargs" in given:
+                given["env_kwargs"] = canonical_env_kwargs(given["env_kwargs"])
             config = dataclasses.replace(saved, **given)
         else:
             given = {**{k: v for k, v in _DEFAULTS.items() if k not in given}, **given}

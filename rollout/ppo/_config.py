@@ -90,6 +90,25 @@ ENV_ALIASES = {
 }
 
 
+def canonical_env_kwargs(value: Any) -> Any:
+    """One text per set of make kwargs, so that a run's identity does not depend on spacing or
+    key order: a dict, or a string holding a JSON object, -> sorted compact JSON (``''`` for
+    none). Anything else passes through for ``validate`` to name.
+
+    >>> canonical_env_kwargs('{"b": 1,  "a": true}'), canonical_env_kwargs({})
+    ('{"a": true, "b": 1}', '')
+    """
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError:
+            return value
+        value = parsed if isinstance(parsed, dict) else value
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True) if value else ""
+    return value
+
+
 def canonical_env(name: str) -> str:
     """``'CartPole-v1'`` -> ``'cartpole'``; unknown names pass through (checked by ``validate``).
 
@@ -164,8 +183,8 @@ class PPOConfig:
     def for_env(cls, env: str = "cartpole", **overrides: Any) -> PPOConfig:
         """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``), then ``overrides``."""
         name = canonical_env(env)
-        if isinstance(overrides.get("env_kwargs"), dict):
-            overrides["env_kwargs"] = json.dumps(overrides["env_kwargs"], sort_keys=True)
+        if "env_kwargs" in overrides:
+            overrides["env_kwargs"] = canonical_env_kwargs(overrides["env_kwargs"])
         base = dict(_ENV_DEFAULTS.get(name, {}))
         if ":" in name:  # another library's id: defaults by action space (builds one env)
             from rollout.ppo._env import env_family

@@ -74,12 +74,14 @@ def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
     """``'image'`` (discrete actions on image observations, CleanRL's Atari defaults),
     ``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.
 
-    Builds the env once (for host envs: one instance in this process), so an unknown id or a
-    missing library is a ``ValueError`` here, before anything is compiled.
+    Builds the env once (for host envs: one instance in this process), so an unknown id, a
+    missing library or spaces the networks cannot take are a ``ValueError`` here, before
+    anything is compiled.
     """
     from rollout.envs import Discrete
 
     env = make_env(name, kwargs)
+    spec_of(env)  # raises for observation / action shapes the PPO networks do not support
     if not isinstance(env.action_space, Discrete):
         return "continuous"
     return "image" if len(env.observation_space.shape) == 3 else "discrete"
@@ -164,7 +166,10 @@ def spec_of(env: Any) -> EnvSpec:
     if isinstance(space, Discrete):
         return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
     if tuple(space.shape) != (int(np.prod(space.shape)),):
-        raise ValueError(f"only flat continuous action boxes are supported, got {space.shape}")
+        raise ValueError(
+            f"{name}: continuous actions of shape {tuple(space.shape)} are not supported: the "
+            "policy outputs a flat vector [D]; flatten the action box in the env."
+        )
     # Per dimension: an infinite bound clips nothing on its side, the finite ones still clip.
     low, high = space.low_array(), space.high_array()
     low = None if np.all(low == -np.inf) else low
