@@ -170,6 +170,19 @@ def check_inputs(
             check_shared(arg, n, f"{what} {pos}", shared_fix)
 
 
+def check_shared_kwargs(kwargs: Mapping[str, Any], n: int) -> None:
+    """Keyword inputs of a member call are shared by all members (both adapters): refuses one
+    laid out one slice per member, like a shared positional input."""
+    for name in sorted(kwargs):
+        check_shared(
+            kwargs[name],
+            n,
+            f"keyword input {name!r}",
+            "Keyword inputs are shared by all members: pass per-member data as a positional "
+            "input, with in_axes=0 at its position.",
+        )
+
+
 def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
     """Refuses a shared input (every member sees all of it) that is laid out one slice per
     member: a leading axis of n split over the member devices. Such an array is almost surely
@@ -189,6 +202,20 @@ def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
                 f"leading axis of n={n} split over the {MEMBER_AXIS!r} devices, one slice per "
                 f"member. {hint}"
             )
+
+
+def check_not_donated(batch: Sequence[Any], donated: Any, donated_what: str) -> None:
+    """Refuses a batch argument that is one of the arrays the same call donates: XLA would read
+    a buffer while overwriting it (a crash inside XLA on the CPU backend, not an error)."""
+    ids = {id(x) for x in jax.tree_util.tree_leaves(donated) if isinstance(x, jax.Array)}
+    for pos, arg in enumerate(batch):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+            if isinstance(leaf, jax.Array) and id(leaf) in ids:
+                raise ValueError(
+                    f"batch argument {pos}{jax.tree_util.keystr(path)} is also one of the "
+                    f"{donated_what} arrays this step donates (overwrites in place); pass a "
+                    "copy made once before the loop, e.g. anchor = jax.tree.map(jnp.copy, params)."
+                )
 
 
 def check_live(tree: Any, what: str) -> None:

@@ -35,6 +35,7 @@ from ensemble._core import (
     check_inputs,
     check_live,
     check_member_major,
+    check_shared_kwargs,
     split_kwargs,
     stream_keys,
 )
@@ -257,6 +258,7 @@ class LinenEnsemble:
         """
         self._check_variables(variables)
         axes = self._check_args(args)
+        check_shared_kwargs(kwargs, self.n)
         if rngs is not None and not isinstance(rngs, Mapping):
             raise TypeError(
                 "rngs= must be a dict of keys per stream, e.g. {'dropout': jax.random.key(0)}; "

@@ -42,6 +42,8 @@ from ensemble._core import (
     check_in_axes,
     check_inputs,
     check_live,
+    check_not_donated,
+    check_shared_kwargs,
 )
 from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
@@ -146,7 +148,7 @@ class NNXEnsemble(nnx.Module):
         if not _tracing(args, kwargs, nnx.state(self.members)):
             split = _split_static(args, kwargs)
             if split is not None:
-                self._check_inputs(args, self.in_axes)
+                self._check_inputs(args, self.in_axes, kwargs)
                 dynamic, static = split
                 return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
@@ -218,10 +220,13 @@ class NNXEnsemble(nnx.Module):
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _check_inputs(self, args: tuple[Any, ...], in_axes: InAxes) -> None:
+    def _check_inputs(
+        self, args: tuple[Any, ...], in_axes: InAxes, kwargs: Mapping[str, Any]
+    ) -> None:
         axes = arg_axes(in_axes, len(args))
         axes = tuple(ax if _is_array_tree(x) else None for x, ax in zip(args, axes))
         check_inputs(args, axes, self.n, "input", *INPUT_FIXES)
+        check_shared_kwargs(kwargs, self.n)
 
     def _map(
         self,
@@ -231,11 +236,10 @@ class NNXEnsemble(nnx.Module):
         in_axes: InAxes,
     ) -> Any:
         axes = arg_axes(in_axes, len(args))
-        kw_axis = in_axes if isinstance(in_axes, int) else None
         kw_names = sorted(kwargs)
         inputs = (*args, *(kwargs[k] for k in kw_names))
-        input_axes = (*axes, *(kw_axis for _ in kw_names))
-        self._check_inputs(args, in_axes)
+        input_axes = (*axes, *(None for _ in kw_names))  # keyword inputs: shared, as in linen
+        self._check_inputs(args, in_axes, kwargs)
         traced, rebuild, traced_axes = _split_inputs(inputs, input_axes, self.n)
         graphdef, state = nnx.split(self.members)
         check_live(state, "ensemble state ")
@@ -659,6 +663,7 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
+        check_not_donated(batch, (ens_state, opt_state), "ensemble / optimizer state")
         out, new_ens, new_opt = self._jitted(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)

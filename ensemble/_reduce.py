@@ -60,9 +60,10 @@ def disagreement(logits: jax.Array) -> jax.Array:
     """Per example, the fraction of members whose top class differs from the ensemble's.
 
     ``logits`` are ``[n, ..., classes]``. The ensemble's top class is the argmax of the mean of
-    the members' softmax probabilities; the result (shape ``[...]``, values in ``[0, 1)`` up to
-    ``(n-1)/n``) is the fraction of members whose own argmax is a different class. 0 means all
-    members agree with the ensemble.
+    the members' softmax probabilities; the result (shape ``[...]``, values in ``[0, 1]``) is
+    the fraction of members whose own argmax is a different class. 0 means all members agree
+    with the ensemble; 1 is possible when the mean's top class is no member's own (probabilities
+    (.5, .05, .45) and (.05, .5, .45) average to a top class 2 that neither picks).
 
     Example:
       >>> import jax.numpy as jnp

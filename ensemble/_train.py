@@ -33,7 +33,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ensemble._core import BATCH_FIXES, Members, check_inputs, check_live, check_member_major
+from ensemble._core import (
+    BATCH_FIXES,
+    Members,
+    check_inputs,
+    check_live,
+    check_member_major,
+    check_not_donated,
+)
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
 from ensemble._optim import as_transformation, per_member
 
@@ -150,6 +157,7 @@ class TrainStep:
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
         check_inputs(batch, axes, self.n, "batch argument", *BATCH_FIXES)
+        check_not_donated(batch, (params, opt_state), "params / opt_state")
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
         s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
         key = (

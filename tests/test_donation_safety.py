@@ -1,4 +1,5 @@
-"""Reusing donated arrays is a Python error naming the argument, never a crash; bad devices too.
+"""Reusing donated arrays, or passing them also as a batch argument of the same step, is a
+Python error naming the argument, never a crash; bad devices too.
 
 On several CPU devices jaxlib can crash the whole process (SIGSEGV) when a jitted program is
 called on a buffer already donated; the checks run in a subprocess so a regression fails this
@@ -32,7 +33,22 @@ SCRIPT = textwrap.dedent(
     params = variables["params"]
     opt_state = step.init(params)
     new_params, opt_state, _ = step(params, opt_state, x)
-    for call in (lambda: ens.apply(variables, x), lambda: step(params, opt_state, x)):
+    # The same arrays as donated state and as a batch argument of one call (an L2 anchor).
+    l2 = lambda p, x, a: sum(jnp.sum((u - v) ** 2) for u, v in zip(jax.tree.leaves(p),
+                                                                    jax.tree.leaves(a)))
+    anchored = ens.train_step(l2, optax.sgd(0.1), per_member_batch=(False, True))
+    anchored_state = anchored.init(new_params)
+    from flax import nnx
+    nens = ensemble.build(lambda r: nnx.Linear(3, 1, rngs=r), 2, rngs=0)
+    nstep = nens.train_step(lambda m, x, w: jnp.sum((m.kernel[...] - w) ** 2), optax.sgd(0.1),
+                            per_member_batch=(False, True))
+    nopt = nstep.init()
+    for call in (
+        lambda: ens.apply(variables, x),
+        lambda: step(params, opt_state, x),
+        lambda: anchored(new_params, anchored_state, x, new_params),
+        lambda: nstep(nens, nopt, x, nens.members.kernel[...]),
+    ):
         try:
             call()
         except ValueError as e:
@@ -49,9 +65,11 @@ def test_donated_arrays_reused_raise_a_clear_error():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     errors = [line for line in out.stdout.splitlines() if line.startswith("ValueError")]
-    assert len(errors) == 2, out.stdout
+    assert len(errors) == 4, out.stdout
     assert "variables leaf ['params']" in errors[0] and "donated" in errors[0]
     assert "params['bias']" in errors[1] or "params['kernel']" in errors[1]
+    assert "batch argument 1['bias'] is also one of the params / opt_state arrays" in errors[2]
+    assert "batch argument 1 is also one of the ensemble / optimizer state arrays" in errors[3]
     assert "apply with the returned params: (2, 4, 1)" in out.stdout
 
 

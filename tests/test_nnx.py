@@ -398,10 +398,33 @@ def test_bad_inputs(ens8):
         nnx_optimizer(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
 
 
+class _Scaled(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(5, D, rngs=rngs)
+
+    def __call__(self, x, *, scale):
+        return self.linear(x) * scale
+
+
+def test_keyword_inputs_are_shared_whatever_in_axes():
+    """A keyword array is shared by all members, as documented (and as in linen), also for an
+    ensemble built with ``in_axes=0`` and an array whose leading axis happens to be n."""
+    xs = jax.random.normal(jax.random.key(1), (D, 3, 5))
+    scale = jnp.arange(1.0, D + 1.0)  # one factor per output feature: shape (n,), by chance
+    for in_axes in (0, (0,)):
+        ens = ensemble.build(_Scaled, D, in_axes=in_axes, rngs=0)
+        out = np.asarray(ens(xs, scale=scale))
+        for i in range(D):
+            want = np.asarray(ens.member(i)(xs[i], scale=scale))
+            np.testing.assert_allclose(out[i], want, rtol=1e-6, atol=1e-6)
+
+
 def test_per_member_data_marked_shared_is_refused(ens8):
     xs = ensemble.sharding.shard_members(jnp.ones((D, 4, 3)), ens8.mesh, D)
     with pytest.raises(ValueError, match=r"input 0 is shared .* in_axes=0"):
         ens8(xs)
+    with pytest.raises(ValueError, match=r"keyword input 'x' is shared .* positional"):
+        ens8(x=xs)
     step = ens8.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"batch argument 0 is shared .* per_member_batch=True"):
         step(ens8, step.init(), xs)

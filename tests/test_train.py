@@ -282,6 +282,8 @@ def test_per_member_data_marked_shared_is_refused():
     xs = ensemble.sharding.shard_members(jnp.ones((n, 4, 3)), ens.mesh, n)
     with pytest.raises(ValueError, match=r"input 0 is shared .* in_axes=0"):
         ens.apply({"params": params}, xs)
+    with pytest.raises(ValueError, match=r"keyword input 'inputs' is shared .* positional"):
+        ens.apply({"params": params}, inputs=xs)
     # Marked per-member, the same targets are accepted.
     per_member = ensemble.train_step(
         mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=(False, True)
