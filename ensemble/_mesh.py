@@ -121,6 +121,13 @@ def check_mesh(mesh: Mesh, n: int) -> Mesh:
             f"mesh axes {mesh.axis_names} have no {MEMBER_AXIS!r} axis to put members on; "
             "build one with ensemble.make_mesh(n)."
         )
+    missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} lack {missing}: an ensemble mesh has the axes "
+            f"{MESH_AXES} (size 1 where unused); build one with ensemble.make_mesh(n), or "
+            f"Mesh(devices.reshape(-1, 1, 1), {MESH_AXES})."
+        )
     size = mesh.shape[MEMBER_AXIS]
     if n % size:
         raise ValueError(

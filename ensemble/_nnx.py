@@ -469,7 +469,10 @@ def _plan(
         )
         return vmapped(members.split_keys(keys)[0])
 
-    with partitioning(members.mesh, members.rules):
+    # Traced with no mesh: Flax would check each annotation against the mesh and refuse a
+    # name that no rule maps; _member_shardings maps every name through the rules instead
+    # (unmapped ones to replicated, with a warning where that drops a split).
+    with nnx.use_eager_sharding(False):
         graphdef, abstract = nnx.split(nnx.eval_shape(create, keys))
     _warn_unmapped_nnx(abstract, members)
     shardings = _member_shardings(abstract, members.mesh, n, members.rules)

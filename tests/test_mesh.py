@@ -29,6 +29,9 @@ def test_make_mesh_uses_given_devices():
     mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
     assert mesh.shape == {"ensemble": 2, "data": 1, "model": 1}
     assert set(mesh.devices.flat) == set(jax.devices()[:2])
+    flat = jax.sharding.Mesh(np.array(jax.devices()), ("ensemble",))  # no 'data', 'model'
+    with pytest.raises(ValueError, match=r"lack \['data', 'model'\]: .* ensemble.make_mesh"):
+        ensemble.build(__import__("flax.linen").linen.Dense(2), 8, mesh=flat)
 
 
 def test_shard_members_places_each_member_on_its_device():
@@ -70,3 +73,28 @@ def test_unmapped_annotation_warns_only_when_a_split_is_dropped():
     # A member spans 2 devices: 'vocab' unmapped means those devices each hold it whole.
     with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices"):
         ensemble.build(model, 4, rules=[("hidden", None)]).init(jax.random.key(0), x)
+
+
+def test_nnx_unmapped_annotation_is_replicated_like_linen():
+    """NNX annotations (``nnx.with_partitioning``) go through the same rules: a name no rule
+    maps is replicated, with the same warning where a member spans several devices."""
+    import warnings
+
+    from flax import nnx
+
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("vocab", "hidden"))
+    factory = lambda rngs: nnx.Linear(4, 8, kernel_init=init, rngs=rngs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ens = ensemble.build(factory, 8, rules=[("hidden", None)], rngs=0)
+    kernel = ens.members.kernel[...]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 4, 8)}
+    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices"):
+        ens = ensemble.build(factory, 4, rules=[("hidden", None)], rngs=0)
+    kernel = ens.members.kernel[...]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 4, 8)}  # whole per device
+    keys = jax.random.split(jax.random.key(0), 4)
+    for i in (0, 3):  # the plain factory with member i's key
+        with nnx.use_eager_sharding(False):
+            plain = factory(nnx.Rngs(default=keys[i]))
+        np.testing.assert_array_equal(ens.member(i).kernel[...], plain.kernel[...])
