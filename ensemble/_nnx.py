@@ -143,6 +143,9 @@ class NNXEnsemble(nnx.Module):
 
         Called eagerly, the whole ensemble call is compiled once (``nnx.jit``; array inputs are
         traced, other inputs are static). Inside ``nnx.jit`` / ``nnx.grad`` it simply traces.
+        Only the Variables the call changes are written back (BatchNorm statistics, rng
+        counts), so, like a plain module, an ensemble whose call changes none (eval mode) also
+        works closed over by ``jax.jit`` or ``jax.grad``.
         """
         args, kwargs = _take_rngs((args, kwargs))
         if not _tracing(args, kwargs, nnx.state(self.members)):
@@ -244,13 +247,16 @@ class NNXEnsemble(nnx.Module):
         graphdef, state = nnx.split(self.members)
         check_live(state, "ensemble state ")
         member_def = _member_treedef(state)
+        changed: list[bool] = []  # per state leaf: did fn set it (known while tracing)
 
         def one(state_leaves, *traced_inputs):
             with nnx.use_eager_sharding(False):  # as in the creation: no partly manual mesh
                 module = nnx.merge(graphdef, jax.tree.unflatten(member_def, state_leaves))
                 full = rebuild(traced_inputs)
                 out = fn(module, *full[: len(args)], **dict(zip(kw_names, full[len(args) :])))
-                return out, jax.tree.leaves(nnx.state(module))
+                new = jax.tree.leaves(nnx.state(module))
+                changed[:] = [a is not b for a, b in zip(new, state_leaves, strict=True)]
+                return out, [a for a, c in zip(new, changed) if c]
 
         out, new_leaves = self.runner.map(
             one,
@@ -258,8 +264,19 @@ class NNXEnsemble(nnx.Module):
             (0, *traced_axes),
             batched=(False, *(not isinstance(t, _MemberKeys) for t in traced)),
         )
-        nnx.update(self.members, jax.tree.unflatten(jax.tree.structure(state), new_leaves))
+        _write_back(self.members, state, changed, new_leaves)
         return out
+
+
+def _write_back(members: nnx.Module, state: Any, changed: list[bool], new: list[Any]) -> None:
+    """Sets only the Variables the call changed (BatchNorm statistics, rng counts): like a
+    plain module, an ensemble that only reads its parameters can be called inside
+    ``jax.jit`` / ``jax.grad`` (setting them from another trace level is an error in NNX)."""
+    flat = list(nnx.to_flat_state(state))
+    assert len(flat) == len(changed), (len(flat), len(changed))
+    paths = [path for (path, _), c in zip(flat, changed) if c]
+    if paths:
+        nnx.update(members, nnx.from_flat_state(list(zip(paths, new, strict=True))))
 
 
 def _call_module(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:

@@ -245,6 +245,21 @@ def test_value_and_grad_and_per_member_inputs(ens8):
     assert_on_member_axis(grads, ens8.mesh, D)
 
 
+def test_an_ensemble_that_only_reads_its_state_works_inside_jax_transforms(ens8):
+    """Like a plain NNX module: closed over by ``jax.jit`` or ``jax.grad`` (eval mode, so the
+    call changes no Variable), the ensemble computes each member's own function."""
+    ens8.eval()
+    x = jax.random.normal(jax.random.key(3), (4, 3))
+    jitted = np.asarray(jax.jit(lambda x: ens8(x))(x))
+    grad = np.asarray(jax.grad(lambda x: jnp.sum(ens8(x) ** 2))(x))
+    want_grad = np.zeros_like(grad)
+    for i in range(D):
+        member = ens8.member(i)
+        np.testing.assert_allclose(jitted[i], member(x), rtol=1e-5, atol=1e-6)
+        want_grad += np.asarray(jax.grad(lambda x, m=member: jnp.sum(m(x) ** 2))(x))
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
 # -- optimizer and training ------------------------------------------------------------------------
 
 
