@@ -20,7 +20,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -42,6 +41,7 @@ from ensemble._core import (
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    member_index,
     member_pspec,
     merge_rules,
     resolve_mesh,
@@ -332,9 +332,7 @@ class LinenEnsemble:
           (1, 3)
         """
         self._check_variables(variables)
-        if not isinstance(i, int | np.integer) or not -self.n <= i < self.n:
-            raise IndexError(f"member index {i!r} out of range for n={self.n} members.")
-        return take_member(dict(variables), int(i), self.mesh, self.n)
+        return take_member(dict(variables), member_index(i, self.n), self.mesh, self.n)
 
     # ------------------------------------------------------------------ checks
 

@@ -112,6 +112,18 @@ def make_mesh(
     )
 
 
+def member_index(i: Any, n: int) -> int:
+    """``i`` checked as an index of one of n members (negative counts from the end)."""
+    if not isinstance(i, int | np.integer) or isinstance(i, bool):
+        raise TypeError(f"member index must be an int, got {i!r} ({type(i).__name__}).")
+    if not -n <= i < n:
+        raise IndexError(
+            f"member index {i} out of range for n={n} members: use one in [0, {n}) (or "
+            "negative, counting from the end)."
+        )
+    return int(i)
+
+
 def check_mesh(mesh: Mesh, n: int) -> Mesh:
     """Validates a user-given mesh for n members; returns it unchanged."""
     if not isinstance(mesh, Mesh):

@@ -19,6 +19,7 @@ members.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -49,6 +50,7 @@ from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    member_index,
     member_sharding,
     merge_rules,
     partitioning,
@@ -188,12 +190,10 @@ class NNXEnsemble(nnx.Module):
           >>> np.allclose(ens.member(1)(jnp.ones(3)), ens(jnp.ones(3))[1])
           True
         """
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not -self.n <= i < self.n:
-            raise IndexError(f"member index must be an integer in [0, {self.n}), got {i!r}.")
+        i = member_index(i, self.n) % self.n
         graphdef, state = nnx.split(self.members)
         # tree.map builds new Variables, so stripping the member axis from their sharding
         # metadata below leaves the ensemble's own Variables untouched.
-        i = int(i) % self.n
         state = take_member(state, i, self.mesh, self.n)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         return nnx.merge(graphdef, state)
@@ -561,6 +561,15 @@ def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx
             "nnx.Module subclass as factory; for other callables bind them yourself "
             "(functools.partial or a lambda)."
         )
+    try:
+        inspect.signature(factory).bind(nnx.Rngs(0))
+    except TypeError:
+        raise TypeError(
+            "the factory is called with one argument, the member's nnx.Rngs; take it and pass "
+            "it on, e.g. lambda rngs: nnx.Linear(3, 4, rngs=rngs)."
+        ) from None
+    except ValueError:  # no signature to read (some builtins): the call itself will tell
+        pass
     return factory
 
 

@@ -60,19 +60,8 @@ def per_member(
         _check_member_axis(params, n)
         state = jax.vmap(tx.init, spmd_axis_name=MEMBER_AXIS)(params)
         if values:
-            found = {k for k, _ in optax.tree_utils.tree_get_all_with_path(state, "hyperparams")}
-            if not found:
-                raise ValueError(
-                    f"per-member hyperparameters {sorted(values)} need a transform made with "
-                    "optax.inject_hyperparams(...), whose state holds them; tx has none."
-                )
-            try:
-                state = optax.tree_utils.tree_set(state, **values)
-            except KeyError as e:
-                raise ValueError(
-                    f"tx's injected hyperparameters do not include {e}; "
-                    f"per-member values were given for {sorted(values)}."
-                ) from None
+            _check_injected(state, sorted(values))
+            state = optax.tree_utils.tree_set(state, **values)
         return state
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
@@ -83,6 +72,30 @@ def per_member(
         return jax.vmap(tx.update, spmd_axis_name=MEMBER_AXIS)(updates, state, params)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_injected(state: Any, names: list[str]) -> None:
+    """Per-member values need numeric hyperparameters of ``optax.inject_hyperparams``."""
+    get = optax.tree_utils.tree_get_all_with_path
+    injected = {k for _, hp in get(state, "hyperparams") for k in hp}
+    if not injected:
+        raise ValueError(
+            f"per-member hyperparameters {names} need a transform made with "
+            "optax.inject_hyperparams(...), whose state holds them; tx has none."
+        )
+    unknown = [k for k in names if k not in injected]
+    if unknown:
+        raise ValueError(
+            f"per-member values were given for {unknown}, which tx does not inject (its "
+            f"injected hyperparameters: {sorted(injected)})."
+        )
+    scheduled = sorted({k for _, hs in get(state, "hyperparams_states") for k in hs} & set(names))
+    if scheduled:
+        raise ValueError(
+            f"hyperparameters {scheduled} of tx are schedules, and per-member values can only "
+            "replace numbers: give inject_hyperparams a number for them, or keep the schedule "
+            "(one for all members) and give no per-member values for them."
+        )
 
 
 def _check_member_axis(tree: Any, n: int) -> None:

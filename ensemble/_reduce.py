@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ensemble._mesh import MEMBER_AXIS, take_member
+from ensemble._mesh import MEMBER_AXIS, member_index, take_member
 
 
 def mean(y: jax.Array) -> jax.Array:
@@ -93,8 +93,6 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
       >>> member({"params": {"w": jnp.arange(6).reshape(3, 2)}}, 1)["params"]["w"]
       Array([2, 3], dtype=int32)
     """
-    if not isinstance(i, int | np.integer) or isinstance(i, bool):
-        raise TypeError(f"member index must be an int, got {type(i).__name__}.")
     from ensemble._linen import LinenEnsemble
 
     if isinstance(tree_or_ensemble, LinenEnsemble):
@@ -116,8 +114,7 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
                 f"leaf {jax.tree_util.keystr(path)} has shape {shape}; member() needs every leaf "
                 f"to share a leading member axis (first leaf has {n})."
             )
-    if not -n <= i < n:
-        raise IndexError(f"member index {i} out of range for n={n} members.")
+    i = member_index(i, n)
     # Leaves split over an ensemble mesh's member axis keep member i on its devices; the rest
     # (host arrays, other layouts) are a[i].
     meshes = [getattr(getattr(a, "sharding", None), "mesh", None) for _, a in leaves]

@@ -135,6 +135,9 @@ def test_per_member_inputs_and_shape_errors():
         ens.apply(variables, xs, rngs=jax.random.key(0))
     with pytest.raises(IndexError, match="out of range"):
         ens.member(variables, n)
+    for not_an_index in (1.0, True):  # a bool is an int to Python, not a member to anyone
+        with pytest.raises(TypeError, match="member index must be an int"):
+            ens.member(variables, not_an_index)
     with pytest.raises(ValueError, match="in_axes must be None"):
         ensemble.build(MLP(), n, in_axes=1)
     # Its train step takes per-member batches too: member i's loss is on slice i of host data

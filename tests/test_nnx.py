@@ -392,6 +392,8 @@ def test_factory_errors():
         build_nnx(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), D)
     with pytest.raises(TypeError, match="callable"):
         build_nnx("Linear", D)
+    with pytest.raises(TypeError, match=r"called with one argument, the member's nnx\.Rngs"):
+        build_nnx(lambda: nnx.Linear(3, 1, rngs=nnx.Rngs(0)), D)
     with pytest.raises(TypeError, match=r"only accepted with an nnx\.Module subclass"):
         build_nnx(linear, D, in_features=3)
     with pytest.raises(TypeError, match="must be one key"):
@@ -409,6 +411,8 @@ def test_bad_inputs(ens8):
         ens8(jnp.ones((4, 3)))
     with pytest.raises(IndexError, match=r"\[0, 8\)"):
         ens8.member(8)
+    with pytest.raises(TypeError, match="member index must be an int"):
+        ens8.member(1.0)
     with pytest.raises(TypeError, match="NNXEnsemble"):
         nnx_optimizer(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1))
 

@@ -235,6 +235,21 @@ def test_train_step_errors():
             mesh=ens.mesh,
             hyperparams={"learning_rate": [0.1, 0.2]},
         )
+    # Names tx does not inject, and schedules (whose state a number would overwrite).
+    for hp, match in [
+        (0.1, r"given for \['lr'\], which tx does not inject .*\['learning_rate'\]"),
+        (optax.constant_schedule(0.1), r"\['lr'\]"),
+    ]:
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=hp)
+        step = ensemble.train_step(mse, tx, n=n, mesh=ens.mesh, hyperparams={"lr": [0.1] * n})
+        with pytest.raises(ValueError, match=match):
+            step.init(params)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(0.1))
+    step = ensemble.train_step(
+        mse, tx, n=n, mesh=ens.mesh, hyperparams={"learning_rate": [0.1] * n}
+    )
+    with pytest.raises(ValueError, match=r"\['learning_rate'\] of tx are schedules"):
+        step.init(params)
 
 
 def test_step_peak_per_device_falls_with_devices():
