@@ -293,6 +293,21 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
         f"error: {run} is a training run, not an export: export it "
         f"(python -m rollout.ppo.export {run}), then evaluate {run / 'export'}."
     )
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    for argv, message in [
+        (
+            ["--to", str(a_file)],
+            f"error: {a_file} is a file; export to a directory (another --to).",
+        ),
+        (
+            ["--members", "1,1"],
+            "error: members [1] are given more than once; list each member once.",
+        ),
+    ]:
+        assert export.main([str(run), *argv]) == 2
+        assert capsys.readouterr().err.strip() == message
+    assert a_file.read_text() == "keep"
     assert export.main([str(run), "--to", str(tmp_path / "cli"), "--members", "1,3"]) == 0
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / "cli" / f"member_{i}") for i in (1, 3)]

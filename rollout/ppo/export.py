@@ -129,12 +129,23 @@ def export_from_state(
     return _export(config, spec, envlib.normalize_obs(config, spec), state, directory, members)
 
 
-def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
-    n = config.members
+def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike) -> list[int]:
+    """The members to export, checked (range, repeats) with the destination, before any work."""
     chosen = list(range(n)) if members is None else [int(i) for i in members]
     for i in chosen:
         if not 0 <= i < n:
             raise IndexError(f"member {i} out of range for members={n}.")
+    repeated = sorted({i for i in chosen if chosen.count(i) > 1})
+    if repeated:
+        raise ValueError(f"members {repeated} are given more than once; list each member once.")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"{directory} is a file; export to a directory (another --to).")
+    return chosen
+
+
+def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
+    n = config.members
+    chosen = _chosen(members, n, directory)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     env_steps = int(jax.device_get(state.update)) * config.batch_size
@@ -466,6 +477,7 @@ def export_run(
         raise NotAnExport(f"{run / ckpt.RUN_FILE} holds no usable config ({e}).") from None
     learner = Learner(config, devices=devices)
     try:
+        _chosen(members, config.members, directory or run / "export")  # before the restore
         like = ckpt.restore_targets(learner)
         warn = lambda line: print(line, file=sys.stderr)
         try:
