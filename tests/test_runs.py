@@ -116,13 +116,16 @@ def test_fresh_run_refuses_a_dir_with_another_run_and_resume_never_mixes_runs(tm
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".lock"]  # no leftovers
 
 
-def test_a_run_dir_has_one_writer_at_a_time(tmp_path):
+def test_a_run_dir_has_one_writer_at_a_time(tmp_path, capsys):
     out = tmp_path / "run"
     _run(_tiny(), out)
     held = ckpt.lock(out)  # as a run still going in another process would
     try:
         with pytest.raises(ckpt.RunDirError, match=r"in use by another running process"):
             _run(_tiny(), out, resume=True)
+        # The CLI says so in its one line, before its banner or any compile.
+        line = _cli_error(["--out", str(out), "--resume"], capsys)
+        assert "in use by another running process" in line
     finally:
         held.close()
     _run(_tiny(), out, resume=True)  # free again

@@ -107,6 +107,14 @@ def check_writable(out: str | os.PathLike) -> None:
         ) from e
 
 
+def check_unlocked(out: str | os.PathLike) -> None:
+    """Refuses, before anything starts, an ``out`` that another running process has locked
+    (``lock`` itself refuses too: this only says so before the run prints or builds anything)."""
+    path = Path(out) / LOCK_FILE
+    if path.is_file():
+        lock(Path(out)).close()  # taken and released at once
+
+
 def lock(out: Path) -> Any:
     """An exclusive lock on ``out`` while a run writes there; refuses if another process has it.
 

@@ -675,6 +675,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     else:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
+    ckpt.check_unlocked(args.out)
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
