@@ -348,3 +348,9 @@ def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert export.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    # Argument mistakes too (argparse's own usage + error would be two lines).
+    for main, argv in [(export.main, ["--bogus"]), (evaluate.main, ["x", "--episodes", "y"])]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err

@@ -24,6 +24,7 @@ from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError
 from rollout.ppo._config import canonical_env, canonical_env_kwargs
+from rollout.ppo._parser import OneLineParser
 
 
 def cpu_devices_for(members: int, cores: int) -> int:
@@ -426,13 +427,6 @@ class UsageError(ValueError):
     """A mistake on the command line: reported in one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a mistake in one line (not usage + error) and exits 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"error: {message} (see python -m rollout.ppo --help)\n")
-
-
 def _floats(text: str) -> float | tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.replace(",", " ").split())
@@ -468,7 +462,7 @@ _CONFIG_FLAGS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m rollout.ppo",
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
         epilog="--resume takes the config from the run in --out; only --total-steps may grow.",

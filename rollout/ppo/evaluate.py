@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from rollout.ppo._parser import OneLineParser
+
 Policy = Callable[[Any], Any]
 
 
@@ -218,7 +220,7 @@ def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m rollout.ppo.evaluate",
         description="Deterministic episodes of exported PPO members and of their ensemble.",
     )

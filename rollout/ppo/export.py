@@ -491,9 +491,9 @@ def export_run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rollout.ppo.export RUN_DIR [--to DIR] [--members 0,2]``; 2 on bad input."""
-    import argparse
+    from rollout.ppo._parser import OneLineParser
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m rollout.ppo.export",
         description="Export trained members of a run (its newest checkpoint) for inference.",
     )
