@@ -138,7 +138,21 @@ def _check_concrete(path: str, leaf: Any) -> str | None:
         )
     if not isinstance(leaf, jax.Array):
         return f"{path}: {_sharding_str(leaf)}, shape {np.shape(leaf)}"
+    if leaf.is_deleted():
+        return f"{path}: donated to an earlier step (deleted); check the arrays it returned"
     return None
+
+
+def _none_checked(tree: Any, n: int | None) -> None:
+    """An assertion that skips leaves without a leading n must not pass having checked none."""
+    if n is None:
+        raise AssertionError("the tree has no leaves, so no member placement to check.")
+    leading = sorted({np.shape(leaf)[0] for _, leaf in _leaves(tree) if np.shape(leaf)})
+    raise AssertionError(
+        f"no leaf of the tree has a leading member axis of n={n} (leading sizes: "
+        f"{leading or 'none, the tree has no arrays'}), so nothing was checked; pass the "
+        "number of members (not of devices) and the member-major state."
+    )
 
 
 @_chex_style
@@ -190,8 +204,8 @@ def assert_member_placement(tree: Any, mesh: Mesh, n: int | None = None) -> None
       tree: any pytree of ``jax.Array`` (or an ``nnx.Module``).
       mesh: the ensemble's mesh (``ensemble.make_mesh`` or the one given to ``build``).
       n: number of members. If given, only leaves with leading axis ``n`` are checked (others,
-        like a shared step counter, are skipped); if ``None``, every leaf must be member-major
-        and ``n`` is read from the leaves.
+        like a shared step counter, are skipped; a tree with no such leaf fails); if ``None``,
+        every leaf must be member-major and ``n`` is read from the leaves.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -210,11 +224,12 @@ def assert_member_placement(tree: Any, mesh: Mesh, n: int | None = None) -> None
     block_devices = [
         {d for d in np.take(mesh.devices, e, axis=axis).flat if d in local} for e in range(blocks)
     ]
-    problems = []
+    problems, checked = [], 0
     for path, leaf in _leaves(tree):
         shape = tuple(np.shape(leaf))
         if n is not None and (not shape or shape[0] != n):
             continue  # not member-major: not this assertion's business
+        checked += 1
         if not shape:
             problems.append(f"{path}: scalar, no member axis (pass n= to skip shared leaves)")
             continue
@@ -246,6 +261,8 @@ def assert_member_placement(tree: Any, mesh: Mesh, n: int | None = None) -> None
             problems.append(
                 f"{path}: shape {shape}, {_sharding_str(leaf)}: " + "; ".join(wrong[:3]) + more
             )
+    if not checked:
+        _none_checked(tree, n)
     _fail(
         problems,
         "not placed member by member as the mesh's 'ensemble' axis assigns",
@@ -264,7 +281,9 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     unannotated parameters (a default bias) that logical partitioning leaves as ``P()``.
     A leaf fails if some device holds all n members' rows, unless the ensemble is meant to
     fit on one device: ``n == 1``, a single device in total, or a ``mesh`` whose
-    ``'ensemble'`` axis has size 1. Leaves without a leading n are skipped.
+    ``'ensemble'`` axis has size 1. Leaves without a leading n are skipped, but a tree with no
+    such leaf fails (nothing would be checked: often n given as the device count), and so does
+    a donated (deleted) array.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -286,11 +305,12 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
             return
     elif jax.device_count() == 1:
         return
-    problems = []
+    problems, checked = [], 0
     for path, leaf in _leaves(tree):
         shape = tuple(np.shape(leaf))
         if not shape or shape[0] != n:
             continue
+        checked += 1
         if (msg := _check_concrete(path, leaf)) is not None:
             problems.append(msg)
             continue
@@ -300,6 +320,8 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
                 f"{path}: shape {shape}, {_sharding_str(leaf)}; all {n} members held whole by "
                 f"{_devices_str(whole)}"
             )
+    if not checked:
+        _none_checked(tree, n)
     _fail(
         problems,
         "member-shaped but not split over devices (replicated or on one device)",

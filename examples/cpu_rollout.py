@@ -90,6 +90,11 @@ def main(argv=None) -> None:
             f"--batch {args.batch} must be a multiple of the {len(devices)} devices it is split "
             "over"
         )
+    if args.executor == "inprocess" and devices[0].platform == "cpu" and len(devices) > 1:
+        ap.error(
+            f"--executor inprocess cannot serve a step over {len(devices)} CPU devices (it "
+            "would deadlock); use --executor process (or auto)"
+        )
     mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     print(

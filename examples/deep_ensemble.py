@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,10 @@ class Config:
             out.append(f"--val-fraction must be 0 or in [0.05, 0.5], got {self.val_fraction}")
         if self.devices < 0:
             out.append(f"--devices must be >= 0, got {self.devices}")
+        if not 0 <= self.seed < 2**32:  # scikit-learn's random_state range
+            out.append(f"--seed must be in [0, 2**32), got {self.seed}")
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            out.append(f"--out {self.out} is a file; give a folder")
         return out
 
 

@@ -250,7 +250,7 @@ def ensemble_way(args: argparse.Namespace, devices: list[jax.Device]) -> dict[st
     }
 
 
-def bias_specs(args: argparse.Namespace) -> dict[str, str]:
+def bias_specs(args: argparse.Namespace, devices: list[Any]) -> dict[str, str]:
     """Where a default (unannotated) bias goes: the reported logical route vs ensemble.build."""
     n = args.members
     x, _ = _data(args)
@@ -266,7 +266,7 @@ def bias_specs(args: argparse.Namespace) -> dict[str, str]:
     specs = nn.get_partition_spec(jax.eval_shape(vmapped.init, jax.random.PRNGKey(0), x))
     rules = (("ensemble", "model"), ("batch", "data"))
     naive = nn.logical_to_mesh(specs, rules)["params"]["Dense_0"]
-    ens = ensemble.build(MLP(features=args.hidden, use_bias=True), n, rules=RULES)
+    ens = ensemble.build(MLP(features=args.hidden, use_bias=True), n, rules=RULES, devices=devices)
     built = ens.init_shardings(jax.random.key(0), x)["params"]["Dense_0"]
     return {
         "naive kernel": str(naive["kernel"]),
@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not ds:
         parser.error(f"none of D={args.devices} fits {len(available)} devices / n={args.members}")
     out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
 
     start = time.perf_counter()
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"D={d} done ({time.perf_counter() - start:.1f} s)", flush=True)
 
     table = _table(results, ds)
-    specs = bias_specs(args)
+    specs = bias_specs(args, available[: max(ds)])
     print()
     print(table)
     print("\nUnannotated bias (use_bias=True): the reported logical route vs ensemble.build")

@@ -218,3 +218,28 @@ def test_nnx_metadata_is_not_placement():
         ensemble.assert_no_replicated_members(model, 8)
     with pytest.raises(AssertionError, match=r"\['bias'\]: .*member 0 should be on \{cpu:0\}"):
         ensemble.assert_member_placement(model, mesh)
+
+
+def test_an_assertion_that_checked_nothing_fails():
+    """n = the device count instead of the member count (16 members on 8 devices), an empty
+    tree, or donated arrays: the assertions say so instead of passing having checked nothing."""
+    mesh = ensemble.make_mesh(16)
+    replicated = jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P()))
+    for check in (
+        lambda t, n: ensemble.assert_no_replicated_members(t, n),
+        lambda t, n: ensemble.assert_member_placement(t, mesh, n),
+    ):
+        with pytest.raises(AssertionError, match=r"no leaf .* n=8 \(leading sizes: \[16\]\)"):
+            check({"w": replicated}, 8)
+        with pytest.raises(AssertionError, match=r"leading sizes: none, the tree has no arrays"):
+            check({}, 8)
+    with pytest.raises(AssertionError, match="the tree has no leaves"):
+        ensemble.assert_member_placement({}, mesh)
+    sharded = ensemble.shard_members(jnp.zeros((16, 4)), mesh, 16)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(sharded)
+    for check in (
+        lambda: ensemble.assert_no_replicated_members({"w": sharded}, 16),
+        lambda: ensemble.assert_member_placement({"w": sharded}, mesh, 16),
+    ):
+        with pytest.raises(AssertionError, match=r"\['w'\]: donated to an earlier step"):
+            check()

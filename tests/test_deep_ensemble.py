@@ -174,8 +174,12 @@ def test_early_stopping_keeps_each_members_best_epoch(de):
     assert min(trained.best_epoch) < 4, trained.val_nll
 
 
-def test_cli_rejects_bad_input(de, capsys):
+def test_cli_rejects_bad_input(de, capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
     for argv, message in [
+        (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+        (["--out", str(a_file)], f"--out {a_file} is a file"),
         (["--members", "0"], "--members must be >= 1"),
         (["--test-fraction", "0.9"], "--test-fraction must be in"),
         (["--model", "resnet"], "invalid choice"),

@@ -157,11 +157,17 @@ def test_memory_reduction_example_runs(tmp_path, monkeypatch, capsys):
     assert ens["step_alias"] > 0 and naive["step_alias"] == 0
     assert report["bias_specs"]["naive bias"] == "P()"
     assert {p.name for p in tmp_path.iterdir()} >= {"memory_reduction.json", "memory_reduction.png"}
-    for bad in (["--members", "0"], ["--devices", "0"]):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for bad, message in [
+        (["--members", "0"], "--members must be >= 1"),
+        (["--devices", "0"], "--devices must be >= 1"),
+        (["--out", str(a_file)], f"--out {a_file} is a file"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             module.main(["--out", str(tmp_path), *bad])
         assert exit_.value.code == 2
-        assert f"error: {bad[0]} must be >= 1" in capsys.readouterr().err
+        assert f"error: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.slow
