@@ -316,6 +316,9 @@ def test_make_names_and_errors():
         envs.make("MountainCar-v0")
     with pytest.raises(TypeError):
         envs.make("cartpole", not_a_field=1)
+    for limit in (0, -5, 2.5):  # every step would be truncated (or the limit never reached)
+        with pytest.raises(ValueError, match="max_episode_steps must be a positive int"):
+            envs.make("pendulum", max_episode_steps=limit)
     # envs are hashable static config: usable as a static jit argument
     assert hash(envs.make("cartpole")) == hash(envs.make("cartpole"))
 

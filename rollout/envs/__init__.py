@@ -52,6 +52,7 @@ The audio env, with synthesiser weights that the caller owns and may change ever
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from rollout.envs._audio import (
@@ -134,6 +135,9 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
         env: Env = AudioSynth.light(**kwargs)
     else:
         env = cls(**kwargs)
+    limit = env.max_episode_steps
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+        raise ValueError(f"{name}: max_episode_steps must be a positive int, got {limit!r}.")
     return AutoReset(env) if auto_reset else env
 
 
