@@ -33,6 +33,7 @@ above and a reachable coordinator address).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -152,6 +153,10 @@ def launch(
       ['[rank 0] 0', '[rank 1] 1']
     """
     command = _checked(command, num_processes, devices_per_process, port)
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}.")
+    if not (grace >= 0 and math.isfinite(grace)):
+        raise ValueError(f"grace must be a number of seconds >= 0, got {grace}.")
     run = _Run(_binary(stdout or sys.stdout), _binary(stderr or sys.stderr), grace)
     run.start(command, num_processes, port or free_port(), devices_per_process, env)
     return run.supervise(timeout)

@@ -83,6 +83,14 @@ def test_port_in_use_and_bad_port_in_the_api():
     assert not launcher.port_in_use(port)  # closed: free again
     with pytest.raises(ValueError, match=r"port must be in 1\.\.65535"):
         launcher.launch([sys.executable, "-c", "pass"], 1, port=70000)
+    for kw, match in [
+        ({"timeout": -5.0}, "timeout must be a positive number"),
+        ({"timeout": float("nan")}, "timeout must be a positive number"),
+        ({"grace": -1.0}, "grace must be a number of seconds >= 0"),
+        ({"grace": float("nan")}, "grace must be a number of seconds >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):  # before any process starts
+            launcher.launch([sys.executable, "-c", "pass"], 1, **kw)
 
 
 # Rank 1 fails with code 3 and ends at once; rank 0 notices the closed connection and ends 20 ms

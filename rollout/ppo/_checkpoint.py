@@ -364,6 +364,8 @@ def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any
     from ensemble.distributed import checkpoint_metadata, restore_checkpoint
 
     meta = checkpoint_metadata(path)
+    if meta.get("run_id") is None:
+        raise RunDirError("its metadata is unreadable or has no run id")
     if meta.get("run_id") != run_id:
         raise RunDirError(f"written by run {str(meta.get('run_id'))[:8]}, not this run")
     if _name(int(meta.get("update", -1))) != path.name:
