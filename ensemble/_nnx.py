@@ -562,7 +562,7 @@ def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx
             "(functools.partial or a lambda)."
         )
     try:
-        inspect.signature(factory).bind(nnx.Rngs(0))
+        inspect.signature(factory).bind(None)  # one positional argument: the rngs
     except TypeError:
         raise TypeError(
             "the factory is called with one argument, the member's nnx.Rngs; take it and pass "
