@@ -172,7 +172,7 @@ def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
     cfg = _tiny("cartpole", 4, total_steps=6 * 32, learning_rate=(1e-4, 3e-4, 1e-3, 3e-3))
     learner = Learner(cfg, devices=jax.devices()[:2])
     full, rows = train(cfg, tmp_path / "full", progress=False, learner=learner)
-    assert [("pbt_parent" in r) for r in rows] == [False, True, False, True, False, False]
+    assert [("pbt_parent" in r) for r in rows] == [False, True, False, True, False, True]
     assert all(len(r["hparams"]["learning_rate"]) == 4 for r in rows)
     for prev, row in itertools.pairwise(rows):  # hparams change only after a PBT step
         if "pbt_parent" not in prev:
@@ -214,6 +214,25 @@ def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
     cut = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     strip = lambda rs: [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rs]
     assert strip(cut) == strip(rows)
+
+
+def test_an_extended_run_takes_the_pbt_step_at_its_old_last_update(tmp_path):
+    # 4 updates, then --total-steps 6 updates: the PBT step after update 4 (the first run's
+    # last) must happen, so the extension equals one run of 6 (lr annealing off: it follows
+    # the total).
+    kw = dict(anneal_lr=False, learning_rate=(1e-4, 3e-4, 1e-3, 3e-3))
+    short = _tiny("cartpole", 4, total_steps=4 * 32, **kw)
+    longer = _tiny("cartpole", 4, total_steps=6 * 32, **kw)
+    learner = Learner(longer, devices=jax.devices()[:2])
+    full, rows = train(longer, tmp_path / "full", progress=False, learner=learner)
+    train(short, tmp_path / "ext", progress=False, learner=Learner(short, devices=jax.devices()[:2]))
+    extended, ext_rows = train(
+        longer, tmp_path / "ext", resume=True, progress=False, learner=learner
+    )
+    assert "pbt_parent" in ext_rows[3]
+    chex.assert_trees_all_equal(jax.device_get(extended), jax.device_get(full))
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rs]
+    assert strip(ext_rows) == strip(rows)
 
 
 @pytest.mark.parametrize(
@@ -277,13 +296,13 @@ def test_cli_pbt_on_two_processes_learns_exactly_like_one(tmp_path):
     assert (one / "pbt_lineage.png").stat().st_size > 0
     assert all(sorted(r["hparams"]) == sorted(pbt.HPARAMS) for r in rows)
     steps = [j for j, r in enumerate(rows) if "pbt_parent" in r]
-    assert [rows[j]["update"] for j in steps] == [2, 4]
+    assert [rows[j]["update"] for j in steps] == [2, 4, 6]
     for j in steps:  # each step replaced exactly the numpy reference's bottom with its top
         top, bottom = _reference_plan(pbt.recent_returns(rows[: j + 1], 3, 4), 0.5)
         parent = rows[j]["pbt_parent"]
         assert {i for i in range(4) if parent[i] != i} == bottom
         assert {parent[i] for i in bottom} <= top
-        for i in bottom:
+        for i in bottom if j + 1 < len(rows) else ():  # the last step's hparams: no next row
             ratio = (
                 rows[j + 1]["hparams"]["clip_coef"][i] / rows[j]["hparams"]["clip_coef"][parent[i]]
             )

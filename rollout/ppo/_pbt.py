@@ -167,7 +167,9 @@ def after_updates(
     hp = to_host(dict(state.members.hparams))
     for row in new_rows:
         row["hparams"] = {k: [float(f"{v:.7g}") for v in hp[k]] for k in HPARAMS}
-    if done % cfg.pbt_interval or done >= cfg.num_updates:
+    # The run's last update too, when it falls on the interval: a run extended later (a larger
+    # --total-steps) then goes on from the state a longer run would have had at that update.
+    if done % cfg.pbt_interval:
         return state
     returns = recent_returns([*rows, *new_rows], cfg.pbt_window, cfg.members)
     state, (parent, _) = learner.exploit_explore(state, returns, pbt_key(cfg.seed, done))
