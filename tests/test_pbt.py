@@ -225,7 +225,9 @@ def test_an_extended_run_takes_the_pbt_step_at_its_old_last_update(tmp_path):
     longer = _tiny("cartpole", 4, total_steps=6 * 32, **kw)
     learner = Learner(longer, devices=jax.devices()[:2])
     full, rows = train(longer, tmp_path / "full", progress=False, learner=learner)
-    train(short, tmp_path / "ext", progress=False, learner=Learner(short, devices=jax.devices()[:2]))
+    train(
+        short, tmp_path / "ext", progress=False, learner=Learner(short, devices=jax.devices()[:2])
+    )
     extended, ext_rows = train(
         longer, tmp_path / "ext", resume=True, progress=False, learner=learner
     )
