@@ -191,10 +191,10 @@ def _returns_by_hand(policy, env_name, keys):
     for key in keys:
         key = jax.random.wrap_key_data(key)
         state, obs = env.reset(key)
-        total, done = 0.0, False
+        total, done, t = 0.0, False, 0
         while not done:
-            action = policy(np.asarray(obs)[None])[0]
-            state, obs, reward, term, trunc, _ = env.step(state, action, key)
+            action, t = policy(np.asarray(obs)[None])[0], t + 1
+            state, obs, reward, term, trunc, _ = env.step(state, action, jax.random.fold_in(key, t))
             total += float(reward)
             done = bool(term) or bool(trunc)
         out.append(total)
@@ -220,6 +220,28 @@ def test_evaluation_returns_equal_a_step_by_step_loop(cartpole, tmp_path):
     np.testing.assert_array_equal(evaluate.ensemble_act(members)(obs), ens(obs))
     ref = evaluate.episode_returns(ens, "cartpole", evaluate.reset_keys(5, 3))
     np.testing.assert_array_equal(result["ensemble"], ref)
+
+
+def test_evaluation_draws_fresh_env_randomness_every_step():
+    # A bandit arm pays 1 with some probability, drawn anew each step: an episode's return is
+    # a count of successes, not 0 or 100 (which one key reused for every step would give).
+    pytest.importorskip("gymnax")
+    policy = lambda obs: jnp.zeros(obs.shape[0], jnp.int32)  # always arm 0
+    name, keys = "gymnax:BernoulliBandit-misc", evaluate.reset_keys(3, 8)
+    returns = evaluate.episode_returns(policy, name, keys)
+    assert len(set(returns.tolist()) - {0.0, 100.0}) >= 4, returns
+    # The same as stepping the bare env by hand with key fold_in(reset key, t) at step t.
+    env = envs.make(name, auto_reset=False)
+    for key, want in zip(keys, returns):
+        state, _ = env.reset(key)
+        total, t, done = 0.0, 0, False
+        while not done:
+            t += 1
+            state, _, reward, term, trunc, _ = env.step(
+                state, jnp.int32(0), jax.random.fold_in(key, t)
+            )
+            total, done = total + float(reward), bool(term | trunc)
+        assert total == want
 
 
 def test_ensemble_of_continuous_members_is_the_mean_action(pendulum, tmp_path):

@@ -44,8 +44,9 @@ class Walk(gym.Env):
     """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
-                 pixels=False, pixel_dtype="uint8", grid=False):
+                 pixels=False, pixel_dtype="uint8", grid=False, walls=False):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
+        self.walls = walls
         if continuous:
             self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         else:
@@ -85,11 +86,15 @@ class Walk(gym.Env):
         a = float(action[0] - 0.5 * action[1]) if self.continuous else float(action) - 1.0
         self.vel = 0.8 * self.vel + 0.5 * a + 0.2 * self.np_random.normal()
         self.pos += self.vel
+        if self.walls:
+            self.pos = float(np.clip(self.pos, -3.0, 3.0))
         return self._obs(), float(a - self.pos**2), bool(abs(self.pos) > 3.0), False, {}
 
 
 gym.register("Walk-v0", entry_point=Walk, max_episode_steps=12)
 gym.register("WalkCont-v0", entry_point=Walk, max_episode_steps=12, kwargs={"continuous": True})
+# No time limit, and walls instead of an end: an episode ends only if the policy's env does.
+gym.register("Corridor-v0", entry_point=Walk, kwargs={"walls": True})
 '''
 
 WALK_ID = "hostenv_walk:Walk-v0"
@@ -653,11 +658,40 @@ def test_cli_unknown_gymnasium_id_is_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "workers, kwargs",
-    [(1, {}), (None, {}), (None, {"num_threads": 3})],
-    ids=["worker-process", "in-process-default", "in-process-3-threads"],
-)
+def test_evaluate_cuts_episodes_of_an_env_without_time_limit(capsys):
+    from rollout.ppo import evaluate
+
+    stay = lambda obs: jnp.ones(obs.shape[0], jnp.int32)  # action 1: no push; walls: no end
+    name = "hostenv_walk:Corridor-v0"
+    returns = evaluate.gymnasium_returns(stay, name, episodes=2, seed=0, max_steps=7)
+    assert "2 of 2 episodes" in capsys.readouterr().err
+    import gymnasium
+
+    for e, got in enumerate(returns):  # the first 7 steps' rewards, stepped by hand
+        env = gymnasium.make(name)
+        env.reset(seed=e)
+        want = sum(env.step(1)[1] for _ in range(7))
+        np.testing.assert_allclose(got, want)
+    # No --max-steps and no time limit of the env's own: the default cap, not a hang.
+    returns = evaluate.gymnasium_returns(stay, name, episodes=1, seed=0)
+    assert f"after {evaluate.DEFAULT_MAX_STEPS} steps" in capsys.readouterr().err
+    # An env with a time limit ends there (12 steps), uncut and without a note.
+    evaluate.gymnasium_returns(stay, WALK_ID, episodes=1, seed=0)
+    assert capsys.readouterr().err == ""
+
+
+def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
+    from rollout.ppo import PPOConfig, evaluate
+
+    kw = '{"timeout": 30, "workers_per_device": 1, "continuous": true}'
+    for env in (f"gymnasium:{WALK_ID}", "envpool:CartPole-v1", "gymnax:CartPole-v1"):
+        config = PPOConfig.for_env(f"gymnasium:{WALK_ID}").to_dict()
+        config["env"], config["env_kwargs"] = env, kw
+        host = not env.startswith("gymnax:")  # a functional env's kwargs are all its own
+        want = {"continuous": True} if host else json.loads(kw)
+        assert evaluate.make_kwargs({"env": env, "config": config}) == want
+
+
 def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
     """In worker processes, or (the default) in this process on EnvPool's own threads: the
     results come back in env order whatever order the pool's threads finish in."""

@@ -84,6 +84,9 @@ ENV_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:", "gymnax:", "brax:")
 #: The prefixes whose envs run on the host (`HostEnv` workers); the others are pure JAX.
 HOST_PREFIXES: tuple[str, ...] = ("gymnasium:", "envpool:")
 
+#: `make` kwargs of host envs that configure `HostEnv` (its workers), not the env itself.
+HOST_ENV_KWARGS: tuple[str, ...] = ("workers_per_device", "timeout")
+
 
 def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
     """Build an environment by name.
@@ -116,7 +119,7 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
     if sep and f"{prefix}:" in HOST_PREFIXES:
         from rollout.hostenv import HostEnv
 
-        host = {k: kwargs.pop(k) for k in ("workers_per_device", "timeout") if k in kwargs}
+        host = {k: kwargs.pop(k) for k in HOST_ENV_KWARGS if k in kwargs}
         return HostEnv(prefix, rest, kwargs, **host)
     if sep and prefix in ("gymnax", "brax"):
         if prefix == "gymnax":
@@ -144,6 +147,7 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
 __all__ = [
     "ENV_NAMES",
     "ENV_PREFIXES",
+    "HOST_ENV_KWARGS",
     "HOST_PREFIXES",
     "AudioState",
     "AudioSynth",

@@ -4,11 +4,14 @@ Runs ``N`` deterministic episodes (argmax / mean action) per member of an export
 :mod:`rollout.ppo.export`, and the same episodes for the ensemble's averaged policy (mean of the
 members' action probabilities for discrete actions, mean of their mean actions for continuous),
 and prints the mean +- std of the episode return for each. Every policy sees the same ``N``
-initial states (drawn from ``--seed``), so the rows compare policies, not luck.
+initial states (drawn from ``--seed``), so the rows compare policies, not luck; a pure-JAX
+env's step ``t`` of episode ``i`` draws its randomness from ``fold_in(reset key i, t)``.
 
 Episodes of pure-JAX envs (the project's own, ``gymnax:`` and ``brax:`` ids) run all ``N`` at
 once, jitted; ``envpool:`` ids run all ``N`` at once in one EnvPool pool (env ``i`` seeded
-``seed + i``, as in training); ``gymnasium:`` ids run in gymnasium, one after another. The env
+``seed + i``, as in training); ``gymnasium:`` ids run in gymnasium, one after another, each
+cut after ``--max-steps`` steps if it has not ended (default: the env's own time limit, or
+10,000 steps for an env without one). The env
 is made with the run's ``--env-kwargs`` (observations that are not a ``Box`` flattened as in
 training), so an EnvPool Atari member sees the same preprocessed frames it was trained on.
 ``--video PATH`` records one episode of the ensemble's policy (of the member, for a single
@@ -67,24 +70,34 @@ def episode_returns(
     def run(keys):
         state, obs = jax.vmap(env.reset)(keys)
 
-        def step(carry, _):
+        def step(carry, t):
             state, obs, total, live = carry
-            state, obs, reward, term, trunc, _ = jax.vmap(env.step)(state, policy(obs), keys)
+            # A fresh key per step (the env's random dynamics draw anew), the same for every
+            # policy evaluated from these reset keys.
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+            action = policy(obs)
+            state, obs, reward, term, trunc, _ = jax.vmap(env.step)(state, action, step_keys)
             total = total + jnp.where(live, reward.astype(jnp.float32), 0.0)
             return (state, obs, total, live & ~(term | trunc)), None
 
         start = (state, obs, jnp.zeros(len(keys), jnp.float32), jnp.ones(len(keys), bool))
-        (_, _, total, _), _ = jax.lax.scan(step, start, None, length=env.max_episode_steps)
+        steps = jnp.arange(1, env.max_episode_steps + 1)
+        (_, _, total, _), _ = jax.lax.scan(step, start, steps)
         return total
 
     return np.asarray(run(keys), np.float64)
 
 
 def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
-    """The env's make kwargs the member was trained with (``--env-kwargs``)."""
+    """The env's make kwargs the member was trained with (``--env-kwargs``), less those that
+    configured the training's host-env workers (``workers_per_device``, ``timeout``)."""
+    from rollout import envs
     from rollout.ppo import PPOConfig
 
-    return PPOConfig.from_dict(meta.get("config", {})).make_kwargs()
+    kwargs = PPOConfig.from_dict(meta.get("config", {})).make_kwargs()
+    if str(meta.get("env", "")).startswith(envs.HOST_PREFIXES):
+        kwargs = {k: v for k, v in kwargs.items() if k not in envs.HOST_ENV_KWARGS}
+    return kwargs
 
 
 def is_functional(env_id: str) -> bool:
@@ -96,28 +109,64 @@ def is_functional(env_id: str) -> bool:
     return known and not str(env_id).startswith(envs.HOST_PREFIXES)
 
 
+#: Steps after which an episode of a gymnasium env without a time limit of its own is cut.
+DEFAULT_MAX_STEPS = 10_000
+
+
+def step_cap(env: Any, max_steps: int | None) -> int | None:
+    """Steps after which an episode is cut: ``max_steps``, else none where the env has a time
+    limit of its own, else :data:`DEFAULT_MAX_STEPS` (a policy that never ends an episode of
+    an env without one would otherwise run forever)."""
+    if max_steps is not None:
+        return max_steps
+    spec = getattr(env, "spec", None)
+    return None if spec is not None and spec.max_episode_steps else DEFAULT_MAX_STEPS
+
+
+def _run_episode(env: Any, act: Any, seed: int, cap: int | None, on_step: Any = None) -> tuple:
+    """One gymnasium episode of the jitted policy ``act``: (return, whether ``cap`` cut it)."""
+    obs, _ = env.reset(seed=seed)
+    total, done, t = 0.0, False, 0
+    while not done:
+        if cap is not None and t >= cap:
+            return total, True
+        action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
+        obs, reward, term, trunc, _ = env.step(action)
+        total, done, t = total + float(reward), term or trunc, t + 1
+        if on_step is not None:
+            on_step()
+    return total, False
+
+
 def gymnasium_returns(
-    policy: Policy, env_id: str, episodes: int, seed: int, kwargs: dict[str, Any] | None = None
+    policy: Policy,
+    env_id: str,
+    episodes: int,
+    seed: int,
+    kwargs: dict[str, Any] | None = None,
+    max_steps: int | None = None,
 ) -> np.ndarray:
-    """Returns of ``episodes`` gymnasium episodes (seeds ``seed``, ``seed + 1``, ...)."""
+    """Returns of ``episodes`` gymnasium episodes (seeds ``seed``, ``seed + 1``, ...), each
+    cut after :func:`step_cap` steps (said on stderr) if it has not ended by then."""
     import jax
 
     from rollout.hostenv._worker import make_gymnasium
 
     act = jax.jit(policy)
     env = make_gymnasium(env_id, **(kwargs or {}))
-    out = []
-    for e in range(episodes):
-        obs, _ = env.reset(seed=seed + e)
-        total, done = 0.0, False
-        while not done:
-            action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
-            obs, reward, term, trunc, _ = env.step(action)
-            total += float(reward)
-            done = term or trunc
-        out.append(total)
-    env.close()
-    return np.asarray(out)
+    cap = step_cap(env, max_steps)
+    try:
+        runs = [_run_episode(env, act, seed + e, cap) for e in range(episodes)]
+    finally:
+        env.close()
+    cut = sum(c for _, c in runs)
+    if cut:
+        print(
+            f"note: {cut} of {episodes} episodes of {env_id} had not ended after {cap} steps; "
+            "their return counts those steps (--max-steps sets the cap)",
+            file=sys.stderr,
+        )
+    return np.asarray([r for r, _ in runs])
 
 
 def envpool_returns(
@@ -147,9 +196,12 @@ def envpool_returns(
         pool.close()
 
 
-def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.ndarray]:
+def evaluate(
+    members: Sequence[Any], episodes: int, seed: int, max_steps: int | None = None
+) -> dict[str, np.ndarray]:
     """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
-    there are several members)."""
+    there are several members). ``max_steps`` cuts gymnasium episodes (see :func:`step_cap`);
+    the other envs end their episodes at their own time limits."""
     policies = {f"member_{m.meta['member']}": m.act for m in members}
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
@@ -159,10 +211,14 @@ def evaluate(members: Sequence[Any], episodes: int, seed: int) -> dict[str, np.n
         keys = reset_keys(seed, episodes)
         return {name: episode_returns(p, env_id, keys, kwargs) for name, p in policies.items()}
     if str(env_id).startswith("envpool:"):
-        host = envpool_returns
-    else:
-        host, env_id = gymnasium_returns, _gymnasium_id(members[0].meta)
-    return {name: host(p, env_id, episodes, seed, kwargs) for name, p in policies.items()}
+        return {
+            name: envpool_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
+        }
+    env_id = _gymnasium_id(members[0].meta)
+    return {
+        name: gymnasium_returns(p, env_id, episodes, seed, kwargs, max_steps)
+        for name, p in policies.items()
+    }
 
 
 def _gymnasium_id(meta: dict[str, Any]) -> str:
@@ -183,7 +239,9 @@ def format_table(results: dict[str, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
-def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> str:
+def record_video(
+    policy: Policy, meta: dict[str, Any], path: str, seed: int, max_steps: int | None = None
+) -> str:
     """Records one gymnasium episode to ``path``; returns a one-line note of what happened."""
     gym_id = _gymnasium_id(meta)
     # gymnasium's classic-control renderer is pygame: no audio and no window needed here.
@@ -196,18 +254,17 @@ def record_video(policy: Policy, meta: dict[str, Any], path: str, seed: int) -> 
         from rollout.hostenv._worker import make_gymnasium
 
         env = make_gymnasium(gym_id, **{**make_kwargs(meta), "render_mode": "rgb_array"})
-        obs, _ = env.reset(seed=seed)
+        env.reset(seed=seed)
         frames = [env.render()]
     except Exception as e:  # gymnasium / imageio / a renderer (pygame) missing
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"video skipped: cannot render {gym_id} ({type(e).__name__}: {first})"
-    act, done = jax.jit(policy), False
-    while not done:
-        action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
-        obs, _, term, trunc, _ = env.step(action)
-        frames.append(env.render())
-        done = term or trunc
-    env.close()
+    try:  # the episode again from the same seed, a frame after every step
+        frames = [frames[0]]
+        _run_episode(env, jax.jit(policy), seed, step_cap(env, max_steps),
+                     on_step=lambda: frames.append(env.render()))  # fmt: skip
+    finally:
+        env.close()
     fps = int(env.metadata.get("render_fps", 30))
     try:
         # GIF takes a frame duration in ms, video formats a frame rate.
@@ -228,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=10, help="episodes per policy (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the episodes' initial states")
     p.add_argument("--video", default=None, help="record one episode (.gif, or .mp4 with ffmpeg)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="cut gymnasium episodes after this many steps (default: the env's own time limit; "
+        f"{DEFAULT_MAX_STEPS} for an env without one)",
+    )
     return p
 
 
@@ -249,9 +313,10 @@ def _load(directory: str) -> list[Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rollout.ppo.evaluate``; 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(argv)
-    if args.episodes <= 0:
-        print(f"error: --episodes must be positive, got {args.episodes}", file=sys.stderr)
-        return 2
+    for flag, value in (("--episodes", args.episodes), ("--max-steps", args.max_steps)):
+        if value is not None and value <= 0:
+            print(f"error: {flag} must be positive, got {value}", file=sys.stderr)
+            return 2
     if not Path(args.directory).exists():
         print(f"error: {args.directory} does not exist; pass an export directory.", file=sys.stderr)
         return 2
@@ -260,10 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # NotAnExport
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(evaluate(members, args.episodes, args.seed)))
+    print(format_table(evaluate(members, args.episodes, args.seed, args.max_steps)))
     if args.video:
         policy = ensemble_act(members) if len(members) > 1 else members[0].act
-        print(record_video(policy, members[0].meta, args.video, args.seed), file=sys.stderr)
+        note = record_video(policy, members[0].meta, args.video, args.seed, args.max_steps)
+        print(note, file=sys.stderr)
     return 0
 
 
