@@ -552,3 +552,25 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
     states = [ckpt.restore_latest(d, checkpoint_metadata(c)["run_id"], like, print)[0]
               for d, c in ((out, a), (ref, b))]  # fmt: skip
     chex.assert_trees_all_equal(*jax.device_get(states))
+
+
+# ---------------------------------------------------------------------- divergence
+
+
+def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(tmp_path):
+    from rollout import envs
+    from rollout.ppo import Diverged
+
+    class NanAtStep7(envs.CartPole):  # the env hands out one NaN reward, 7 steps in
+        def step(self, state, action, key, params=None):
+            state, obs, reward, term, trunc, info = super().step(state, action, key, params)
+            return state, obs, jnp.where(state.t == 7, jnp.nan, reward), term, trunc, info
+
+    cfg = _tiny()
+    learner = Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(NanAtStep7()))
+    out = tmp_path / "run"
+    with pytest.raises(Diverged, match=r"diverged at update 1: member\(s\) 0, 1 computed a NaN"):
+        train(cfg, out, progress=False, learner=learner, checkpoint_every=1)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [1] and rows[0]["policy_loss"] == [None, None]
+    assert ckpt.checkpoints(out) == []  # the NaN state was not saved

@@ -15,7 +15,7 @@ learning curves and checkpoints; :func:`train` is the same loop as a function.
 """
 
 from rollout.ppo._checkpoint import RunDirError
-from rollout.ppo._cli import Interrupted, main, plot_curves, train
+from rollout.ppo._cli import Diverged, Interrupted, main, plot_curves, train
 from rollout.ppo._config import PPOConfig
 from rollout.ppo._gae import gae
 from rollout.ppo._learner import (
@@ -30,6 +30,7 @@ from rollout.ppo._networks import ActorCritic
 __all__ = [
     "METRIC_NAMES",
     "ActorCritic",
+    "Diverged",
     "Interrupted",
     "Learner",
     "MemberState",

@@ -70,6 +70,32 @@ class Interrupted(Exception):
         self.code = 128 + signum
 
 
+class Diverged(FloatingPointError):
+    """A member's losses became NaN or infinite: training stopped before saving that state."""
+
+
+#: The losses every update computes; one that is not finite means the member's parameters no
+#: longer are either (or are about to be).
+_LOSSES = ("policy_loss", "value_loss", "entropy", "approx_kl")
+
+
+def _diverged(host: dict[str, Any], done: int) -> Diverged | None:
+    """The error for the first update of this call whose losses are not finite, if any."""
+    import numpy as np
+
+    bad = ~np.all([np.isfinite(np.asarray(host[name], np.float64)) for name in _LOSSES], axis=0)
+    if not bad.any():  # bad: [members, updates]
+        return None
+    j = int(np.flatnonzero(bad.any(axis=0))[0])
+    members = ", ".join(str(i) for i in np.flatnonzero(bad[:, j]))
+    return Diverged(
+        f"training diverged at update {done + j + 1}: member(s) {members} computed a NaN or "
+        "infinite loss. Usual causes: the env returned a NaN or infinite reward or observation "
+        "(also a float64 one beyond float32's range), or a learning rate too high. That state "
+        "was not saved; metrics.jsonl shows the update."
+    )
+
+
 def train(
     config: Any,
     out: str | os.PathLike | None = None,
@@ -99,7 +125,8 @@ def train(
     :class:`Learner` for ``config`` (and its compiled programs). ``on_update``: called with each
     metric row as it arrives. ``stop``: polled after every jitted call; when it returns a signal
     number, a checkpoint is written and :class:`Interrupted` raised. ``warn``: where one-line
-    notes go (default stderr).
+    notes go (default stderr). A member whose losses turn NaN or infinite stops the run with
+    :class:`Diverged` (its metric rows written, that state not saved).
 
     Example:
       >>> import jax
@@ -261,7 +288,13 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             # A jitted call stops at the next PBT step (exploit/explore runs between calls).
             k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
             state, metrics = learner.update(state, k)
-            new_rows = _rows(to_host(metrics), done, k, cfg.batch_size)  # the only gather
+            host = to_host(metrics)  # the only gather
+            new_rows = _rows(host, done, k, cfg.batch_size)
+            diverged = _diverged(host, done)
+            if diverged is not None:
+                if run is not None:
+                    run.append(new_rows)
+                raise diverged
             done += k
             if cfg.pbt:  # lineage into the rows; every pbt_interval updates, exploit/explore
                 state = _pbt.after_updates(learner, state, rows, new_rows, done)
@@ -565,8 +598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rollout.ppo`` and the ``ensemble-ppo`` console script.
 
     Exit codes: 0 done; 2 a mistake in the arguments or the run directory (one line on stderr
-    says what to do); 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint; 1 an
-    unexpected error (``--debug`` shows its traceback).
+    says what to do); 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint; 1 a
+    member diverged (NaN losses; one line) or an unexpected error (``--debug`` shows its
+    traceback).
     """
     args = build_parser().parse_args(argv)
     try:
@@ -580,6 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Diverged as e:  # a finding about the run, not a bug: no traceback to offer
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         if args.debug:
             raise
