@@ -204,13 +204,39 @@ def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
             )
 
 
-def check_not_donated(batch: Sequence[Any], donated: Any, donated_what: str) -> None:
-    """Refuses a batch argument that is one of the arrays the same call donates: XLA would read
-    a buffer while overwriting it (a crash inside XLA on the CPU backend, not an error)."""
-    ids = {id(x) for x in jax.tree_util.tree_leaves(donated) if isinstance(x, jax.Array)}
+def check_not_donated(
+    batch: Sequence[Any], donated: Any, donated_what: str, donating: bool = True
+) -> None:
+    """Refuses what would make XLA touch a buffer it no longer owns (on the CPU backend a crash
+    inside XLA, not an error): a batch argument whose buffer an earlier call donated, and, when
+    this call donates, a batch argument that is one of the donated arrays or an array that
+    appears twice among them (tied weights: XLA would donate the one buffer twice). ``donated``:
+    a dict naming its parts (``{"params": ..., "opt_state": ...}``), as the messages do."""
     for pos, arg in enumerate(batch):
         for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
-            if isinstance(leaf, jax.Array) and id(leaf) in ids:
+            if _deleted(leaf):
+                raise ValueError(
+                    f"batch argument {pos}{jax.tree_util.keystr(path)} was donated to an "
+                    "earlier call and its buffer is gone; keep a copy made once before the "
+                    "loop, e.g. anchor = jax.tree.map(jnp.copy, params)."
+                )
+    if not donating:
+        return
+    seen: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(donated):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            where = jax.tree_util.keystr(path)
+            if id(leaf) in seen:
+                raise ValueError(
+                    f"{where} is the same array as {seen[id(leaf)]} (both donated); a donating "
+                    "step needs each array once (it overwrites them in place). "
+                    "Tie weights inside the model (one parameter used twice), copy one of "
+                    "them, or pass donate=False."
+                )
+            seen[id(leaf)] = where
+    for pos, arg in enumerate(batch):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+            if isinstance(leaf, jax.Array) and id(leaf) in seen:
                 raise ValueError(
                     f"batch argument {pos}{jax.tree_util.keystr(path)} is also one of the "
                     f"{donated_what} arrays this step donates (overwrites in place); pass a "
@@ -218,17 +244,22 @@ def check_not_donated(batch: Sequence[Any], donated: Any, donated_what: str) -> 
                 )
 
 
+def _deleted(leaf: Any) -> bool:
+    return (
+        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
+    )
+
+
 def check_live(tree: Any, what: str) -> None:
     """Refuses arrays whose buffers were donated to an earlier call (a crash inside XLA on some
     multi-device backends); says which argument and what to do."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            if leaf.is_deleted():
-                raise ValueError(
-                    f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train step "
-                    "and its buffer is gone; use the arrays that step returned (e.g. "
-                    "params, opt_state, losses = step(params, opt_state, ...))."
-                )
+        if _deleted(leaf):
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train step "
+                "and its buffer is gone; use the arrays that step returned (e.g. "
+                "params, opt_state, losses = step(params, opt_state, ...))."
+            )
 
 
 # ------------------------------------------------------------------------------------------------

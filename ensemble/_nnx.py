@@ -692,7 +692,8 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
-        check_not_donated(batch, (ens_state, opt_state), "ensemble / optimizer state")
+        donated = {"ensemble": ens_state, "optimizer": opt_state}
+        check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         out, new_ens, new_opt = self._jitted(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
@@ -721,7 +722,8 @@ class NNXTrainStep:
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
         losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)
-        optimizer.update(ens, nnx.State({"members": grads}))
+        # value=: each member's loss, for optax transforms that read it (reduce_on_plateau).
+        optimizer.update(ens, nnx.State({"members": grads}), value=losses)
         out = (losses, aux) if self.has_aux else losses
         return out, nnx.state(ens), nnx.state(optimizer)
 

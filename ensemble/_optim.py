@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ensemble._mesh import MEMBER_AXIS
@@ -47,7 +48,7 @@ def per_member(
       >>> optax.tree_utils.tree_get(state, "learning_rate").shape
       (2,)
     """
-    tx = as_transformation(tx)
+    tx = optax.with_extra_args_support(as_transformation(tx))
     values = {k: jnp.asarray(v, dtype=jnp.float32) for k, v in hyperparams.items()}
     for name, v in values.items():
         if v.shape != (n,):
@@ -64,14 +65,31 @@ def per_member(
             state = optax.tree_utils.tree_set(state, **values)
         return state
 
-    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    def update_fn(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        _check_extra_args(extra_args, n)
         if params is None:
-            return jax.vmap(lambda u, s: tx.update(u, s), spmd_axis_name=MEMBER_AXIS)(
-                updates, state
-            )
-        return jax.vmap(tx.update, spmd_axis_name=MEMBER_AXIS)(updates, state, params)
+            member = lambda u, s, kw: tx.update(u, s, **kw)
+            return jax.vmap(member, spmd_axis_name=MEMBER_AXIS)(updates, state, extra_args)
+        return jax.vmap(lambda u, s, p, kw: tx.update(u, s, p, **kw), spmd_axis_name=MEMBER_AXIS)(
+            updates, state, params, extra_args
+        )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_extra_args(extra_args: dict[str, Any], n: int) -> None:
+    """optax's extra update arguments (``value=losses``) must be arrays, one slice per member."""
+    for name, value in extra_args.items():
+        for leaf in jax.tree.leaves(value):
+            if callable(leaf) or np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
+                raise ValueError(
+                    f"per_member: extra update argument {name!r} must be arrays with one slice "
+                    f"per member (leading axis {n}), e.g. value=losses of shape ({n},); got "
+                    f"{type(leaf).__name__} of shape {np.shape(leaf)}. Functions such as "
+                    "value_fn are passed by ensemble's own linen train step only."
+                )
 
 
 def _check_injected(state: Any, names: list[str]) -> None:

@@ -157,7 +157,8 @@ class TrainStep:
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
         check_inputs(batch, axes, self.n, "batch argument", *BATCH_FIXES)
-        check_not_donated(batch, (params, opt_state), "params / opt_state")
+        donated = {"params": params, "opt_state": opt_state}
+        check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
         s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
         key = (
@@ -221,10 +222,17 @@ def _member_update(
             )
         return out
 
+    member_tx = optax.with_extra_args_support(tx)
+
     def update(params, opt_state, *batch):
         out, grads = jax.value_and_grad(member_loss, has_aux=has_aux)(params, *batch)
         loss, aux = out if has_aux else (out, None)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        # optax's extra arguments, for the transforms that read them (reduce_on_plateau,
+        # polyak_sgd: value; lbfgs: value, grad, value_fn); the others ignore them.
+        value_fn = lambda p: member_loss(p, *batch)[0] if has_aux else member_loss(p, *batch)
+        updates, opt_state = member_tx.update(
+            grads, opt_state, params, value=loss, grad=grads, value_fn=value_fn
+        )
         return optax.apply_updates(params, updates), opt_state, loss, aux
 
     return update

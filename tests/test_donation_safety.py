@@ -43,11 +43,18 @@ SCRIPT = textwrap.dedent(
     nstep = nens.train_step(lambda m, x, w: jnp.sum((m.kernel[...] - w) ** 2), optax.sgd(0.1),
                             per_member_batch=(False, True))
     nopt = nstep.init()
+    tied = ens.train_step(lambda p, x: jnp.sum(p["a"] * p["b"]), optax.sgd(0.1))
+    w = new_params["kernel"] + 1.0
+    tied_params = {"a": w, "b": w}
     for call in (
         lambda: ens.apply(variables, x),
         lambda: step(params, opt_state, x),
         lambda: anchored(new_params, anchored_state, x, new_params),
         lambda: nstep(nens, nopt, x, nens.members.kernel[...]),
+        # An anchor kept from before the first step, which donated it.
+        lambda: anchored(new_params, anchored_state, x, params),
+        # Tied weights: one array twice in the donated params.
+        lambda: tied(tied_params, tied.init(tied_params), x),
     ):
         try:
             call()
@@ -65,11 +72,13 @@ def test_donated_arrays_reused_raise_a_clear_error():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     errors = [line for line in out.stdout.splitlines() if line.startswith("ValueError")]
-    assert len(errors) == 4, out.stdout
+    assert len(errors) == 6, out.stdout
     assert "variables leaf ['params']" in errors[0] and "donated" in errors[0]
     assert "params['bias']" in errors[1] or "params['kernel']" in errors[1]
     assert "batch argument 1['bias'] is also one of the params / opt_state arrays" in errors[2]
     assert "batch argument 1 is also one of the ensemble / optimizer state arrays" in errors[3]
+    assert "batch argument 1['bias'] was donated to an earlier call" in errors[4]
+    assert "['params']['b'] is the same array as ['params']['a'] (both donated)" in errors[5]
     assert "apply with the returned params: (2, 4, 1)" in out.stdout
 
 

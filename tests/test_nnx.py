@@ -336,6 +336,32 @@ def test_an_ensemble_built_for_per_member_inputs_trains_on_per_member_batches():
         nnx_train_step(mse)(ens, nnx_optimizer(ens, optax.sgd(0.1)), x, y)
 
 
+def test_optimizers_reading_the_loss_get_each_members_own():
+    """optax's ``value=`` (reduce_on_plateau, polyak_sgd): the step passes member i's loss."""
+    rng = np.random.default_rng(1)
+    x, y = (
+        rng.normal(size=(D, 4, 3)),
+        rng.normal(size=(D, 4, 1)) * np.arange(1, D + 1)[:, None, None],
+    )
+    make = lambda: optax.chain(
+        optax.sgd(0.3), optax.contrib.reduce_on_plateau(patience=1, cooldown=0, factor=0.1)
+    )
+    ens = build_nnx(linear, D, rngs=3, in_axes=0)
+    members = [ens.member(i) for i in range(D)]
+    step = ens.train_step(mse, make())
+    opt = step.init()
+    losses = [np.asarray(step(ens, opt, x, y)) for _ in range(4)]
+    for i, member in enumerate(members):
+        ref = nnx.Optimizer(member, make(), wrt=nnx.Param)
+        for t in range(4):
+            loss, grads = nnx.value_and_grad(mse)(member, x[i], y[i])
+            ref.update(member, grads, value=loss)
+            np.testing.assert_allclose(losses[t][i], loss, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            ens.member(i).kernel[...], member.kernel[...], rtol=2e-5, atol=1e-6
+        )
+
+
 def test_per_member_learning_rates():
     ens = build_nnx(linear, D, rngs=8)
     lrs = np.arange(D, dtype=np.float32) * 0.01  # member 0 does not move

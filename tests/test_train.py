@@ -337,3 +337,48 @@ def test_multisteps_accumulates_per_member_like_plain_optax():
     for i, p in enumerate(refs):
         got = jax.tree.map(lambda a, i=i: np.asarray(a)[i], params)
         jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6), got, p)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # value=: lr x 0.1 once a member's loss stops improving (each member its own plateau)
+        lambda: optax.chain(
+            optax.sgd(0.3), optax.contrib.reduce_on_plateau(patience=1, cooldown=0, factor=0.1)
+        ),
+        lambda: optax.polyak_sgd(max_learning_rate=0.5),  # value=
+        lambda: optax.lbfgs(),  # value=, grad=, value_fn= (line search calls the loss again)
+    ],
+    ids=["reduce_on_plateau", "polyak_sgd", "lbfgs"],
+)
+def test_optimizers_reading_the_loss_get_each_members_own(make):
+    n, steps = D, 4
+    xs = jax.random.normal(jax.random.key(1), (n, 4, 3))
+    ys = jax.random.normal(jax.random.key(2), (n, 4, 1)) * jnp.arange(1, n + 1)[:, None, None]
+    ens, params = setup(n, xs[0])
+    tx = make()
+    host = jax.device_get(params)
+
+    @jax.jit
+    def plain_step(p, s, x, y):
+        loss, grads = jax.value_and_grad(mse)(p, x, y)
+        kw = dict(value=loss, grad=grads, value_fn=lambda q: mse(q, x, y))
+        updates, s = tx.update(grads, s, p, **kw)
+        return optax.apply_updates(p, updates), s, loss
+
+    step = ensemble.train_step(
+        mse, make(), n=n, mesh=ens.mesh, rules=ens.rules, per_member_batch=True
+    )
+    opt_state = step.init(params)
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state, xs, ys)
+        losses.append(np.asarray(loss))
+    for i in range(n):
+        p = jax.tree.map(lambda a, i=i: a[i], host)
+        s = tx.init(p)
+        for t in range(steps):
+            p, s, loss = plain_step(p, s, xs[i], ys[i])
+            np.testing.assert_allclose(losses[t][i], loss, rtol=2e-5, atol=1e-6)
+        got = jax.tree.map(lambda a, i=i: np.asarray(a)[i], params)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=2e-5, atol=1e-6), got, p)
