@@ -44,8 +44,10 @@ class Walk(gym.Env):
     """A noisy 1-D walk: terminates when |pos| > 3, truncated after 12 steps (registration)."""
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
-                 pixels=False, pixel_dtype="uint8", grid=False, walls=False):
+                 pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
+                 short_obs_at=None):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
+        self.short_obs_at = short_obs_at  # from this step on, one number short of the space
         self.walls = walls
         if continuous:
             self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -62,6 +64,8 @@ class Walk(gym.Env):
         if grid:  # a 2x2 matrix: neither a vector nor an image
             self.observation_space = spaces.Box(-np.inf, np.inf, (2, 2), np.float64)
         self.grid, self.steps = grid, 0
+        if int_actions:
+            self.action_space = spaces.Box(0, 3, (2,), np.int64)
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
@@ -72,6 +76,8 @@ class Walk(gym.Env):
             return frame.astype(self.pixel_dtype)
         if self.tuple_obs:
             return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
+        if self.short_obs_at is not None and self.steps >= self.short_obs_at:
+            return obs[:1]
         return obs.reshape(2, 2) if self.grid else obs
 
     def reset(self, *, seed=None, options=None):
@@ -375,6 +381,19 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
 
 
 @pytest.mark.timeout(60)
+def test_an_observation_of_the_wrong_shape_is_an_error_not_broadcast():
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, short_obs_at=3, workers_per_device=1)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with pytest.raises(Exception) as info:
+            run_host(host, mesh, keys, jnp.ones((5, 2, 2), jnp.int32))
+        want = "step returned an observation of shape (1,); the env's observation space has "
+        assert want + "shape (4,)" in str(info.value)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [1, 0])
 def test_env_exception_names_env_worker_and_traceback(workers):
     host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3, workers_per_device=workers)
@@ -447,6 +466,8 @@ def test_bad_ids_fail_with_one_clear_line():
         envs.make("gymnasium:no_such_module:X-v0")
     with pytest.raises(ValueError, match=r"unknown env 'gymnasiun:CartPole-v1'"):
         envs.make("gymnasiun:CartPole-v1")
+    with pytest.raises(ValueError, match=r"has integer actions, which a Gaussian policy"):
+        envs.make(f"gymnasium:{WALK_ID}", int_actions=True)
 
 
 @pytest.mark.timeout(60)
@@ -654,9 +675,6 @@ def test_cli_unknown_gymnasium_id_is_one_line_exit_2(tmp_path, capsys):
     assert not out.exists()
 
 
-# ---------------------------------------------------------------------- EnvPool
-
-
 @pytest.mark.timeout(120)
 def test_evaluate_cuts_episodes_of_an_env_without_time_limit(capsys):
     from rollout.ppo import evaluate
@@ -692,6 +710,15 @@ def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
         assert evaluate.make_kwargs({"env": env, "config": config}) == want
 
 
+# ---------------------------------------------------------------------- EnvPool
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "workers, kwargs",
+    [(1, {}), (None, {}), (None, {"num_threads": 3})],
+    ids=["worker-process", "in-process-default", "in-process-3-threads"],
+)
 def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
     """In worker processes, or (the default) in this process on EnvPool's own threads: the
     results come back in env order whatever order the pool's threads finish in."""

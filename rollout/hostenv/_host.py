@@ -69,6 +69,13 @@ def _space(space: Any, what: str, env_name: str) -> Space:
             raise ValueError(f"{env_name}: Discrete action spaces must start at 0, got {space}")
         return Discrete(int(space.n))
     if isinstance(space, gymnasium.spaces.Box):
+        if what == "action" and not np.issubdtype(np.dtype(space.dtype), np.floating):
+            # The policy's Gaussian samples floats; rounding them would be a different policy.
+            raise ValueError(
+                f"{env_name}: action space {space} has integer actions, which a Gaussian policy "
+                "does not produce; use a Discrete action space, or a float Box that the env "
+                "rounds itself."
+            )
         low = np.asarray(space.low, np.float64).ravel()
         high = np.asarray(space.high, np.float64).ravel()
         # uint8 observations (pixels) travel as uint8, a quarter of float32's bytes; anything

@@ -122,15 +122,28 @@ class _Gymnasium:
         self.discrete = isinstance(self.envs[0].action_space, gymnasium.spaces.Discrete)
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
-        return np.stack([env.reset(seed=int(s))[0] for env, s in zip(self.envs, seeds)])
+        return np.stack(
+            [self._checked(env.reset(seed=int(s))[0], "reset") for env, s in zip(self.envs, seeds)]
+        )
 
     def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
         obs, reward, term, trunc, final = out
         for i, env in enumerate(self.envs):
             action = int(actions[i]) if self.discrete else actions[i]
             o, r, te, tr, _ = env.step(action)
-            final[i], reward[i], term[i], trunc[i] = o, r, te, tr
-            obs[i] = env.reset()[0] if (te or tr) else o
+            final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), r, te, tr
+            obs[i] = self._checked(env.reset()[0], "reset") if (te or tr) else o
+
+    def _checked(self, obs: Any, where: str) -> Any:
+        """``obs``, refused where its shape is not the observation space's (NumPy would
+        broadcast a (1,) into a (3,) row without a word)."""
+        want = self.envs[0].observation_space.shape
+        if np.shape(obs) != want:
+            raise ValueError(
+                f"{where} returned an observation of shape {np.shape(obs)}; the env's "
+                f"observation space has shape {want}"
+            )
+        return obs
 
     def close(self) -> None:
         for env in self.envs:
