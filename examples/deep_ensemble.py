@@ -132,8 +132,13 @@ class Data(NamedTuple):
 def load_digits(test_fraction: float = 0.3, seed: int = 0, val_fraction: float = 0.0) -> Data:
     """scikit-learn's 8x8 digits, intensities scaled to [0, 1], stratified train/test split; then
     ``val_fraction`` of the training digits held out for validation (stratified as well)."""
-    from sklearn.datasets import load_digits as sk_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise ValueError(
+            "the digits come from scikit-learn: pip install -e '.[examples]'"
+        ) from None
 
     x, y = sk_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)

@@ -254,3 +254,10 @@ def test_step_has_no_cross_device_traffic(de, model):
     assert ensemble.debug.collectives(lowered) == {}
     if model == "cnn":  # the plain convolution is what runs, per device
         assert "convolution(" in lowered.compile().as_text()
+
+
+def test_missing_scikit_learn_names_the_extra(de, monkeypatch):
+    for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ValueError, match=r"scikit-learn: pip install -e '\.\[examples\]'"):
+        de.load_digits()

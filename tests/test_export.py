@@ -326,6 +326,10 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
             ["--members", "1,1"],
             "error: members [1] are given more than once; list each member once.",
         ),
+        (
+            ["--to", str(a_file / "sub")],
+            f"error: cannot write the export to {a_file / 'sub'}: Not a directory",
+        ),
     ]:
         assert export.main([str(run), *argv]) == 2
         assert capsys.readouterr().err.strip() == message

@@ -366,13 +366,14 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
                 out = jax.block_until_ready(step(state2, action, restart_keys))
             results.append(jax.tree.map(np.asarray, out))
         new_state, new_obs, reward, term, trunc, info = results[0]
-        assert trunc.all() and not term.any() and (reward == 0).all()
+        assert trunc.all() and not term.any() and (reward == 0).all() and info["restarted"].all()
         np.testing.assert_array_equal(info["final_obs"], np.asarray(state2.obs))
         np.testing.assert_array_equal(new_obs, results[1][1])
         ref0, _ = reference(WALK_ID, seeds_of(restart_keys), np.zeros((0, 2, 2), np.int32))
         np.testing.assert_allclose(new_obs, ref0, rtol=1e-6, atol=1e-6)
         assert (new_state.t == 3).all() and host.restarts == 4  # 2 groups x 2 restarts
-        step(jax.tree.map(jnp.asarray, results[1][0]), action, keys)  # steps on normally
+        on = step(jax.tree.map(jnp.asarray, results[1][0]), action, keys)  # steps on normally
+        assert not np.asarray(on[5]["restarted"]).any()
     finally:
         host.close()
 
@@ -459,7 +460,7 @@ def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():
 
 
 @pytest.mark.timeout(60)
-def test_bad_ids_fail_with_one_clear_line():
+def test_bad_ids_fail_with_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match=r"gymnasium cannot make 'NoSuchEnv-v0'"):
         envs.make("gymnasium:NoSuchEnv-v0")
     with pytest.raises(ValueError, match=r"gymnasium cannot make 'no_such_module:X-v0'"):
@@ -468,6 +469,9 @@ def test_bad_ids_fail_with_one_clear_line():
         envs.make("gymnasiun:CartPole-v1")
     with pytest.raises(ValueError, match=r"has integer actions, which a Gaussian policy"):
         envs.make(f"gymnasium:{WALK_ID}", int_actions=True)
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"need the gymnasium package: pip install"):
+        envs.make("gymnasium:CartPole-v1")
 
 
 @pytest.mark.timeout(60)
@@ -546,6 +550,31 @@ def test_learner_with_make_kwargs_closes_its_workers():
         learner.close()
     assert learner.envs.pids == [] and not any(alive(p) for p in pids)
     assert not _shared_files()
+
+
+def test_a_restart_is_not_an_env_step_in_the_episode_metrics():
+    from rollout.ppo import Learner, PPOConfig
+
+    # One step per update: the first after close() only restarts the envs (no env step).
+    cfg = PPOConfig.for_env(
+        f"gymnasium:{WALK_ID}", members=2, total_steps=8, num_envs=2, num_steps=1, num_minibatches=1
+    )
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    try:
+        fresh = learner.init()  # episodes just reset: none has taken a step
+        learner.close()
+        with pytest.warns(RuntimeWarning, match="restarting the envs"):
+            _, metrics = learner.update(fresh, 1)
+            metrics = jax.tree.map(np.asarray, metrics)
+        assert (metrics["episodes"] == 0).all() and np.isnan(metrics["returns"]).all()
+        state, _ = learner.update(learner.init(), 1)  # one real step into the episodes
+        learner.close()
+        _, metrics = learner.update(state, 1)  # (the warning comes once per learner)
+        metrics = jax.tree.map(np.asarray, metrics)
+        # Each env's cut episode: 1 real step, not 2.
+        assert (metrics["episodes"] == 2).all() and (metrics["episode_length"] == 1).all()
+    finally:
+        learner.close()
 
 
 @pytest.mark.timeout(240)

@@ -115,6 +115,8 @@ def _count_compiles():
         (dict(num_minibatches=3), r"num_minibatches=3 must divide"),
         (dict(learning_rate=(1e-3, 2e-3)), r"learning_rate has 2 values but there are members=8"),
         (dict(env_on="gpu"), r"env_on must be 'device' or 'cpu'"),
+        (dict(seed=2**32), r"seed must be an integer in \[0, 2\*\*32\), got 4294967296"),
+        (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*32\), got -1"),
     ],
 )
 def test_bad_config_fails_before_any_compile(overrides, match):
@@ -327,6 +329,13 @@ def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):
         _check_fits(6, 4, 2, on_cpu=True)
     assert main(["--env", "acrobot", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown env 'acrobot'" in capsys.readouterr().err
+    assert main(["--seed", "99999999999999999999", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: seed must be an integer in [0, 2**32), got 99999999999999999999."]
+    argv = ["--env", "gymnasium:CartPole-v1", "--env-on", "cpu", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "runs in CPU worker processes whatever env_on says" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 # ---------------------------------------------------------------------- env on CPU cores

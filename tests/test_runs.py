@@ -129,6 +129,15 @@ def test_a_run_dir_has_one_writer_at_a_time(tmp_path, capsys):
     finally:
         held.close()
     _run(_tiny(), out, resume=True)  # free again
+    # A run that has not written its first checkpoint yet: in use, not "stopped before one".
+    young = tmp_path / "young"
+    held = ckpt.lock(young)
+    try:
+        shutil.copy(out / "run.json", young / "run.json")
+        line = _cli_error(["--out", str(young), "--resume"], capsys)
+        assert "in use by another running process" in line
+    finally:
+        held.close()
 
 
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
@@ -157,8 +166,9 @@ def test_old_npz_runs_are_named_not_misread(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ckpt.RunDirError, match="old npz format"):
         _run(_tiny(), tmp_path, resume=True)
-    with pytest.raises(ckpt.RunDirError, match="old npz format"):
+    with pytest.raises(ckpt.RunDirError, match="old npz format") as info:
         _run(_tiny(), tmp_path)
+    assert "--resume" not in str(info.value)  # it cannot be resumed: not offered
 
 
 # ---------------------------------------------------------------------- damaged checkpoints
@@ -483,6 +493,7 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env)
     newest = ckpt.checkpoints(out)[-1]
     meta = checkpoint_metadata(newest)
     assert meta["metrics_rows"] == meta["update"] == _rows(out)  # rows == the checkpoint's
+    assert (out / "learning_curve.png").stat().st_size > 0  # the curves so far
 
 
 def _group_alive(pgid: int) -> bool:

@@ -173,7 +173,13 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
             ) from None
         limit = getattr(spec.config, "max_episode_steps", None)
         return spec.observation_space, spec.action_space, limit
-    import gymnasium
+    try:
+        import gymnasium
+    except ImportError:
+        raise ValueError(
+            "gymnasium: ids need the gymnasium package: pip install 'sharded-ensembles[mujoco]' "
+            "(gymnasium with MuJoCo), or pip install gymnasium."
+        ) from None
 
     from rollout.hostenv._worker import make_gymnasium
 
@@ -315,13 +321,15 @@ class HostEnvs:
     def step(self, state: HostState, action: jax.Array, keys: jax.Array) -> tuple:
         """One step of every env: ``(state, obs, reward, terminated, truncated, info)``.
 
-        ``info``: ``final_obs`` (the observation the step reached, before an autoreset) and
-        ``done``. ``keys`` seed the envs only if they must restart: when ``state`` is not the
-        envs' live session (a restored checkpoint, a state from before ``close()``, or one older
-        than the envs' latest reset). Host env states cannot be saved or rewound, so then the
-        episodes running in ``state`` end at this step, reported as truncated with reward 0 and
-        ``final_obs`` = their last observation (the learner bootstraps them like a time limit),
-        and the envs restart from reset, seeded by ``keys``.
+        ``info``: ``final_obs`` (the observation the step reached, before an autoreset),
+        ``done``, and ``restarted`` (true where this step was the restart described next,
+        not a step of the env). ``keys`` seed the envs only if they must restart: when
+        ``state`` is not the envs' live session (a restored checkpoint, a state from before
+        ``close()``, or one older than the envs' latest reset). Host env states cannot be
+        saved or rewound, so then the episodes running in ``state`` end at this step,
+        reported as truncated with reward 0 and ``final_obs`` = their last observation (the
+        learner bootstraps them like a time limit), and the envs restart from reset, seeded
+        by ``keys``.
         """
         obs_shape = self.env.observation_space.shape
         types = self._types(
@@ -332,10 +340,12 @@ class HostEnvs:
             ((), jnp.bool_),
             ((), jnp.bool_),
             (obs_shape, self._obs_dtype),
+            ((), jnp.bool_),
         )
         args = (state.session, state.t, state.obs, action, self._seeds(keys))
-        session, t, obs, reward, term, trunc, final = self._sharded(self._host_step, types, *args)
-        info = {"final_obs": final, "done": term | trunc}
+        out = self._sharded(self._host_step, types, *args)
+        session, t, obs, reward, term, trunc, final, restarted = out
+        info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
         return HostState(session, t, obs), obs, reward, term, trunc, info
 
     # ------------------------------------------------------------------ host side
@@ -376,7 +386,7 @@ class HostEnvs:
             zeros = lambda dt, shape=(): np.zeros((m, e, *shape), dt)
             f32, o, od = np.float32, self._obs_shape, self._obs_dtype
             return (zeros(np.uint32), zeros(np.int32), zeros(od, o), zeros(f32), zeros(bool),
-                    zeros(bool), zeros(od, o))  # fmt: skip
+                    zeros(bool), zeros(od, o), zeros(bool))  # fmt: skip
         g = int(g)
         group = self.groups[g]
         with group.lock:
@@ -393,7 +403,8 @@ class HostEnvs:
                 od = self._obs_dtype
                 return (session, t + 1, self._unflat(new_obs, od),
                         self._unflat(reward, np.float32), self._unflat(term, bool),
-                        self._unflat(trunc, bool), self._unflat(final, od))  # fmt: skip
+                        self._unflat(trunc, bool), self._unflat(final, od),
+                        np.zeros((m, e), bool))  # fmt: skip
             # Not the live session: a restored checkpoint, a state from before close(), or an
             # older state of this run. The envs cannot go back to it: restart them.
             return self._restart(g, session, t, obs, seeds)
@@ -414,7 +425,7 @@ class HostEnvs:
         self._t[g] = int(_one(t, "step counter")) + 1
         return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
                 np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
-                np.asarray(obs, self._obs_dtype))  # fmt: skip
+                np.asarray(obs, self._obs_dtype), np.ones((m, e), bool))  # fmt: skip
 
 
 def _recording(host: Any) -> Any:

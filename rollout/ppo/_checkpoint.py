@@ -154,8 +154,10 @@ def check_fresh(run: RunDir, overwrite: bool) -> None:
     if run.empty or overwrite:
         return
     what = _describe(run)
+    # Only a run with a run.json can continue; anything else can only be replaced.
+    resume = "continue it with --resume, " if run.record is not None else ""
     raise RunDirError(
-        f"--out {run.path} already holds {what}; continue it with --resume, start over with "
+        f"--out {run.path} already holds {what}; {resume}start over with "
         "--overwrite (removes that run's files), or choose another --out."
     )
 

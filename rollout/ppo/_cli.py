@@ -358,6 +358,7 @@ def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupte
     if run is None:
         return Interrupted(signum, f"{name}: stopped at update {done}/{cfg.num_updates}.")
     run.save(state, rows)
+    run.finish()  # the learning curves so far
     return Interrupted(
         signum,
         f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue "
@@ -701,12 +702,12 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     learner_devices = args.devices or cpu_devices_for(members // procs, cores)
     configure_devices(max(learner_devices, cores))
     config = _config_from_args(args, found)
+    ckpt.check_unlocked(args.out)  # first: a run still going there explains whatever it holds
     if args.resume:
         ckpt.check_resume(found, config.to_dict())
     else:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
-    ckpt.check_unlocked(args.out)
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
@@ -778,7 +779,8 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
     stray = [f"--{a.replace('_', '-')}" for a in _PBT_OPTIONS if getattr(args, a) is not None]
     if stray and not config.pbt:  # most likely --pbt was forgotten: say so, do not ignore them
         raise UsageError(
-            f"{', '.join(stray)} only tune --pbt, which this run does not use: add --pbt."
+            f"{', '.join(stray)} only {'tune' if len(stray) > 1 else 'tunes'} --pbt, which "
+            "this run does not use: add --pbt."
         )
     return config
 

@@ -238,6 +238,9 @@ class PPOConfig:
         for name in ("total_steps", "num_envs", "num_steps", "update_epochs", "num_minibatches"):
             _positive_int(self, name)
         _positive_int(self, "updates_per_call")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
         prefix = self.env.partition(":")[0] + ":"
         if known_envs and self.env not in known_envs and prefix not in known_envs:
             raise ValueError(
@@ -247,6 +250,11 @@ class PPOConfig:
         self.make_kwargs()
         if self.env_on not in ("device", "cpu"):
             raise ValueError(f"env_on must be 'device' or 'cpu', got {self.env_on!r}.")
+        if self.env_on == "cpu" and self.env.startswith(("gymnasium:", "envpool:")):
+            raise ValueError(
+                f"env_on='cpu' places functional envs; {self.env} runs in CPU worker processes "
+                "whatever env_on says: drop env_on / --env-on."
+            )
         if self.batch_size % self.num_minibatches:
             raise ValueError(
                 f"num_minibatches={self.num_minibatches} must divide the batch "

@@ -455,13 +455,18 @@ class Learner:
         term, trunc = term.astype(bool), trunc.astype(bool)
         done = term | trunc
 
-        # Episode statistics on the true reward (what the metrics report).
-        ep_return, ep_length = carry.ep_return + reward, carry.ep_length + 1
+        # Episode statistics on the true reward (what the metrics report). A host env's
+        # restart (after a resume) cuts the running episodes without stepping them: no step to
+        # count, and an episode it cuts before its first step is no episode.
+        restarted = info.get("restarted", jnp.zeros_like(done))
+        ep_return = carry.ep_return + reward
+        ep_length = carry.ep_length + (~restarted).astype(jnp.float32)
+        ended = done & (ep_length > 0)
         finished = carry.finished + jnp.stack(
             [
-                jnp.sum(jnp.where(done, ep_return, 0.0)),
-                jnp.sum(jnp.where(done, ep_length, 0.0)),
-                jnp.sum(done.astype(jnp.float32)),
+                jnp.sum(jnp.where(ended, ep_return, 0.0)),
+                jnp.sum(jnp.where(ended, ep_length, 0.0)),
+                jnp.sum(ended.astype(jnp.float32)),
             ]
         )
         ep_return = jnp.where(done, 0.0, ep_return)

@@ -511,6 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, IndexError) as e:  # NotAnExport, a member out of range
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    except OSError as e:  # --to under a file, or somewhere not writable
+        where = e.filename or args.to
+        print(f"error: cannot write the export to {where}: {e.strerror}", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0
