@@ -10,7 +10,9 @@ gymnax envs are already pure JAX; the adapter only reorders their signatures:
   the wrapped env reproduces gymnax's auto-resetting ``step`` bit for bit.
 
 ``params`` is gymnax's ``EnvParams`` (``None``: the env's defaults), so a learner can change
-physics per call like any other ``params`` input.
+physics per call like any other ``params`` input. Observations are gymnax's own, except that a
+``Discrete`` one comes one-hot and a ``Box`` that is neither a vector nor an image ``[H, W, C]``
+(bsuite's ``(10, 5)`` Catch board) comes flattened, as gymnasium's ``FlattenObservation`` does.
 """
 
 from __future__ import annotations
@@ -44,7 +46,21 @@ def _space(space: Any, what: str, name: str) -> Space:
         low = np.broadcast_to(np.asarray(space.low, np.float64), shape).ravel()
         high = np.broadcast_to(np.asarray(space.high, np.float64), shape).ravel()
         return Box(shape, tuple(low), tuple(high))
-    raise ValueError(f"gymnax:{name}: {what} space {space} is not supported (Box or Discrete)")
+    if kind == "Discrete" and what == "observation":
+        return Box((int(space.n),), (0.0,) * int(space.n), (1.0,) * int(space.n))
+    raise ValueError(
+        f"gymnax:{name}: {what} space {space} is not supported (observations: a Box or a "
+        "Discrete; actions: a Box or a Discrete)"
+    )
+
+
+def _flat_space(space: Box) -> Box:
+    """A Box that is neither a vector nor an image ``[H, W, C]``, as one vector (gymnasium's
+    ``FlattenObservation`` does the same): bsuite's ``(10, 5)`` Catch board, say."""
+    if len(space.shape) in (1, 3):
+        return space
+    size = int(np.prod(space.shape))
+    return Box((size,), tuple(space.low), tuple(space.high), space.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,6 +71,8 @@ class GymnaxEnv(Env):
     kwargs: tuple[tuple[str, Any], ...] = ()
     _env: Any = dataclasses.field(init=False, repr=False)
     _params: Any = dataclasses.field(init=False, repr=False)
+    _one_hot: int = dataclasses.field(init=False, repr=False)  # n of a Discrete observation
+    _obs_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         gymnax = _gymnax()
@@ -63,9 +81,28 @@ class GymnaxEnv(Env):
                 f"unknown gymnax env {self.env_id!r}; registered: "
                 f"{', '.join(gymnax.registered_envs)}"
             )
-        env, params = gymnax.make(self.env_id, **dict(self.kwargs))
+        try:
+            env, params = gymnax.make(self.env_id, **dict(self.kwargs))
+        except OSError as e:  # MNISTBandit-bsuite downloads its data
+            raise ValueError(
+                f"gymnax cannot make {self.env_id!r}: {type(e).__name__}: {e} (it loads data "
+                "from the network)"
+            ) from None
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_params", params)
+        raw = env.observation_space(params)
+        self._set("_one_hot", int(raw.n) if type(raw).__name__ == "Discrete" else 0)
+        self._set("_obs_shape", self.observation_space.shape)  # read here, not while traced
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _obs(self, obs: jax.Array) -> jax.Array:
+        """gymnax's observation as :attr:`observation_space` describes it: a Discrete one
+        one-hot, a Box that is neither a vector nor an image flattened (as gymnasium does)."""
+        if self._one_hot:
+            return jax.nn.one_hot(obs, self._one_hot, dtype=jnp.float32)
+        return obs if obs.shape == self._obs_shape else obs.reshape(self._obs_shape)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -78,7 +115,8 @@ class GymnaxEnv(Env):
 
     @property
     def observation_space(self) -> Box:
-        return _space(self._env.observation_space(self._params), "observation", self.env_id)  # type: ignore[return-value]
+        raw = _space(self._env.observation_space(self._params), "observation", self.env_id)
+        return _flat_space(raw)  # type: ignore[arg-type]
 
     @property
     def action_space(self) -> Space:
@@ -94,11 +132,12 @@ class GymnaxEnv(Env):
     def reset(self, key: jax.Array, params: Any = None) -> tuple[Any, jax.Array]:
         params = self._params if params is None else params
         obs, state = self._env.reset_env(key, params)
-        return state, obs
+        return state, self._obs(obs)
 
     def step(self, state: Any, action: jax.Array, key: jax.Array, params: Any = None) -> tuple:
         params = self._params if params is None else params
         obs, state, reward, terminated, info = self._env.step_env(key, state, action, params)
         truncated = self._env.is_truncated(state, params)
         reward = jnp.asarray(reward, jnp.float32)
+        obs = self._obs(obs)
         return state, obs, reward, jnp.asarray(terminated), jnp.asarray(truncated), dict(info)
