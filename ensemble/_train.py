@@ -151,6 +151,13 @@ class TrainStep:
         return tuple(0 if b else None for b in pmb)
 
     def _program(self, params: Any, opt_state: Any, batch: tuple[Any, ...]) -> Callable[..., Any]:
+        if isinstance(params, optax.LookaheadParams):
+            raise ValueError(
+                "params are optax.LookaheadParams: this step differentiates the loss with "
+                "respect to all of params, while optax.lookahead wants the gradient of the fast "
+                "ones only. Write the step yourself (gradient of params.fast, then "
+                "ensemble.per_member(tx, n).update), or use another optimizer."
+            )
         self._check_member_major(params, "params")
         self._check_member_major(opt_state, "opt_state")
         check_live(params, "params")

@@ -346,3 +346,15 @@ def test_dead_peer_is_detected_without_the_launcher(tmp_path):
     print(f"survivor exited {ended - died:.1f} s after its peer died (heartbeat timeout 5 s)")
     assert ended - died < 60, f"survivor took {ended - died:.1f} s"
     assert "another task died" in err0, err0[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_cli_devices_beyond_what_the_launcher_gave_each_process_is_one_line(tmp_path):
+    res = run_launcher(
+        ["-n", "2", "--devices-per-process", "1", "--grace", "2", "--",
+         sys.executable, "-m", "rollout.ppo", "--members", "2", "--devices", "2",
+         "--out", str(tmp_path / "run"), "--no-progress"]
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "--devices 2: each process has only 1 CPU devices" in res.stderr
+    assert "Traceback" not in res.stderr

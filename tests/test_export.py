@@ -288,6 +288,9 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         [str(tmp_path / "missing")],
         [str(tmp_path)],  # exists, holds no member
         [str(tmp_path), "--episodes", "0"],
+        [str(tmp_path), "--max-steps", "0"],
+        [str(tmp_path), "--video", str(tmp_path / "no_dir" / "run.gif")],
+        [str(tmp_path), "--video", str(tmp_path)],
     ]
     (tmp_path / "member_0").mkdir()
     (tmp_path / "member_0" / "member.json").write_text("{not json")

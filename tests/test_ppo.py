@@ -108,7 +108,8 @@ def _count_compiles():
     [
         (dict(members=3), r"n=3 members on D=8 devices"),
         (dict(members=0), r"members must be a positive integer"),
-        (dict(env="mountaincar"), r"unknown env 'mountaincar'"),
+        (dict(env="mountaincar"), r"unknown env 'mountaincar'; known envs: audio, cartpole, "),
+        (dict(env="cartpol"), r"unknown env 'cartpol'; did you mean 'cartpole'\? known envs"),
         (dict(num_steps=0), r"num_steps must be a positive integer"),
         (dict(total_steps=-5), r"total_steps must be a positive integer"),
         (dict(total_steps=100), r"less than one update's batch"),
@@ -309,6 +310,13 @@ def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
         assert len(r["returns"]) == 2
     assert (out / "learning_curve.png").stat().st_size > 0
     assert any(p.name.startswith("ckpt_") for p in out.iterdir())
+
+
+def test_a_misspelt_library_prefix_is_named_with_the_right_one():
+    from rollout.ppo._env import known_envs
+
+    with pytest.raises(ValueError, match=r"did you mean 'gymnasium:Ant-v5'\?"):
+        PPOConfig(env="gymnasiun:Ant-v5").validate(known_envs=known_envs())
 
 
 def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):

@@ -382,3 +382,13 @@ def test_optimizers_reading_the_loss_get_each_members_own(make):
             np.testing.assert_allclose(losses[t][i], loss, rtol=2e-5, atol=1e-6)
         got = jax.tree.map(lambda a, i=i: np.asarray(a)[i], params)
         jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=2e-5, atol=1e-6), got, p)
+
+
+def test_lookahead_params_are_refused_with_what_to_do():
+    x = jnp.ones((4, 3))
+    ens, params = setup(D, x)
+    tx = optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5)
+    step = ensemble.train_step(mse, tx, n=D, mesh=ens.mesh, rules=ens.rules)
+    both = optax.LookaheadParams.init_synced(jax.tree.map(jnp.copy, params))
+    with pytest.raises(ValueError, match=r"optax.LookaheadParams: this step differentiates"):
+        step(both, step.init(both), x, 0.0)

@@ -564,7 +564,9 @@ def _output_args(p: argparse.ArgumentParser) -> None:
         "--devices",
         type=int,
         default=None,
-        help="CPU-only hosts: simulated devices for the members (default: cpu_devices_for)",
+        help="CPU-only hosts: simulated devices for the members (default: the smallest divisor "
+        "of --members that is >= the CPU cores, else one device per member); with several "
+        "processes, per process",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -712,6 +714,12 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
+    if args.devices and devices is not None and n_dev < args.devices * info.num_processes:
+        raise UsageError(
+            f"--devices {args.devices}: each process has only {n_dev // info.num_processes} CPU "
+            "devices (ensemble.launch --devices-per-process sets them); give --devices at most "
+            "that, or launch with more."
+        )
     _check_fits(config.members, n_dev, procs, on_cpu=devices is not None)
     try:
         config.validate(num_devices=n_dev)

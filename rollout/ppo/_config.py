@@ -243,10 +243,7 @@ class PPOConfig:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
         prefix = self.env.partition(":")[0] + ":"
         if known_envs and self.env not in known_envs and prefix not in known_envs:
-            raise ValueError(
-                f"unknown env {self.env!r}; known envs: {sorted(known_envs)} "
-                "(aliases like 'CartPole-v1' work too)."
-            )
+            raise _unknown_env(self.env, known_envs)
         self.make_kwargs()
         if self.env_on not in ("device", "cpu"):
             raise ValueError(f"env_on must be 'device' or 'cpu', got {self.env_on!r}.")
@@ -353,6 +350,22 @@ def _validate_pbt(cfg: PPOConfig) -> None:
         raise ValueError(
             f"pbt_factors must be positive finite numbers like 0.8,1.2, got {factors!r}."
         )
+
+
+def _unknown_env(env: str, known_envs: Sequence[str]) -> ValueError:
+    """The error for an env name nobody knows, with the nearest known name or prefix."""
+    import difflib
+
+    names = sorted(k for k in known_envs if not k.endswith(":"))
+    prefixes = sorted(k for k in known_envs if k.endswith(":"))
+    head, colon, rest = env.partition(":")
+    if colon:  # a misspelt library prefix: suggest the id with the right one
+        close = [c + rest for c in difflib.get_close_matches(head + ":", prefixes, n=1)]
+    else:
+        close = difflib.get_close_matches(env.lower(), names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    ids = ", ".join(f"{p}<id>" for p in prefixes)
+    return ValueError(f"unknown env {env!r}; {hint}known envs: {', '.join(names)}, or {ids}.")
 
 
 def _positive_int(cfg: PPOConfig, name: str) -> None:

@@ -317,6 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value <= 0:
             print(f"error: {flag} must be positive, got {value}", file=sys.stderr)
             return 2
+    video = Path(args.video) if args.video else None
+    if video is not None and (video.is_dir() or not video.parent.is_dir()):
+        why = "is a directory" if video.is_dir() else f"{video.parent} is not a directory"
+        print(f"error: --video {video}: {why}; give a file path such as run.gif", file=sys.stderr)
+        return 2
     if not Path(args.directory).exists():
         print(f"error: {args.directory} does not exist; pass an export directory.", file=sys.stderr)
         return 2
