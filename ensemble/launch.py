@@ -297,10 +297,13 @@ class _Run:
         """Stops the processes still running after ``first`` failed; its exit code."""
         rank, c = first
         alive = sorted(set(range(len(self.procs))) - {r for r, _ in done})
-        self.note(
-            f"rank {rank} {_describe(c)}; stopping the other processes {alive} "
-            f"(SIGTERM, then SIGKILL after {self.grace:g} s)."
-        )
+        if alive:
+            self.note(
+                f"rank {rank} {_describe(c)}; stopping the other processes {alive} "
+                f"(SIGTERM, then SIGKILL after {self.grace:g} s)."
+            )
+        else:  # they ended at the same moment: nothing left to stop
+            self.note(f"rank {rank} {_describe(c)}; the other processes had ended too.")
         _stop(self.procs, self.grace)
         return 128 - c if c < 0 else c
 
@@ -339,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             grace=args.grace,
         )
+    except FileNotFoundError as e:  # the command itself
+        print(f"error: cannot run {command[0]!r}: no such program ({e.strerror})", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -145,9 +145,16 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
             os.kill(pid, 0)
 
 
-def test_launcher_cli_needs_a_command():
+def test_launcher_cli_needs_a_command(capsys):
     with pytest.raises(SystemExit):
         launcher.main(["-n", "2"])
+    capsys.readouterr()
+    assert launcher.main(["-n", "2", "--", "no_such_program_xyz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "error: cannot run 'no_such_program_xyz': no such program (No such file or directory)"
+    )
 
 
 # -------------------------------------------------------------------- helpers, in this process
