@@ -362,3 +362,14 @@ def test_env_on_cpu_learns_exactly_like_env_on_device():
             learner.close()
     # Same RNG stream, same env maths: the CPU workers reproduce the on-device run.
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+def test_updates_past_the_end_of_an_annealed_schedule_run_at_learning_rate_zero():
+    cfg = _tiny("cartpole", 2, total_steps=2 * 32, learning_rate=(1e-3, 4e-3))  # 2 updates
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    state, metrics = learner.update(learner.init(), 4)
+    lr = np.asarray(metrics["learning_rate"])
+    np.testing.assert_allclose(lr, [[1e-3, 5e-4, 0, 0], [4e-3, 2e-3, 0, 0]], rtol=1e-6)
+    before = jax.device_get(state.members.params)
+    state, _ = learner.update(state, 1)  # lr 0: the parameters stay (was gradient ascent)
+    chex.assert_trees_all_equal(jax.device_get(state.members.params), before)

@@ -307,7 +307,9 @@ class Learner:
         """Runs ``num_updates`` PPO updates (default ``config.updates_per_call``) in one jit call.
 
         ``state`` is donated (do not use it afterwards). Returns the new state and metrics, a dict
-        of ``[n, num_updates]`` arrays sharded on the member axis (see ``METRIC_NAMES``).
+        of ``[n, num_updates]`` arrays sharded on the member axis (see ``METRIC_NAMES``). With
+        ``anneal_lr``, updates past ``config.num_updates`` run at learning rate 0 (the schedule
+        has ended; set ``anneal_lr=False`` to train open-ended).
         """
         k = self.config.updates_per_call if num_updates is None else int(num_updates)
         if k <= 0:
@@ -473,6 +475,8 @@ class Learner:
         ep_length = jnp.where(done, 0.0, ep_length)
 
         # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
+        # Its running return restarts at every episode end, truncations too (gymnasium's
+        # wrapper carries it across a truncation into the next episode).
         train_reward, disc_return, ret_stats = reward, carry.disc_return, carry.ret_stats
         if self.normalize_reward:
             disc_return = disc_return * cfg.gamma + reward
@@ -511,8 +515,10 @@ class Learner:
         cfg = self.config
         batch = self._advantages(ms, carry, steps)
         batch = jax.tree_util.tree_map(lambda x: x.reshape(cfg.batch_size, *x.shape[2:]), batch)
-        # Linear learning-rate annealing to 0 over the run (CleanRL), per member.
+        # Linear learning-rate annealing to 0 over the run (CleanRL), per member; 0 after its
+        # end (updates past num_updates, called directly), never negative (gradient ascent).
         frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
+        frac = jnp.maximum(frac, 0.0)
         lr = ms.hparams["learning_rate"] * frac
         key = jax.random.wrap_key_data(carry.rng)
         params, opt_state, key, stats = self._epochs(ms, batch, lr, key)
@@ -562,7 +568,7 @@ class Learner:
         logp = nets.log_prob(pi, t.action, spec.discrete)
         log_ratio = logp - t.log_prob
         ratio = jnp.exp(log_ratio)
-        if cfg.norm_adv:  # per minibatch
+        if cfg.norm_adv:  # per minibatch; population std (PureJaxRL's; CleanRL's torch: ddof=1)
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
         clip = hp["clip_coef"]
         pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
@@ -635,7 +641,12 @@ class Learner:
         return self.envs.step(env_state, action, keys)
 
     def close(self) -> None:
-        """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit."""
+        """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit.
+
+        Waits first for the updates already dispatched (JAX runs them asynchronously) to finish
+        their env steps: closing under a running update would make it restart the envs.
+        """
+        jax.effects_barrier()
         self.envs.close()
 
 
