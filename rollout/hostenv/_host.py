@@ -263,7 +263,12 @@ class HostEnvs:
         return [pid for group in self.groups for pid in group.pids]
 
     def close(self) -> None:
-        """Stops every worker. A later ``step`` restarts the envs (see ``step``)."""
+        """Stops every worker, once the programs already dispatched have made their steps. A
+        later ``step`` restarts the envs (see ``step``)."""
+        try:
+            jax.effects_barrier()
+        except Exception:  # a failed program's error: its caller got it already
+            pass
         for group in self.groups:
             with group.lock:
                 group.close()
