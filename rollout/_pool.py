@@ -275,16 +275,19 @@ class ProcessPool:
                     pass  # a dead worker is reported below with its exit code
                 w.programs.add(key)
                 pending[w.conn] = w
-            self._collect(pending, key, timeout)
+            self._collect(pending, key, timeout, call_id)
             na = len(arrays)
             return [
                 np.array(np.ndarray(shape, dt, buffer=shm.buf, offset=layout[na + j]))
                 for j, (shape, dt) in enumerate(out_full)
             ]
 
-    def _collect(self, pending: dict, key: object, timeout: float | None) -> None:
+    def _collect(self, pending: dict, key: object, timeout: float | None, call_id: int) -> None:
         """Wait for every worker's answer; raise what failed (killing the pool if one died or
-        ran out of time, since its peers would otherwise keep computing a dropped result)."""
+        ran out of time, since its peers would otherwise keep computing a dropped result).
+
+        Answers to an earlier call are skipped: a call interrupted while it waited (Ctrl-C in an
+        eager call) leaves its workers finishing it, and their late "ok" is not this call's."""
         errors: list[str] = []
         broken: type[WorkerError] | None = None
         started: dict = {}  # conn -> when its worker started executing
@@ -297,6 +300,8 @@ class ProcessPool:
                     pending.pop(conn)
                     errors.append(w.death())
                     broken = broken or WorkerError
+                    continue
+                if msg[1] != call_id:  # a late answer to an interrupted earlier call
                     continue
                 if msg[0] == "start":
                     started[conn] = time.monotonic()

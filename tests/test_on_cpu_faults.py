@@ -163,6 +163,39 @@ def test_int64_round_trips_with_x64():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, threading
+    import jax, jax.numpy as jnp, numpy as np
+    import rollout
+
+    def slow(x):  # seconds of work whose result depends on x
+        return jax.lax.fori_loop(0, 30_000_000, lambda i, c: c + 1e-7 * jnp.tanh(c), x)
+
+    g = rollout.on_cpu(slow, workers=2)
+    a, b = jnp.full((4, 8), 1.0), jnp.full((4, 8), 100.0)
+    want_b = np.asarray(g(b))  # also compiles
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        g(a)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    np.testing.assert_array_equal(np.asarray(g(b)), want_b)  # not g(a)'s late answer
+    print("ok")
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_a_call_after_an_interrupted_one_gets_its_own_result():
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="2")
+    res = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, timeout=140, env=env
+    )
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------ failures
 
 
