@@ -241,11 +241,11 @@ class _InProcess:
         self._lock = threading.Lock()
         self._compiled = _LRU(cache_size)
 
-    def run(self, flat_fn, key, nb, batched, shared, chunk, timeout=None, message=""):
+    def run(self, flat_fn, key, nb, batched, shared, chunk, timeout=None, message="", weak=()):
         """Run on the CPU devices. ``timeout``: seconds the execution may take (compiling is not
         counted), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
         and later calls still run."""
-        compiled, shardings = self._compile(flat_fn, key, nb, batched, shared, chunk)
+        compiled, shardings = self._compile(flat_fn, key, nb, batched, shared, chunk, weak)
         args = [jax.device_put(a, s) for a, s in zip([*batched, *shared], shardings)]
 
         def work():
@@ -253,7 +253,7 @@ class _InProcess:
 
         return work() if timeout is None else _with_timeout(work, timeout, message)
 
-    def _compile(self, flat_fn, key, nb, batched, shared, chunk):
+    def _compile(self, flat_fn, key, nb, batched, shared, chunk, weak=()):
         active = batched[0].shape[0] // chunk
         with self._lock:
             entry = self._compiled.get((key, active))
@@ -264,9 +264,10 @@ class _InProcess:
                     flat_fn, mesh=mesh, in_specs=specs, out_specs=P("w"), check_vma=False
                 )
                 shardings = [NamedSharding(mesh, s) for s in specs]
+                weak = weak or (False,) * len(shardings)
                 avals = [
-                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                    for a, s in zip([*batched, *shared], shardings)
+                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=w)
+                    for a, s, w in zip([*batched, *shared], shardings, weak)
                 ]
                 entry = (jax.jit(fn).lower(*avals).compile(), shardings)
                 self._compiled.put((key, active), entry)
@@ -304,7 +305,7 @@ class _Request:
                 x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(self.b, other.b)
             )
             and all(
-                x is y or (x.shape == y.shape and np.array_equal(x, y))
+                x is y or (x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
                 for x, y in zip(self.s, other.s)
             )
         )
@@ -460,7 +461,16 @@ class OnCpu:
         with self._lock:
             program = self._exports.get(key)
             if program is None:
-                exp = jax.export.export(jax.jit(flat_fn), platforms=["cpu"])(*specs)
+                try:
+                    exp = jax.export.export(jax.jit(flat_fn), platforms=["cpu"])(*specs)
+                except NotImplementedError as e:
+                    if "host_callbacks" not in str(e):
+                        raise
+                    raise ValueError(
+                        "on_cpu(fn): fn makes a host callback (jax.debug.print, a pure_callback "
+                        "or io_callback, a nested on_cpu), which the 'process' executor cannot "
+                        "ship to its workers; take it out of fn, or use executor='inprocess'."
+                    ) from None
                 # Exported.serialize() needs the optional 'flatbuffers' package; the dataclass
                 # pickles as well (StableHLO bytecode plus tree and aval metadata, no user code)
                 # once its local VJP closure, which workers never use, is dropped.
@@ -469,8 +479,9 @@ class OnCpu:
             return program
 
     # -------------------------------------------------------------- the call
-    def _flatten(self, args: tuple) -> tuple[list[Any], Any, list[int | None], int]:
-        """Leaves of ``args`` as arrays, their tree, validated batch axes and the batch size."""
+    def _flatten(self, args: tuple) -> tuple[list[Any], Any, list[int | None], int, list[bool]]:
+        """Leaves of ``args`` as arrays, their tree, validated batch axes, the batch size, and
+        which leaves are weakly typed (Python scalars: ``2 * int8`` stays int8)."""
         in_axes = self.in_axes
         if in_axes is None or isinstance(in_axes, int):
             in_axes = (in_axes,) * len(args)
@@ -487,13 +498,14 @@ class OnCpu:
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = ["args" + jax.tree_util.keystr(p) for p, _ in with_paths]
         leaves = [_as_leaf(x) for _, x in with_paths]
+        weak = [_is_weak(x) for _, x in with_paths]
         axes = [_normalise_axis(ax, p, x) for ax, p, x in zip(specs, paths, leaves)]
-        return leaves, treedef, axes, _batch_size(paths, leaves, axes)
+        return leaves, treedef, axes, _batch_size(paths, leaves, axes), weak
 
     def __call__(self, *args: Any) -> Any:
         if not args:
             raise TypeError("on_cpu(fn): call with at least one positional argument")
-        leaves, treedef, axes, n = self._flatten(args)
+        leaves, treedef, axes, n, weak = self._flatten(args)
         keys = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
         raw = [jax.random.key_data(x) if k is not None else x for x, k in zip(leaves, keys)]
         b_idx = [i for i, ax in enumerate(axes) if ax is not None]
@@ -507,7 +519,11 @@ class OnCpu:
         shared = [raw[i] for i in s_idx]
         out_info: dict[str, Any] = {}
         flat_fn = _flat_fn(self.fn, treedef, axes, keys, b_idx + s_idx, out_info)
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*batched, *shared)]
+        weak_in = tuple(weak[i] for i in b_idx + s_idx)
+        specs = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=w)
+            for x, w in zip((*batched, *shared), weak_in)
+        ]
         out_specs = jax.eval_shape(flat_fn, *specs)  # also raises fn's own errors, here
         for j, o in enumerate(out_specs):
             if o.ndim == 0 or o.shape[0] != n:
@@ -519,7 +535,11 @@ class OnCpu:
         kind = self._choose(platform, devices, eager)
         self.last_executor = kind
         call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
-        call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)))
+        # The program depends on the weak types and on x64 too (a float64 input means float32
+        # without it): a call under another setting must not reuse another's export.
+        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+        call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)), weak_in, x64)
+        call.weak = weak_in
         if eager:
             outs = [jax.device_put(o) for o in call.run(*batched, *shared)]
         elif auto_mesh is not None:
@@ -567,6 +587,13 @@ def _as_leaf(x: Any) -> Any:
         return x
     a = np.asarray(x)
     return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
+
+
+def _is_weak(x: Any) -> bool:
+    """Weakly typed as JAX sees it: a Python scalar, or an array JAX marked weak."""
+    if isinstance(x, (int, float, complex)) and not isinstance(x, (bool, np.generic)):
+        return True
+    return isinstance(x, jax.Array) and bool(getattr(jax.typeof(x), "weak_type", False))
 
 
 def _is_int(x: Any) -> bool:
@@ -631,6 +658,7 @@ class _Call:
     timeout: float | None
     timeout_message: str
     sig: Any = None
+    weak: tuple[bool, ...] = ()  # per input (batched, then shared): weakly typed
     expected: int = 1  # callbacks one execution makes at once, merged by the coalescer
 
     def run_rows(self, b: list[np.ndarray], s: list[np.ndarray]) -> list[np.ndarray]:
@@ -643,19 +671,37 @@ class _Call:
         chunk = -(-rows // active)
         active = -(-rows // chunk)
         b = [_edge_pad(x, active * chunk) for x in b]
-        chunk_specs = [jax.ShapeDtypeStruct((chunk, *x.shape[1:]), x.dtype) for x in b] + [
-            jax.ShapeDtypeStruct(x.shape, x.dtype) for x in s
+        shapes = [(chunk, *x.shape[1:]) for x in b] + [x.shape for x in s]
+        weak = self.weak or (False,) * len(shapes)
+        chunk_specs = [
+            jax.ShapeDtypeStruct(shape, x.dtype, weak_type=w)
+            for shape, x, w in zip(shapes, [*b, *s], weak)
         ]
         # Programs are cached per structure and chunk shapes; constants that fn closes over are
         # frozen into the first export, which is why changing values must be arguments.
-        key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))
+        key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))  # sig: weak, x64
         if self.kind == "process":
             program = self.owner._exported(self.flat_fn, key, chunk_specs)
             outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
         else:
             outs = self.executor.run(
-                self.flat_fn, key, self.nb, b, s, chunk, self.timeout, self.timeout_message
+                self.flat_fn,
+                key,
+                self.nb,
+                b,
+                s,
+                chunk,
+                self.timeout,
+                self.timeout_message,
+                self.weak,
             )
+        for j, (o, (shape, _)) in enumerate(zip(outs, self.row_outs)):
+            if o.shape[1:] != tuple(shape):  # fn's output shape depends on the batch size
+                raise ValueError(
+                    f"on_cpu(fn): output leaf {j} has rows of shape {o.shape[1:]} when fn runs "
+                    f"on chunks of {chunk} rows, and {tuple(shape)} on the whole batch: fn must "
+                    "be row-independent (no output shape that depends on the batch size)"
+                )
         return [o[:rows] for o in outs]
 
     def run(self, *flat: Any) -> list[np.ndarray]:

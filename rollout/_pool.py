@@ -387,6 +387,14 @@ def shared_pool(workers: int) -> ProcessPool:
 def _close_all() -> None:
     for pool in list(_live_pools):
         try:
-            pool.close()
+            # A call still running in another thread (a daemon thread at exit) holds the lock
+            # and may never return: kill its workers then, rather than wait for it.
+            if pool._lock.acquire(timeout=1.0):
+                try:
+                    pool._shutdown()
+                finally:
+                    pool._lock.release()
+            else:
+                pool._shutdown(kill=True)
         except Exception:
             pass

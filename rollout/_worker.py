@@ -27,6 +27,13 @@ import signal
 import sys
 import traceback
 
+#: fn's outputs for a chunk of rows must be the full batch's, row for row.
+_SHAPE_CHANGED = (
+    "fn returned output leaf {} of shape {} for this worker's chunk of rows, where the whole "
+    "batch's output gives the chunk shape {}: fn must be row-independent (no output shape "
+    "that depends on the batch size)"
+)
+
 
 def _attach(name: str, size: int):
     # Attach without multiprocessing.shared_memory: in Python < 3.13 attaching registers the block
@@ -86,7 +93,9 @@ def main(fd: int) -> None:
                     programs[key] = jax.jit(exported.call).lower(*args).compile()
                 conn.send(("start", call_id))
                 results = programs[key](*args)
-                for (off, shape, dt), res in zip(outs, results, strict=True):
+                for j, ((off, shape, dt), res) in enumerate(zip(outs, results, strict=True)):
+                    if tuple(res.shape) != tuple(shape):  # NumPy would broadcast it in
+                        raise ValueError(_SHAPE_CHANGED.format(j, res.shape, tuple(shape)))
                     np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
                 # Drop views into the block now, so that it can be closed when it is replaced.
                 args = results = buf = None

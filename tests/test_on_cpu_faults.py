@@ -150,8 +150,27 @@ for ex in ("process", "inprocess"):
         assert y.dtype == jnp.int64, y.dtype
         np.testing.assert_array_equal(y, np.asarray(x) * 3 + 2**33)
     f.close()
+# One wrapper called before and after x64 changes: each setting gets its own program.
+jax.config.update("jax_enable_x64", False)
+third = on_cpu(lambda x: jnp.asarray(x, float) / 3, workers=2)
+assert third(np.arange(1, 5, dtype=np.int32)).dtype == np.float32
+jax.config.update("jax_enable_x64", True)
+y = third(np.arange(1, 5, dtype=np.int32))
+assert y.dtype == np.float64 and float(y[0]) == 1 / 3, (y.dtype, float(y[0]))
 print("ok", flush=True)
 """
+
+
+def test_python_scalars_stay_weakly_typed():
+    """``2 * int8`` is int8 in JAX (a Python scalar is weak); through on_cpu too."""
+    x8 = np.array([100, 1, -100], np.int8)
+    xb = jnp.ones(3, jnp.bfloat16)
+    for executor in ("process", "inprocess"):
+        f = on_cpu(lambda w, x: x * w, in_axes=(None, 0), workers=W, executor=executor)
+        for g in (f, jax.jit(f)):
+            same(g(2, x8), (lambda w, x: x * w)(2, x8))  # int8, wrapping: [-56, 2, 56]
+            assert g(0.5, xb).dtype == jnp.bfloat16
+        f.close()
 
 
 @pytest.mark.timeout(120)
@@ -320,12 +339,12 @@ def test_timeout_counts_from_start_of_execution_not_compile():
     pool = ProcessPool(1)
     # 1.5 s of loading and compiling, then 0.3 s of execution: within timeout=1.
     w = _FakeWorker([(1.5, ("start", 0)), (0.3, ("ok", 0))])
-    pool._collect({w.conn: w}, "key", timeout=1.0)
+    pool._collect({w.conn: w}, "key", timeout=1.0, call_id=0)
     # Execution that does not end: raised within a poll interval of the timeout.
     w = _FakeWorker([(1.0, ("start", 0))])
     t0 = time.monotonic()
     with pytest.raises(WorkerTimeout):
-        pool._collect({w.conn: w}, "key", timeout=0.5)
+        pool._collect({w.conn: w}, "key", timeout=0.5, call_id=0)
     assert time.monotonic() - t0 < 1.0 + 0.5 + 1.0
 
 
@@ -440,3 +459,67 @@ def test_dropped_wrappers_release_their_worker_programs():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split("\n")[:4] == ["1 1"] * 3 + ["0 0"], res.stdout
+
+
+def test_an_output_shape_that_depends_on_the_batch_size_is_an_error_not_broadcast():
+    outer = lambda x: x[:, None] * x[None, :]  # (B, B): not row-independent
+    x = jnp.array([1.0, 2.0])
+    for executor in ("process", "inprocess"):
+        f = on_cpu(outer, workers=W, executor=executor)
+        with pytest.raises(Exception, match="fn must be row-independent"):
+            f(x)
+        f.close()
+
+
+EXIT_DURING_CALL = textwrap.dedent(
+    """
+    import threading, time
+    import jax, jax.numpy as jnp
+    import rollout
+
+    def forever(x):  # never ends
+        return jax.lax.while_loop(lambda c: c[0, 0] > -1.0, lambda c: c + 1e-7 * jnp.tanh(c), x)
+
+    g = rollout.on_cpu(forever, workers=2)
+    threading.Thread(target=lambda: g(jnp.ones((2, 4))), daemon=True).start()
+    def pids():
+        try:
+            return g.pids
+        except AttributeError:  # workers still starting
+            return []
+
+    deadline = time.monotonic() + 60
+    while len(pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(3.0)  # the workers are in the call
+    print(*pids(), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_exit_with_a_call_running_in_a_daemon_thread_ends_its_workers():
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="2")
+    res = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_CALL], capture_output=True, text=True, timeout=100,
+        env=env,
+    )  # fmt: skip
+    pids = [int(p) for p in res.stdout.split()]
+    assert len(pids) == 2, res.stdout + res.stderr[-2000:]
+    time.sleep(0.5)
+    for pid in pids:  # killed at exit, not left spinning as orphans
+        assert (
+            not os.path.exists(f"/proc/{pid}")
+            or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+        )
+
+
+def test_a_host_callback_inside_fn_is_one_clear_error_for_worker_processes():
+    def noisy(x):
+        jax.debug.print("x = {}", x)
+        return x + 1
+
+    f = on_cpu(noisy, workers=W, executor="process")
+    with pytest.raises(ValueError, match=r"fn makes a host callback \(jax.debug.print"):
+        f(jnp.ones((4, 2)))
+    f.close()
