@@ -212,14 +212,11 @@ def check_not_donated(
     this call donates, a batch argument that is one of the donated arrays or an array that
     appears twice among them (tied weights: XLA would donate the one buffer twice). ``donated``:
     a dict naming its parts (``{"params": ..., "opt_state": ...}``), as the messages do."""
+    keep_a_copy = (
+        "keep a copy made once before the loop, e.g. anchor = jax.tree.map(jnp.copy, params)"
+    )
     for pos, arg in enumerate(batch):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
-            if _deleted(leaf):
-                raise ValueError(
-                    f"batch argument {pos}{jax.tree_util.keystr(path)} was donated to an "
-                    "earlier call and its buffer is gone; keep a copy made once before the "
-                    "loop, e.g. anchor = jax.tree.map(jnp.copy, params)."
-                )
+        check_live(arg, f"batch argument {pos}", fix=keep_a_copy)
     if not donating:
         return
     seen: dict[int, str] = {}
@@ -239,8 +236,8 @@ def check_not_donated(
             if isinstance(leaf, jax.Array) and id(leaf) in seen:
                 raise ValueError(
                     f"batch argument {pos}{jax.tree_util.keystr(path)} is also one of the "
-                    f"{donated_what} arrays this step donates (overwrites in place); pass a "
-                    "copy made once before the loop, e.g. anchor = jax.tree.map(jnp.copy, params)."
+                    f"{donated_what} arrays this step donates (overwrites in place); "
+                    f"{keep_a_copy}."
                 )
 
 
@@ -250,15 +247,20 @@ def _deleted(leaf: Any) -> bool:
     )
 
 
-def check_live(tree: Any, what: str) -> None:
+_USE_RETURNED = (
+    "use the arrays that step returned (e.g. params, opt_state, losses = step(params, "
+    "opt_state, ...))"
+)
+
+
+def check_live(tree: Any, what: str, fix: str = _USE_RETURNED) -> None:
     """Refuses arrays whose buffers were donated to an earlier call (a crash inside XLA on some
-    multi-device backends); says which argument and what to do."""
+    multi-device backends); says which argument and what to do (``fix``)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if _deleted(leaf):
             raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} was donated to an earlier train step "
-                "and its buffer is gone; use the arrays that step returned (e.g. "
-                "params, opt_state, losses = step(params, opt_state, ...))."
+                f"{what}{jax.tree_util.keystr(path)} was donated to an earlier call and its "
+                f"buffer is gone; {fix}."
             )
 
 
