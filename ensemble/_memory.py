@@ -199,7 +199,8 @@ _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "col
 
 
 def collectives(compiled: Any) -> dict[str, int]:
-    """How many of each cross-device collective a compiled program runs (from its HLO).
+    """How many of each cross-device collective a compiled program holds: the places in its HLO,
+    not executions (one inside a loop counts once; what matters here is whether there are any).
 
     An ensemble step whose members each have whole devices should have none: members share
     nothing, so any collective there moves one member's data to another member's device.
