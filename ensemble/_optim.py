@@ -69,12 +69,8 @@ def per_member(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         _check_extra_args(extra_args, n)
-        if params is None:
-            member = lambda u, s, kw: tx.update(u, s, **kw)
-            return jax.vmap(member, spmd_axis_name=MEMBER_AXIS)(updates, state, extra_args)
-        return jax.vmap(lambda u, s, p, kw: tx.update(u, s, p, **kw), spmd_axis_name=MEMBER_AXIS)(
-            updates, state, params, extra_args
-        )
+        member = lambda u, s, p, kw: tx.update(u, s, p, **kw)  # p None: no leaves to map
+        return jax.vmap(member, spmd_axis_name=MEMBER_AXIS)(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

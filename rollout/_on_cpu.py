@@ -241,7 +241,7 @@ class _InProcess:
         self._lock = threading.Lock()
         self._compiled = _LRU(cache_size)
 
-    def run(self, flat_fn, key, nb, batched, shared, chunk, timeout=None, message="", weak=()):
+    def run(self, flat_fn, key, nb, batched, shared, chunk, weak, timeout=None, message=""):
         """Run on the CPU devices. ``timeout``: seconds the execution may take (compiling is not
         counted), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
         and later calls still run."""
@@ -253,7 +253,7 @@ class _InProcess:
 
         return work() if timeout is None else _with_timeout(work, timeout, message)
 
-    def _compile(self, flat_fn, key, nb, batched, shared, chunk, weak=()):
+    def _compile(self, flat_fn, key, nb, batched, shared, chunk, weak):
         active = batched[0].shape[0] // chunk
         with self._lock:
             entry = self._compiled.get((key, active))
@@ -264,7 +264,6 @@ class _InProcess:
                     flat_fn, mesh=mesh, in_specs=specs, out_specs=P("w"), check_vma=False
                 )
                 shardings = [NamedSharding(mesh, s) for s in specs]
-                weak = weak or (False,) * len(shardings)
                 avals = [
                     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=w)
                     for a, s, w in zip([*batched, *shared], shardings, weak)
@@ -685,15 +684,7 @@ class _Call:
             outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
         else:
             outs = self.executor.run(
-                self.flat_fn,
-                key,
-                self.nb,
-                b,
-                s,
-                chunk,
-                self.timeout,
-                self.timeout_message,
-                self.weak,
+                self.flat_fn, key, self.nb, b, s, chunk, weak, self.timeout, self.timeout_message
             )
         for j, (o, (shape, _)) in enumerate(zip(outs, self.row_outs)):
             if o.shape[1:] != tuple(shape):  # fn's output shape depends on the batch size

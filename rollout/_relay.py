@@ -36,6 +36,18 @@ def _recall(text: str) -> Exception | None:
     return None
 
 
+def finish_dispatched() -> None:
+    """Waits for the programs already dispatched to make their callbacks (JAX runs them
+    asynchronously), before their workers are closed: a callback after ``close`` would restart
+    them. A failed program's error is not raised again here: its caller got it already."""
+    import jax
+
+    try:
+        jax.effects_barrier()
+    except Exception:
+        pass
+
+
 def _drop_failed_tokens() -> None:
     """Forgets the runtime tokens that hold the error just raised, so that it is not raised
     again by every later ``jax.effects_barrier()`` and at exit. JAX has no public way to do

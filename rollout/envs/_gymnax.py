@@ -91,11 +91,9 @@ class GymnaxEnv(Env):
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_params", params)
         raw = env.observation_space(params)
-        self._set("_one_hot", int(raw.n) if type(raw).__name__ == "Discrete" else 0)
-        self._set("_obs_shape", self.observation_space.shape)  # read here, not while traced
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_one_hot", int(raw.n) if type(raw).__name__ == "Discrete" else 0)
+        # Read here, not while traced (gymnax builds its spaces with jnp).
+        object.__setattr__(self, "_obs_shape", self.observation_space.shape)
 
     def _obs(self, obs: jax.Array) -> jax.Array:
         """gymnax's observation as :attr:`observation_space` describes it: a Discrete one

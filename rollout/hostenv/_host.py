@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from rollout._devices import available_cores
 from rollout._host_call import host_call
-from rollout._relay import remember
+from rollout._relay import finish_dispatched, remember
 from rollout.envs._core import Box, Discrete, Space
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
@@ -265,10 +265,7 @@ class HostEnvs:
     def close(self) -> None:
         """Stops every worker, once the programs already dispatched have made their steps. A
         later ``step`` restarts the envs (see ``step``)."""
-        try:
-            jax.effects_barrier()
-        except Exception:  # a failed program's error: its caller got it already
-            pass
+        finish_dispatched()
         for group in self.groups:
             with group.lock:
                 group.close()

@@ -120,6 +120,7 @@ class _Gymnasium:
 
         self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
         self.discrete = isinstance(self.envs[0].action_space, gymnasium.spaces.Discrete)
+        self.obs_shape = self.envs[0].observation_space.shape
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         return np.stack(
@@ -137,11 +138,10 @@ class _Gymnasium:
     def _checked(self, obs: Any, where: str) -> Any:
         """``obs``, refused where its shape is not the observation space's (NumPy would
         broadcast a (1,) into a (3,) row without a word)."""
-        want = self.envs[0].observation_space.shape
-        if np.shape(obs) != want:
+        if np.shape(obs) != self.obs_shape:
             raise ValueError(
                 f"{where} returned an observation of shape {np.shape(obs)}; the env's "
-                f"observation space has shape {want}"
+                f"observation space has shape {self.obs_shape}"
             )
         return obs
 

@@ -247,7 +247,9 @@ class PPOConfig:
         self.make_kwargs()
         if self.env_on not in ("device", "cpu"):
             raise ValueError(f"env_on must be 'device' or 'cpu', got {self.env_on!r}.")
-        if self.env_on == "cpu" and self.env.startswith(("gymnasium:", "envpool:")):
+        from rollout.envs import HOST_PREFIXES
+
+        if self.env_on == "cpu" and self.env.startswith(HOST_PREFIXES):
             raise ValueError(
                 f"env_on='cpu' places functional envs; {self.env} runs in CPU worker processes "
                 "whatever env_on says: drop env_on / --env-on."

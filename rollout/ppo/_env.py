@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rollout._relay import finish_dispatched
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
@@ -131,6 +133,7 @@ class FunctionalEnvs:
 
     def close(self) -> None:
         if self._cpu is not None:
+            finish_dispatched()
             self._cpu.close()
 
 

@@ -643,13 +643,9 @@ class Learner:
     def close(self) -> None:
         """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit.
 
-        Waits first for the updates already dispatched (JAX runs them asynchronously) to finish
-        their env steps: closing under a running update would make it restart the envs.
+        The envs wait first for the updates already dispatched (JAX runs them asynchronously)
+        to finish their env steps: closing under a running update would make it restart them.
         """
-        try:
-            jax.effects_barrier()
-        except Exception:  # a failed program's error: its caller got it already
-            pass
         self.envs.close()
 
 

@@ -259,8 +259,7 @@ def record_video(
     except Exception as e:  # gymnasium / imageio / a renderer (pygame) missing
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"video skipped: cannot render {gym_id} ({type(e).__name__}: {first})"
-    try:  # the episode again from the same seed, a frame after every step
-        frames = [frames[0]]
+    try:  # the episode from the same seed again (its first frame is that one), a frame a step
         _run_episode(env, jax.jit(policy), seed, step_cap(env, max_steps),
                      on_step=lambda: frames.append(env.render()))  # fmt: skip
     finally:
