@@ -252,9 +252,12 @@ class NNXEnsemble(nnx.Module):
         def one(state_leaves, *traced_inputs):
             with nnx.use_eager_sharding(False):  # as in the creation: no partly manual mesh
                 module = nnx.merge(graphdef, jax.tree.unflatten(member_def, state_leaves))
+                member_graphdef = nnx.graphdef(module)  # member-axis metadata removed
                 full = rebuild(traced_inputs)
                 out = fn(module, *full[: len(args)], **dict(zip(kw_names, full[len(args) :])))
-                new = jax.tree.leaves(nnx.state(module))
+                new_graphdef, new_state = nnx.split(module)
+                _check_same_structure(member_graphdef, state, new_graphdef, new_state)
+                new = jax.tree.leaves(new_state)
                 changed[:] = [a is not b for a, b in zip(new, state_leaves, strict=True)]
                 return out, [a for a, c in zip(new, changed) if c]
 
@@ -266,6 +269,48 @@ class NNXEnsemble(nnx.Module):
         )
         _write_back(self.members, state, changed, new_leaves)
         return out
+
+
+def _check_no_raw_arrays(module: nnx.Module) -> None:
+    """Refuses an array kept as a plain attribute (not in an ``nnx.Variable``): NNX treats it as
+    static structure, so it could be neither split over the members nor traced."""
+    for path, node in nnx.iter_graph(module):  # (NumPy constants are fine: static, shared)
+        if isinstance(node, (jax.Array, jax.ShapeDtypeStruct)):
+            name = ".".join(map(str, path))
+            raise TypeError(
+                f"the factory's module keeps an array in the plain attribute {name!r}; wrap it "
+                f"in an nnx.Variable (e.g. self.{path[-1]} = nnx.Variable(array), or nnx.Param "
+                "to train it), so that each member holds its own."
+            )
+
+
+def _check_same_structure(graphdef: Any, state: Any, new_graphdef: Any, new_state: Any) -> None:
+    """Refuses a member call that changed the module's structure: a Variable it created
+    (``self.sow``, a lazily made cache) or a Python attribute it set (``self.calls += 1``).
+    Members share one structure, held once by the ensemble, so such a change could not be kept:
+    it would be silently dropped (a plain module keeps it)."""
+    try:
+        same = new_graphdef == graphdef
+    except Exception:  # a static attribute that cannot be compared: nothing to say
+        return
+    if same:
+        return
+    path = lambda p: ".".join(map(str, p))
+    old_paths = {path(p) for p, _ in nnx.to_flat_state(state)}
+    added = [path(p) for p, _ in nnx.to_flat_state(new_state) if path(p) not in old_paths]
+    if added:
+        what = f"created the Variable(s) {', '.join(added[:4])}"
+        fix = (
+            "create them in the factory (e.g. init_cache there), or take sown values out "
+            "inside the call: ens.map(lambda m, x: (m(x), nnx.pop(m, nnx.Intermediate)), x)"
+        )
+    else:
+        what = "set a Python attribute of the module (not an nnx.Variable)"
+        fix = "keep state that changes in calls in an nnx.Variable (e.g. nnx.BatchStat)"
+    raise ValueError(
+        f"an ensemble member's call {what}; ensemble members keep the structure the factory "
+        f"built, so the change would be lost: {fix}."
+    )
 
 
 def _write_back(members: nnx.Module, state: Any, changed: list[bool], new: list[Any]) -> None:
@@ -490,7 +535,9 @@ def _plan(
     # name that no rule maps; _member_shardings maps every name through the rules instead
     # (unmapped ones to replicated, with a warning where that drops a split).
     with nnx.use_eager_sharding(False):
-        graphdef, abstract = nnx.split(nnx.eval_shape(create, keys))
+        abstract_module = nnx.eval_shape(create, keys)
+    _check_no_raw_arrays(abstract_module)
+    graphdef, abstract = nnx.split(abstract_module)
     _warn_unmapped_nnx(abstract, members)
     shardings = _member_shardings(abstract, members.mesh, n, members.rules)
     treedef = jax.tree.structure(abstract)
@@ -648,10 +695,17 @@ def nnx_optimizer(
     def create(ens_state: Any) -> nnx.Optimizer:
         return nnx.Optimizer(nnx.merge(graphdef, ens_state), member_tx, wrt=wrt)
 
-    with partitioning(ens.mesh, ens.rules):
+    # Traced with no mesh, as in the creation: Flax would refuse an annotation name that no
+    # rule maps; _member_shardings maps every name through the rules.
+    with nnx.use_eager_sharding(False):
         opt_graphdef, abstract = nnx.split(nnx.eval_shape(create, ens_state))
-        shardings = _member_shardings(abstract, ens.mesh, ens.n, ens.rules)
-        state = jax.jit(lambda s: nnx.state(create(s)), out_shardings=shardings)(ens_state)
+    shardings = _member_shardings(abstract, ens.mesh, ens.n, ens.rules)
+    def create_state(ens_state: Any) -> Any:
+        with nnx.use_eager_sharding(False):  # placement comes from out_shardings
+            return nnx.state(create(ens_state))
+
+    with partitioning(ens.mesh, ens.rules):
+        state = jax.jit(create_state, out_shardings=shardings)(ens_state)
     return nnx.merge(opt_graphdef, state)
 
 

@@ -275,6 +275,48 @@ def test_optimizer_state_placement(ens8):
     assert [x.shape for x in jax.tree.leaves(state) if x.ndim == 0] == [()]
 
 
+class Unmapped(nnx.Module):
+    """A kernel annotated ('embed', 'hidden'), where no rule maps 'embed'."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+        self.l1 = nnx.Linear(3, 8, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l1(x)
+
+
+@pytest.mark.parametrize("layout", [dict(n=D), dict(n=4, model_parallel=2)])
+def test_optimizer_of_a_model_with_an_annotation_no_rule_maps_trains_like_plain_optax(layout):
+    """An unmapped logical name is replicated with a warning (README); the optimizer used to
+    refuse it (Flax resolved the raw name against the mesh)."""
+    import warnings
+
+    n = layout.pop("n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unmapped-name warning, where a member spans 2
+        ens = build_nnx(Unmapped, n, rules=[("hidden", "model")], rngs=3, **layout)
+    plain = [ens.member(i) for i in range(n)]
+    tx = optax.adam(0.1)
+    opt = nnx_optimizer(ens, tx)
+    mu = opt.opt_state[0].mu["members"]["l1"]["kernel"][...]
+    mp = layout.get("model_parallel", 1)
+    assert {s.data.shape for s in mu.addressable_shards} == {(1, 3, 8 // mp)}  # 'hidden' split
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    for _ in range(2):
+        nnx_train_step(mse)(ens, opt, x, jnp.ones((4, 8)))
+    for i, m in enumerate(plain):
+        m = jax.device_put(m, jax.devices()[0])  # hypothetical plain run on one device
+        state = tx.init(nnx.state(m, nnx.Param))
+        for _ in range(2):
+            grads = nnx.grad(mse)(m, x, jnp.ones((4, 8)))
+            updates, state = tx.update(grads, state)
+            nnx.update(m, optax.apply_updates(nnx.state(m, nnx.Param), updates))
+        np.testing.assert_allclose(
+            ens.members.l1.kernel[...][i], m.l1.kernel[...], rtol=1e-5, atol=1e-6
+        )
+
+
 def test_train_step_lowers_loss_and_donates():
     ens = build_nnx(linear, D, rngs=4)
     opt = nnx_optimizer(ens, optax.sgd(0.1, momentum=0.5))
@@ -426,6 +468,51 @@ def test_factory_errors():
         build_nnx(linear, D, rngs="seed")
     with pytest.raises(ValueError, match="in_axes"):
         build_nnx(linear, D, in_axes=1)
+
+
+class Sows(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.l(x)
+        self.sow(nnx.Intermediate, "h", h)
+        return h.sum(-1)
+
+
+class Counts(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(3, 2, rngs=rngs)
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1  # a Python attribute: the ensemble could not keep it
+        return self.l(x)
+
+
+class RawArray(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = jax.random.normal(rngs.params(), (3, 3))  # not in an nnx.Variable
+        self.l = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l(x @ self.proj)
+
+
+def test_a_call_that_changes_the_modules_structure_is_refused_not_dropped():
+    x = jnp.ones((2, 3))
+    ens = build_nnx(Sows, D, rngs=0)
+    with pytest.raises(ValueError, match=r"created the Variable\(s\) h;.*nnx\.pop"):
+        ens(x)
+    # The workaround the message gives: take the sown values out inside the call.
+    out, sown = ens.map(lambda m, x: (m(x), nnx.pop(m, nnx.Intermediate)), x)
+    plain = ens.member(3)
+    np.testing.assert_allclose(out[3], plain(x), rtol=1e-6)
+    np.testing.assert_allclose(sown["h"][0][3], nnx.pop(plain, nnx.Intermediate)["h"][0])
+    with pytest.raises(ValueError, match="Python attribute"):
+        build_nnx(Counts, D, rngs=0)(x)
+    with pytest.raises(TypeError, match=r"plain attribute 'proj'.*nnx\.Variable"):
+        build_nnx(RawArray, D, rngs=0)
 
 
 def test_bad_inputs(ens8):
