@@ -160,6 +160,18 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
     assert (out / "metrics.jsonl").read_text() == rows
 
 
+def test_a_metrics_row_cut_short_by_hand_is_named_and_an_unwritable_lock_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    _run(_tiny(total_steps=2 * 32), out)
+    path = out / "metrics.jsonl"
+    path.write_text(path.read_text()[:-20] + "\n")  # the checkpoint's last row, cut short
+    with pytest.raises(ckpt.RunDirError, match=r"ending at update \?.*the file was changed"):
+        _run(_tiny(total_steps=3 * 32), out, resume=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ckpt.RunDirError, match=r"is not a writable directory"):
+        ckpt.lock(tmp_path / "file" / "run")
+
+
 def test_old_npz_runs_are_named_not_misread(tmp_path):
     (tmp_path / "ckpt_00000004").mkdir(parents=True)
     (tmp_path / "ckpt_00000004" / "state.npz").write_bytes(b"PK")
@@ -413,6 +425,25 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     rows = (out / "metrics.jsonl").read_text()
     assert main(["--out", str(out), "--resume", "--members", "2", "--no-progress"]) == 0
     assert (out / "metrics.jsonl").read_text() == rows
+
+
+def test_a_resumed_cpu_run_keeps_its_devices_and_says_when_they_change(tmp_path, capsys):
+    """Members split over other devices compute the same maths with other float rounding: a
+    resume takes the run's own device count, and says so when told to use another."""
+    out = tmp_path / "run"
+    tiny = ["--members", "2", "--num-envs", "2", "--num-steps", "16", "--no-progress"]
+    assert main([*tiny, "--out", str(out), "--devices", "1", "--total-steps", "32"]) == 0
+    record = json.loads((out / "run.json").read_text())
+    assert (record["devices"], record["platform"]) == (1, "cpu")
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--total-steps", "64", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "devices=1xcpu" in err and "note:" not in err, err
+    argv = ["--out", str(out), "--resume", "--total-steps", "96", "--no-progress"]
+    assert main([*argv, "--devices", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "ran on 1 cpu devices and resumes on 2 cpu devices" in err, err
+    assert json.loads((out / "run.json").read_text())["devices"] == 1  # the run's own
 
 
 # ---------------------------------------------------------------------- signals, SIGKILL

@@ -125,8 +125,13 @@ def lock(out: Path) -> Any:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    f = (out / LOCK_FILE).open("a")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = (out / LOCK_FILE).open("a")
+    except OSError as e:  # read-only, or not ours: before anything else says less
+        raise RunDirError(
+            f"--out {out} is not a writable directory ({e.strerror or e}); give another path."
+        ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -266,7 +271,10 @@ def cut_metrics(out: Path, rows: int, update: int) -> None:
     path = out / METRICS_FILE
     lines = path.read_text().splitlines() if path.exists() else []
     keep = [line for line in lines if line.strip()][:rows]
-    last = json.loads(keep[-1]).get("update") if keep else 0
+    try:
+        last = json.loads(keep[-1]).get("update") if keep else 0
+    except (ValueError, AttributeError):  # a row cut short or edited into something else
+        last = "?"
     if len(keep) < rows or (rows and last != update):
         raise RunDirError(
             f"{path} has {len(keep)} rows ending at update {last}, but checkpoint "

@@ -160,6 +160,12 @@ def train(
             run.close()
 
 
+def _device_layout(learner: Any) -> dict[str, Any]:
+    """The devices a run's members are split over, as ``run.json`` records them."""
+    devices = learner.mesh.devices
+    return {"devices": int(devices.size), "platform": str(devices.flat[0].platform)}
+
+
 class _Run:
     """One run directory as :func:`train` uses it: identity, metrics, checkpoints."""
 
@@ -193,16 +199,32 @@ class _Run:
             ckpt.check_fresh(found, overwrite)
             self.record = ckpt.new_record(self.config.to_dict())
 
+    def _check_layout(self, layout: dict[str, Any]) -> None:
+        """Says so when a run resumes on other devices than it ran on: members split another
+        way compute the same maths with other float rounding (not exactly the same run)."""
+        saved = {k: self.record.get(k) for k in layout}
+        if saved["devices"] is not None and saved != layout:
+            self.warn(
+                f"note: run {self.record['run_id'][:8]} ran on {saved['devices']} "
+                f"{saved['platform']} devices and resumes on {layout['devices']} "
+                f"{layout['platform']} devices: from here its numbers differ from the "
+                "uninterrupted run's by float rounding (resume on the same devices, e.g. "
+                f"--devices {saved['devices']}, to continue it exactly)."
+            )
+
     def open(self, learner: Any) -> tuple[Any, list[dict[str, Any]]]:
         """The state to start from (restored or fresh) and the metric rows so far."""
 
         from rollout.ppo import _checkpoint as ckpt
 
+        layout = _device_layout(learner)
         if not self.resume:
+            self.record = {**self.record, **layout}
             _on_main_then_all(lambda: ckpt.start(self.out, self.record, overwrite=self.overwrite))
             # Every process takes process 0's run id.
             self.record = json.loads((self.out / ckpt.RUN_FILE).read_text())
             return learner.init(), []
+        self._check_layout(layout)
         like = ckpt.restore_targets(learner)
         state, meta = ckpt.restore_latest(self.out, self.record["run_id"], like, self.warn)
         done = meta["update"]
@@ -701,7 +723,8 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         )
     # Devices per process for this process's members (on CPU-only hosts). Set before the config
     # is built: building it may make the env once (gymnax envs start JAX).
-    learner_devices = args.devices or cpu_devices_for(members // procs, cores)
+    learner_devices = args.devices or _saved_cpu_devices(args, found, procs)
+    learner_devices = learner_devices or cpu_devices_for(members // procs, cores)
     configure_devices(max(learner_devices, cores))
     config = _config_from_args(args, found)
     ckpt.check_unlocked(args.out)  # first: a run still going there explains whatever it holds
@@ -791,6 +814,14 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
             "this run does not use: add --pbt."
         )
     return config
+
+
+def _saved_cpu_devices(args: argparse.Namespace, found: Any, procs: int) -> int | None:
+    """A resumed CPU run's devices per process, as it ran (so it continues exactly)."""
+    record = found.record if args.resume else None
+    if not record or record.get("platform") != "cpu" or not record.get("devices"):
+        return None
+    return max(1, int(record["devices"]) // procs)
 
 
 def _members_hint(args: argparse.Namespace, found: Any) -> int:
