@@ -700,6 +700,7 @@ def nnx_optimizer(
     with nnx.use_eager_sharding(False):
         opt_graphdef, abstract = nnx.split(nnx.eval_shape(create, ens_state))
     shardings = _member_shardings(abstract, ens.mesh, ens.n, ens.rules)
+
     def create_state(ens_state: Any) -> Any:
         with nnx.use_eager_sharding(False):  # placement comes from out_shardings
             return nnx.state(create(ens_state))

@@ -3,6 +3,7 @@ is taken from its own devices, and ``python -m rollout.ppo.evaluate`` reports re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -354,6 +355,54 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
     capsys.readouterr()
     assert evaluate.main([str(run)]) == 2
     assert capsys.readouterr().err.strip().endswith(f"not an export: evaluate {run / 'export'}.")
+
+
+def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path, monkeypatch):
+    """A training run prunes old checkpoints while an export reads them: the export lists
+    them again, and never advises --overwrite on a healthy run."""
+    from rollout.ppo import _checkpoint as ckpt
+
+    calls = []
+
+    def restore_latest(out, run_id, like, warn, set_aside):
+        calls.append(out)
+        if len(calls) == 1:  # the run writes a newer checkpoint while this one is read
+            (out / "ckpt_00000009").mkdir()
+            warn(f"warning: checkpoint {out / 'ckpt_00000008'} cannot be restored (gone)")
+            raise ckpt.RunDirError("--resume: no checkpoint in run can be restored; start over")
+        return "state", {}
+
+    monkeypatch.setattr(ckpt, "restore_latest", restore_latest)
+    (tmp_path / "ckpt_00000008").mkdir()
+    assert export._restore_newest(tmp_path, "id", None) == "state" and len(calls) == 2
+
+    def never(out, run_id, like, warn, set_aside):
+        raise ckpt.RunDirError(
+            "--resume: no checkpoint in run can be restored; start over with --overwrite."
+        )
+
+    monkeypatch.setattr(ckpt, "restore_latest", never)
+    with pytest.raises(export.NotAnExport) as e:
+        export._restore_newest(tmp_path, "id", None)
+    assert "--overwrite" not in str(e.value) and "no checkpoint in run" in str(e.value)
+
+
+def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(
+    cartpole, tmp_path, capsys
+):
+    learner, state = cartpole
+    export.export_members(learner, state, tmp_path / "mixed", members=[0])
+    other = dataclasses.replace(learner.config, seed=learner.config.seed + 1)
+    export.export_from_state(other, state, tmp_path / "mixed", members=[1])
+    assert evaluate.main([str(tmp_path / "mixed"), "--episodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "differ in 'config'" in err and "different runs or checkpoints" in err
+    # A run dir whose export/ is an older run's (left by --overwrite) says so.
+    run = tmp_path / "run"
+    export.export_from_state(other, state, run / "export", members=[0])
+    (run / "run.json").write_text(json.dumps({"config": learner.config.to_dict()}))
+    assert evaluate.main([str(run)]) == 2
+    assert "its export holds another run's members: export again" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

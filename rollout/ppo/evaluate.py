@@ -300,11 +300,14 @@ def _load(directory: str) -> list[Any]:
     members = [export.read_member(p) for p in export.member_dirs(directory)]
     first = members[0].meta
     for m in members[1:]:
-        for key in ("env", "network"):
-            if m.meta[key] != first[key]:
+        # One run's checkpoint: same env, network, config and training steps (members exported
+        # into one directory from two runs or two checkpoints are not one ensemble).
+        for key in ("env", "network", "config", "env_steps"):
+            if m.meta.get(key) != first.get(key):
                 raise export.NotAnExport(
-                    f"members {first['member']} and {m.meta['member']} differ in {key!r}; "
-                    "evaluate members of one run together."
+                    f"members {first['member']} and {m.meta['member']} differ in {key!r}, so "
+                    "they come from different runs or checkpoints; evaluate members of one "
+                    "export together (export again into an empty --to)."
                 )
     return members
 

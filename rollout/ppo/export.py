@@ -413,6 +413,17 @@ def load_member(
     return read_member(directory, device).act
 
 
+def _export_of(export: Path, run: Path) -> bool:
+    """Whether ``export`` holds members of the run in ``run`` (same config), not of a run that
+    an ``--overwrite`` replaced."""
+    try:
+        config = json.loads((run / "run.json").read_text())["config"]
+        metas = [json.loads((p / "member.json").read_text()) for p in export.glob("member_*")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # unreadable: say nothing more than before
+    return all(m.get("config") == config for m in metas)
+
+
 def member_dirs(directory: str | os.PathLike) -> list[Path]:
     """The member directories of an export: ``directory`` itself if it is one, else its
     ``member_<i>`` subdirectories in member order. Raises :class:`NotAnExport` if none."""
@@ -426,11 +437,12 @@ def member_dirs(directory: str | os.PathLike) -> list[Path]:
         if (path / "run.json").is_file():  # a training run's --out
             export = path / "export"
             q = lambda p: shlex.quote(str(p))  # commands to paste into a shell
-            how = (
-                ""
-                if export.is_dir()
-                else f"export it (python -m rollout.ppo.export {q(path)}), then "
-            )
+            command = f"python -m rollout.ppo.export {q(path)}"
+            how = f"export it ({command}), then "
+            if export.is_dir() and _export_of(export, path):
+                how = ""
+            elif export.is_dir():
+                how = f"its export holds another run's members: export again ({command}), then "
             raise NotAnExport(
                 f"{path} is a training run, not an export: {how}evaluate {q(export)}."
             )
@@ -478,15 +490,37 @@ def export_run(
     learner = Learner(config, devices=devices)
     try:
         _chosen(members, config.members, directory or run / "export")  # before the restore
-        like = ckpt.restore_targets(learner)
-        warn = lambda line: print(line, file=sys.stderr)
-        try:
-            state, _ = ckpt.restore_latest(run, found.record["run_id"], like, warn, False)
-        except ckpt.RunDirError as e:
-            raise NotAnExport(str(e).replace("--resume: ", "")) from None
+        state = _restore_newest(run, found.record["run_id"], ckpt.restore_targets(learner))
         return export_members(learner, state, directory or run / "export", members)
     finally:
         learner.close()
+
+
+def _restore_newest(run: Path, run_id: str, like: Any, attempts: int = 5) -> Any:
+    """The newest whole checkpoint of a run that may still be training: a run keeps only its
+    newest checkpoints, so one listed here may be removed while it is read; then the listing
+    is read again (the warnings of a failed try are shown only if nothing changed)."""
+    from rollout.ppo import _checkpoint as ckpt
+
+    for _ in range(attempts):
+        listed, notes = ckpt.checkpoints(run), []
+        try:
+            state, _ = ckpt.restore_latest(run, run_id, like, notes.append, False)
+            for line in notes:  # a damaged newer checkpoint; not one the run pruned meanwhile
+                if any(f"checkpoint {p} " in line for p in ckpt.checkpoints(run)):
+                    print(line, file=sys.stderr)
+            return state
+        except ckpt.RunDirError as e:
+            if ckpt.checkpoints(run) != listed:
+                continue  # the run wrote a newer one meanwhile: try that
+            for line in notes:
+                print(line, file=sys.stderr)
+            why = str(e).replace("--resume: ", "").split("; start over")[0]
+            raise NotAnExport(f"{why}.") from None
+    raise NotAnExport(
+        f"{run} is still writing checkpoints faster than they can be read; export it when it "
+        "has stopped, or with a larger --checkpoint-every."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
