@@ -185,7 +185,7 @@ def test_export_from_state_equals_export_members(cartpole, tmp_path):
         export.export_members(learner, state, tmp_path / "c", members=[4])
 
 
-def _returns_by_hand(policy, env_name, keys):
+def _returns_by_hand(policy, env_name, keys, max_steps=None):
     """Episode returns stepped one at a time in Python with the bare env (no auto-reset)."""
     env = envs.make(env_name, auto_reset=False)
     out = []
@@ -197,7 +197,7 @@ def _returns_by_hand(policy, env_name, keys):
             action, t = policy(np.asarray(obs)[None])[0], t + 1
             state, obs, reward, term, trunc, _ = env.step(state, action, jax.random.fold_in(key, t))
             total += float(reward)
-            done = bool(term) or bool(trunc)
+            done = bool(term) or bool(trunc) or t == max_steps
         out.append(total)
     return np.asarray(out)
 
@@ -221,6 +221,16 @@ def test_evaluation_returns_equal_a_step_by_step_loop(cartpole, tmp_path):
     np.testing.assert_array_equal(evaluate.ensemble_act(members)(obs), ens(obs))
     ref = evaluate.episode_returns(ens, "cartpole", evaluate.reset_keys(5, 3))
     np.testing.assert_array_equal(result["ensemble"], ref)
+
+
+def test_max_steps_cuts_the_episodes_of_pure_jax_envs_too(cartpole, tmp_path):
+    learner, state = cartpole
+    member = export.read_member(export.export_members(learner, state, tmp_path, members=[0])[0])
+    result = evaluate.evaluate([member], episodes=2, seed=5, max_steps=7)
+    keys = np.asarray(jax.random.key_data(evaluate.reset_keys(5, 2)))
+    by_hand = _returns_by_hand(jax.jit(member.act), "cartpole", keys, max_steps=7)
+    np.testing.assert_allclose(result["member_0"], by_hand)
+    assert by_hand.max() <= 7
 
 
 def test_evaluation_draws_fresh_env_randomness_every_step():

@@ -55,10 +55,15 @@ def ensemble_act(members: Sequence[Any]) -> Policy:
 
 
 def episode_returns(
-    policy: Policy, env_id: str, keys: Any, kwargs: dict[str, Any] | None = None
+    policy: Policy,
+    env_id: str,
+    keys: Any,
+    kwargs: dict[str, Any] | None = None,
+    max_steps: int | None = None,
 ) -> np.ndarray:
     """Undiscounted return of one episode per key, all episodes at once: a functional env of
-    ``rollout.envs`` (its own, ``gymnax:`` and ``brax:`` ids), made with ``kwargs``."""
+    ``rollout.envs`` (its own, ``gymnax:`` and ``brax:`` ids), made with ``kwargs``; episodes
+    end at the env's time limit, or after ``max_steps`` steps if that is sooner."""
     import jax
     import jax.numpy as jnp
 
@@ -81,7 +86,8 @@ def episode_returns(
             return (state, obs, total, live & ~(term | trunc)), None
 
         start = (state, obs, jnp.zeros(len(keys), jnp.float32), jnp.ones(len(keys), bool))
-        steps = jnp.arange(1, env.max_episode_steps + 1)
+        limit = env.max_episode_steps if max_steps is None else max_steps
+        steps = jnp.arange(1, min(env.max_episode_steps, limit) + 1)
         (_, _, total, _), _ = jax.lax.scan(step, start, steps)
         return total
 
@@ -200,8 +206,9 @@ def evaluate(
     members: Sequence[Any], episodes: int, seed: int, max_steps: int | None = None
 ) -> dict[str, np.ndarray]:
     """Episode returns per policy: ``member_<i>`` for each member, then ``ensemble`` (when
-    there are several members). ``max_steps`` cuts gymnasium episodes (see :func:`step_cap`);
-    the other envs end their episodes at their own time limits."""
+    there are several members). ``max_steps`` cuts episodes sooner than the env's own time
+    limit (gymnasium: see :func:`step_cap`); EnvPool ids refuse it (their ``max_episode_steps``
+    make kwarg sets the limit)."""
     policies = {f"member_{m.meta['member']}": m.act for m in members}
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
@@ -209,8 +216,16 @@ def evaluate(
     kwargs = make_kwargs(members[0].meta)
     if is_functional(env_id):
         keys = reset_keys(seed, episodes)
-        return {name: episode_returns(p, env_id, keys, kwargs) for name, p in policies.items()}
+        return {
+            name: episode_returns(p, env_id, keys, kwargs, max_steps)
+            for name, p in policies.items()
+        }
     if str(env_id).startswith("envpool:"):
+        if max_steps is not None:
+            raise ValueError(
+                "--max-steps is not applied to envpool: ids; set EnvPool's own limit when "
+                "training (--env-kwargs max_episode_steps=N)."
+            )
         return {
             name: envpool_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
         }
@@ -288,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-steps",
         type=int,
         default=None,
-        help="cut gymnasium episodes after this many steps (default: the env's own time limit; "
+        help="cut episodes after this many steps (default: the env's own time limit; "
         f"{DEFAULT_MAX_STEPS} for an env without one)",
     )
     return p
@@ -332,7 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # NotAnExport
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(evaluate(members, args.episodes, args.seed, args.max_steps)))
+    try:
+        results = evaluate(members, args.episodes, args.seed, args.max_steps)
+    except ValueError as e:  # --max-steps for an EnvPool id
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(results))
     if args.video:
         policy = ensemble_act(members) if len(members) > 1 else members[0].act
         note = record_video(policy, members[0].meta, args.video, args.seed, args.max_steps)
