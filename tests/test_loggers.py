@@ -121,6 +121,42 @@ def test_scalar_names_group_by_member_and_skip_missing_values():
     }
 
 
+def test_a_resumed_run_replaces_the_stopped_runs_events_and_continues_its_wandb_run(
+    tmp_path, monkeypatch
+):
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    # A run killed after writing 768 steps; its checkpoint was at 512: the resumed run writes
+    # 768 again. TensorBoard purges events at or past a session start's step.
+    first = _loggers.TensorBoardLogger(tmp_path / "tb")
+    for steps in (256, 512, 768):
+        first.write({"env_steps": steps, "returns": [1.0]})
+    first.close()
+    time.sleep(1.1)  # event file names hold the second they were made
+    second = _loggers.TensorBoardLogger(tmp_path / "tb")
+    for steps in (768, 1024):
+        second.write({"env_steps": steps, "returns": [2.0]})
+    second.close()
+    for path, start in zip(sorted((tmp_path / "tb").glob("events.*")), (256, 768)):
+        events = [Event.FromString(r) for r in _tfrecords(path)]
+        events = [e for e in events if e.HasField("session_log") or e.HasField("summary")]
+        assert events[0].session_log.status == SessionLog.START and events[0].step == start
+        assert all(e.step >= start for e in events)
+
+    class FakeWandb:  # records what the logger asks W&B for
+        runs: list = []
+
+        @staticmethod
+        def init(**kw):
+            FakeWandb.runs.append(kw)
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    for resume in (False, True, False):
+        _loggers.WandbLogger(tmp_path / "run", {}, resume)
+    ids = [kw["id"] for kw in FakeWandb.runs]
+    assert ids[0] == ids[1] != ids[2] and {kw["resume"] for kw in FakeWandb.runs} == {"allow"}
+
+
 def test_log_flag_names_and_errors():
     assert _loggers.parse_log_flag("") == ()
     assert _loggers.parse_log_flag("jsonl,tensorboard,tensorboard") == ("tensorboard",)

@@ -678,7 +678,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     )
     try:  # only the main process logs, as it alone writes metrics.jsonl
         names = log_names if info.is_main else ()
-        logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval)
+        logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
     except Exception as e:  # e.g. W&B online without a login
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)

@@ -19,6 +19,7 @@ import atexit
 import math
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -128,8 +129,17 @@ class TensorBoardLogger:
         self.directory = Path(directory)
         self._summary = Summary
         self._writer = FileWriter(str(self.directory), flush_secs=30)
+        self._started = False
 
     def write(self, row: Mapping[str, Any]) -> None:
+        if not self._started:
+            # A session start at the first step written: TensorBoard drops the events a
+            # killed run wrote from there on, which a resumed run writes again.
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+            start = SessionLog(status=SessionLog.START)
+            self._writer.add_event(Event(step=int(row["env_steps"]), session_log=start))
+            self._started = True
         value = self._summary.Value
         summary = self._summary(
             value=[value(tag=tag, simple_value=v) for tag, v in scalars(row).items()]
@@ -147,14 +157,23 @@ class WandbLogger:
     entity, name, mode) come from W&B's own environment variables (``WANDB_PROJECT``, ...).
     """
 
-    def __init__(self, directory: str | os.PathLike, config: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, config: Mapping[str, Any] | None, resume: bool = False
+    ) -> None:
         import wandb
 
         Path(directory).mkdir(parents=True, exist_ok=True)
+        # One W&B run per training run: a resumed run continues the W&B run it started.
+        id_file = Path(directory) / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        run_id = run_id or secrets.token_hex(8)
+        id_file.write_text(run_id + "\n")
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "rollout-ppo"),
             dir=str(directory),
             config=dict(config or {}),
+            id=run_id,
+            resume="allow",
         )
 
     def write(self, row: Mapping[str, Any]) -> None:
@@ -255,11 +274,14 @@ def open_loggers(
     out: str | os.PathLike,
     config: Mapping[str, Any] | None = None,
     interval_s: float = DEFAULT_INTERVAL_S,
+    resume: bool = False,
 ) -> Loggers:
     """Opens the loggers ``names`` (from :func:`parse_log_flag`) for the run directory ``out``.
 
     TensorBoard writes to ``out/tensorboard``, W&B to ``out/wandb``; they get at most one row
-    per ``interval_s`` seconds (see :class:`Loggers`).
+    per ``interval_s`` seconds (see :class:`Loggers`). ``resume``: the run continues from a
+    checkpoint, so W&B continues the run's own W&B run (TensorBoard drops the events past the
+    checkpoint that the stopped run had written, as the resumed run writes them again).
 
     Example:
       >>> import tempfile
@@ -273,7 +295,7 @@ def open_loggers(
             if name == "tensorboard":
                 opened.append(TensorBoardLogger(out / "tensorboard"))
             elif name == "wandb":
-                opened.append(WandbLogger(out, config))
+                opened.append(WandbLogger(out, config, resume))
             else:
                 raise ValueError(f"unknown logger {name!r}; choose from {', '.join(LOGGERS)}.")
     except BaseException:
