@@ -144,7 +144,7 @@ def test_a_resumed_run_replaces_the_stopped_runs_events_and_continues_its_wandb_
         assert all(e.step >= start for e in events)
 
     class FakeWandb:  # records what the logger asks W&B for
-        runs: list = []
+        runs: list = []  # noqa: RUF012
 
         @staticmethod
         def init(**kw):
