@@ -106,6 +106,16 @@ def split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple
     return dynamic, tuple(sorted(static, key=lambda kv: kv[0]))
 
 
+def typed(value: Any) -> Hashable:
+    """``value`` with the type of every part: a cache key under which ``1``, ``1.0`` and
+    ``True`` (equal in Python) stay apart, as the programs they make differ in dtype."""
+    if isinstance(value, tuple | list):
+        return type(value), tuple(typed(v) for v in value)
+    if isinstance(value, dict):
+        return type(value), tuple((k, typed(v)) for k, v in value.items())
+    return type(value), value
+
+
 def abstract_signature(tree: Any) -> Hashable:
     """Tree structure, shapes and dtypes: what a compiled program depends on."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -36,6 +36,7 @@ from ensemble._core import (
     check_member_major,
     check_shared_kwargs,
     split_kwargs,
+    typed,
     stream_keys,
 )
 from ensemble._mesh import (
@@ -184,7 +185,7 @@ class LinenEnsemble:
         axes = self._check_args(args)
         dynamic, static = split_kwargs(kwargs)
         call_args = (keys, args, dynamic)
-        cache_key = ("init", static, abstract_signature(call_args))
+        cache_key = ("init", typed(static), abstract_signature(call_args))
         if cache_key not in self._cache:
             self._cache[cache_key] = self._make_init(axes, dict(static), call_args)
         jitted, shardings = self._cache[cache_key]
@@ -268,7 +269,7 @@ class LinenEnsemble:
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
         dynamic, static = split_kwargs(kwargs)
-        cache_key = ("apply", static, mutable, method, tuple(sorted(keys)), axes)
+        cache_key = ("apply", typed(static), mutable, method, tuple(sorted(keys)), axes)
         jitted = self._cache.get(cache_key)
         if jitted is None:
             jitted = self._cache[cache_key] = self._make_apply(static, mutable, method, axes)

@@ -45,6 +45,7 @@ from ensemble._core import (
     check_live,
     check_not_donated,
     check_shared_kwargs,
+    typed,
 )
 from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
@@ -391,7 +392,8 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
     dynamic_mask = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
     if any(is_node(x) for x in leaves):
         return None
-    static = (treedef, dynamic_mask, tuple(None if d else x for x, d in zip(leaves, dynamic_mask)))
+    fixed = tuple(None if d else x for x, d in zip(leaves, dynamic_mask))
+    static = (treedef, dynamic_mask, fixed, typed(fixed))  # typed: 1, 1.0, True differ
     try:
         hash(static)
     except TypeError:
@@ -401,7 +403,7 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
 
 @functools.partial(nnx.jit, static_argnums=2)
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
-    treedef, dynamic_mask, fixed = static
+    treedef, dynamic_mask, fixed, _ = static
     it = iter(dynamic)
     leaves = [next(it) if d else x for x, d in zip(fixed, dynamic_mask)]
     args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)

@@ -49,7 +49,7 @@ def per_member(
       (2,)
     """
     tx = optax.with_extra_args_support(as_transformation(tx))
-    values = {k: jnp.asarray(v, dtype=jnp.float32) for k, v in hyperparams.items()}
+    values = {k: jnp.asarray(v) for k, v in hyperparams.items()}
     for name, v in values.items():
         if v.shape != (n,):
             raise ValueError(
@@ -62,7 +62,11 @@ def per_member(
         state = jax.vmap(tx.init, spmd_axis_name=MEMBER_AXIS)(params)
         if values:
             _check_injected(state, sorted(values))
-            state = optax.tree_utils.tree_set(state, **values)
+            # In the dtype optax injected (float64 under jax_enable_x64, as plain optax keeps).
+            dtype = lambda k: jnp.asarray(optax.tree_utils.tree_get(state, k)).dtype
+            state = optax.tree_utils.tree_set(
+                state, **{k: v.astype(dtype(k)) for k, v in values.items()}
+            )
         return state
 
     def update_fn(

@@ -248,6 +248,35 @@ def test_apply_compiles_once_per_static_config():
     assert all(p._cache_size() == 1 for p in apply_programs)
 
 
+class Scaled(nn.Module):
+    @nn.compact
+    def __call__(self, x, k=1):
+        k = k[0] if isinstance(k, tuple) else k
+        return nn.Dense(2)(x) * 0 + jnp.full((), k)  # k's Python type sets the dtype
+
+
+def test_static_values_equal_in_python_but_of_other_types_compile_apart():
+    """1, 1.0 and True are equal (and hash alike) in Python; each makes its own program."""
+    ens = ensemble.build(Scaled(), D)
+    x = jnp.ones((2, 4))
+    variables = ens.init(0, x)
+    for k in (True, 1, 1.0, (1,), (1.0,)):
+        got = ens.apply(variables, x, k=k)
+        want = Scaled().apply(ens.member(variables, 0), x, k=k)
+        assert got.dtype == want.dtype, k
+    nnx_ens = ensemble.build(lambda rngs: ScaledNNX(rngs), D, rngs=0)
+    for k in (1.0, 1, True):
+        assert nnx_ens(x, k).dtype == nnx_ens.member(0)(x, k).dtype, k
+
+
+class ScaledNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x, k=1):
+        return self.l(x) * 0 + jnp.full((), k)
+
+
 @pytest.mark.parametrize(
     "rng",
     [jax.random.key(0), jax.random.PRNGKey(0), 0, {"params": jax.random.key(0), "dropout": 1}],

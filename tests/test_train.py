@@ -392,3 +392,16 @@ def test_lookahead_params_are_refused_with_what_to_do():
     both = optax.LookaheadParams.init_synced(jax.tree.map(jnp.copy, params))
     with pytest.raises(ValueError, match=r"optax.LookaheadParams: this step differentiates"):
         step(both, step.init(both), x, 0.0)
+
+
+def test_per_member_hyperparameters_keep_optaxs_dtype_under_x64():
+    """Plain inject_hyperparams keeps a float64 learning rate under x64; so do per-member ones
+    (they were cast to float32: 0.1/3 became 0.0333333351)."""
+    with jax.enable_x64(True):
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1 / 3)
+        params = {"w": jnp.ones((4, 3), jnp.float64)}
+        state = ensemble.per_member(tx, 4, learning_rate=[0.1 / 3] * 4).init(params)
+        lr = optax.tree_utils.tree_get(state, "learning_rate")
+        assert lr.dtype == jnp.float64 and float(lr[0]) == 0.1 / 3
+    state = ensemble.per_member(tx, 4, learning_rate=[0.1 / 3] * 4).init({"w": jnp.ones((4, 3))})
+    assert optax.tree_utils.tree_get(state, "learning_rate").dtype == jnp.float32
