@@ -36,8 +36,8 @@ from ensemble._core import (
     check_member_major,
     check_shared_kwargs,
     split_kwargs,
-    typed,
     stream_keys,
+    typed,
 )
 from ensemble._mesh import (
     MEMBER_AXIS,
