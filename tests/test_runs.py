@@ -158,6 +158,9 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
     with pytest.raises(ckpt.RunDirError, match=r"no checkpoint .*--overwrite"):
         _run(_tiny(), out, resume=True)
     assert (out / "metrics.jsonl").read_text() == rows
+    with pytest.raises(ckpt.RunDirError) as e:  # a fresh run there: --resume would not work
+        _run(_tiny(), out)
+    assert "--resume" not in str(e.value) and "--overwrite" in str(e.value)
 
 
 def test_a_metrics_row_cut_short_by_hand_is_named_and_an_unwritable_lock_is_one_line(tmp_path):
@@ -425,6 +428,12 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     rows = (out / "metrics.jsonl").read_text()
     assert main(["--out", str(out), "--resume", "--members", "2", "--no-progress"]) == 0
     assert (out / "metrics.jsonl").read_text() == rows
+    # A per-member list of the saved value is that value.
+    lr = f"{cfg.learning_rate},{cfg.learning_rate}"
+    assert main(["--out", str(out), "--resume", "--lr", lr, "--no-progress"]) == 0
+    assert (
+        json.loads((out / "run.json").read_text())["config"]["learning_rate"] == cfg.learning_rate
+    )
 
 
 def test_a_resumed_cpu_run_keeps_its_devices_and_says_when_they_change(tmp_path, capsys):

@@ -159,8 +159,9 @@ def check_fresh(run: RunDir, overwrite: bool) -> None:
     if run.empty or overwrite:
         return
     what = _describe(run)
-    # Only a run with a run.json can continue; anything else can only be replaced.
-    resume = "continue it with --resume, " if run.record is not None else ""
+    # Only a run with a run.json and a checkpoint can continue; anything else only be replaced.
+    can_resume = run.record is not None and bool(checkpoints(run.path))
+    resume = "continue it with --resume, " if can_resume else ""
     raise RunDirError(
         f"--out {run.path} already holds {what}; {resume}start over with "
         "--overwrite (removes that run's files), or choose another --out."

@@ -800,6 +800,9 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
                 given["env"] = canonical_env(given["env"])
             if "env_kwargs" in given:
                 given["env_kwargs"] = canonical_env_kwargs(given["env_kwargs"])
+            # A per-member list of the saved value (--lr 2.5e-4,2.5e-4 for 2.5e-4) is that value.
+            same = lambda k, v: isinstance(v, tuple) and all(x == getattr(saved, k) for x in v)
+            given = {k: getattr(saved, k) if same(k, v) else v for k, v in given.items()}
             config = dataclasses.replace(saved, **given)
         else:
             given = {**{k: v for k, v in _DEFAULTS.items() if k not in given}, **given}
@@ -877,7 +880,7 @@ class _Signals:
         self._got.append(signum)
         name = signal.Signals(signum).name
         if len(self._got) > 1:
-            sys.stderr.write(f"{name} again: exiting now; the last checkpoint is kept.\n")
+            sys.stderr.write(f"{name} again: exiting now; checkpoints already written are kept.\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         sys.stderr.write(f"{name}: stopping after the current update to write a checkpoint.\n")

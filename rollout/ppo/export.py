@@ -477,8 +477,8 @@ def export_run(
     run = Path(run_dir)
     try:
         found = ckpt.inspect(run)
-    except ckpt.RunDirError as e:
-        raise NotAnExport(str(e)) from None
+    except ckpt.RunDirError as e:  # its wording names training's --out; export has none
+        raise NotAnExport(str(e).replace("--out ", "", 1)) from None
     if found.record is None:
         raise NotAnExport(f"{run} has no run.json: give the --out directory of a training run.")
     if not ckpt.checkpoints(run):
