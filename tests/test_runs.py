@@ -379,6 +379,22 @@ def _cli_error(argv, capsys) -> str:
     return lines[0]
 
 
+def test_an_unexpected_errors_line_keeps_the_operating_systems_reason():
+    """A full disk during a checkpoint: orbax's message names the cause after 300 characters."""
+    from rollout.ppo._cli import _os_cause
+
+    long = ValueError("RESOURCE_EXHAUSTED: Error writing " + "x" * 400 + " No space left on device")
+    assert _os_cause(long, str(long)[:300]) == " (No space left on device)"
+    try:
+        try:
+            raise OSError(27, "File too large")
+        except OSError as inner:
+            raise RuntimeError("checkpoint failed") from inner
+    except RuntimeError as e:
+        assert _os_cause(e, "checkpoint failed") == " (File too large)"
+    assert _os_cause(ValueError("bad"), "bad") == ""
+
+
 def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     a_file = tmp_path / "file.txt"
     a_file.write_text("keep me")

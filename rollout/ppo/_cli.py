@@ -647,10 +647,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
         print(
-            f"error: {type(e).__name__}: {first} (run again with --debug for the traceback)",
+            f"error: {type(e).__name__}: {first}{_os_cause(e, first)} (run again with --debug "
+            "for the traceback)",
             file=sys.stderr,
         )
         return 1
+
+
+def _os_cause(e: BaseException, shown: str) -> str:
+    """The operating system's reason (a full disk, a file-size limit, ...) where an error's
+    long message, or an error it was raised from, holds one that the shown part cut off."""
+    import errno
+
+    texts, seen = [], e
+    while seen is not None and len(texts) < 8:
+        texts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    codes = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
+    for reason in map(os.strerror, codes):
+        if reason not in shown and any(reason in t for t in texts):
+            return f" ({reason})"
+    return ""
 
 
 def _main(args: argparse.Namespace, signals: _Signals) -> int:
