@@ -484,6 +484,21 @@ _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps
              "--updates-per-call", "1", "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
 
 
+@pytest.mark.timeout(120)
+def test_more_devices_than_envs_is_refused_before_jax_makes_them(tmp_path):
+    """--devices 100000 used to build 100,000 CPU devices (19 GB, minutes) before any check."""
+    argv = ["--devices", "100000", "--num-envs", "2", "--members", "2", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout.ppo", *argv], env=_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --devices 100000: more devices than the envs they would step (2 members x 2 "
+        "envs); give --devices at most 4."
+    ]
+
+
 def _start(
     out: Path, *extra: str, total: int = 12, cache: Path | None = None, group: bool = False
 ) -> subprocess.Popen:

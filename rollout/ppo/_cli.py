@@ -744,6 +744,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     learner_devices = learner_devices or cpu_devices_for(members // procs, cores)
     configure_devices(max(learner_devices, cores))
     config = _config_from_args(args, found)
+    _check_device_count(args.devices, config, procs)  # before JAX makes that many devices
     ckpt.check_unlocked(args.out)  # first: a run still going there explains whatever it holds
     if args.resume:
         ckpt.check_resume(found, config.to_dict())
@@ -766,6 +767,18 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return config, info, devices, n_dev
+
+
+def _check_device_count(devices: int | None, config: Any, procs: int) -> None:
+    """Refuses simulated CPU devices that no env would use: each device steps at least one
+    env of its members (``--devices 100000`` would build 100,000 devices, gigabytes)."""
+    most = config.members * config.num_envs // procs
+    if devices is not None and devices > most:
+        raise UsageError(
+            f"--devices {devices}: more devices than the envs they would step ({config.members} "
+            f"members x {config.num_envs} envs{f' / {procs} processes' if procs > 1 else ''}); "
+            f"give --devices at most {most}."
+        )
 
 
 def _check_fits(members: int, n_dev: int, procs: int, on_cpu: bool) -> None:
