@@ -119,4 +119,7 @@ if __name__ == "__main__":
     # parent (our socket closes) and on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    main(int(sys.argv[1]))
+    try:
+        main(int(sys.argv[1]))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away while we answered it: nothing left to tell

@@ -523,3 +523,22 @@ def test_a_host_callback_inside_fn_is_one_clear_error_for_worker_processes():
     with pytest.raises(ValueError, match=r"fn makes a host callback \(jax.debug.print"):
         f(jnp.ones((4, 2)))
     f.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", ["_worker.py", "hostenv/_worker.py"])
+def test_a_worker_whose_parent_is_gone_exits_quietly(script):
+    """A parent that stops right after starting its workers (a refused run) left each of them
+    printing a BrokenPipeError traceback as it said it was ready."""
+    import socket
+
+    path = os.path.join(os.path.dirname(rollout.__file__), script)
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-u", path, str(child.fileno())],
+        pass_fds=(child.fileno(),), stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    child.close()
+    parent.close()
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0 and err == b"", err.decode()[-2000:]

@@ -277,4 +277,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Drop this file's directory from the path: the worker must not shadow user modules.
     sys.path.pop(0)
-    main(int(sys.argv[1]))
+    try:
+        main(int(sys.argv[1]))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away while we answered it: nothing left to tell
