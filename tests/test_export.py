@@ -300,6 +300,8 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         [str(tmp_path)],  # exists, holds no member
         [str(tmp_path), "--episodes", "0"],
         [str(tmp_path), "--max-steps", "0"],
+        [str(tmp_path), "--seed", str(2**32)],  # jax.random.key would wrap it onto seed 0
+        [str(tmp_path), "--seed", "-1"],
         [str(tmp_path), "--video", str(tmp_path / "no_dir" / "run.gif")],
         [str(tmp_path), "--video", str(tmp_path)],
     ]
@@ -400,10 +402,18 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
 def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(
     cartpole, tmp_path, capsys
 ):
+    import shutil
+
     learner, state = cartpole
     export.export_members(learner, state, tmp_path / "mixed", members=[0])
     other = dataclasses.replace(learner.config, seed=learner.config.seed + 1)
-    export.export_from_state(other, state, tmp_path / "mixed", members=[1])
+    with pytest.raises(ValueError, match=r"holds members of another run \(member_0\)"):
+        export.export_from_state(other, state, tmp_path / "mixed", members=[1])
+    assert (tmp_path / "mixed" / "member_0").is_dir() and not (
+        tmp_path / "mixed" / "member_1"
+    ).exists()
+    export.export_from_state(other, state, tmp_path / "other", members=[1])
+    shutil.copytree(tmp_path / "other" / "member_1", tmp_path / "mixed" / "member_1")  # by hand
     assert evaluate.main([str(tmp_path / "mixed"), "--episodes", "1"]) == 2
     err = capsys.readouterr().err
     assert "differ in 'config'" in err and "different runs or checkpoints" in err

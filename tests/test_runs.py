@@ -405,6 +405,10 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
         main(["--out", str(a_file), "--debug"])
     assert "not a writable directory" in _cli_error(["--out", str(a_file / "sub")], capsys)
     assert "not a writable directory" in _cli_error(["--out", "/proc/ppo-run"], capsys)
+    assert "--out must name a directory" in _cli_error(["--out", ""], capsys)
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1"):
+        train(_tiny(), tmp_path / "api", checkpoint_every=0)
+    assert not (tmp_path / "api").exists()
     out = str(tmp_path / "run")
     assert "nothing to resume" in _cli_error(["--out", out, "--resume"], capsys)
     assert "not allowed with argument" in _cli_error(

@@ -142,6 +142,12 @@ def train(
         raise ValueError("resume=True needs out= (the run directory with the checkpoints).")
     if resume and overwrite:
         raise ValueError("resume=True and overwrite=True exclude each other.")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise TypeError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}.")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1 (jitted calls), got {checkpoint_every}.")
+    if out is not None and not str(out).strip():
+        raise ValueError("out must name a directory (an empty path would be the current one).")
     if learner is not None and learner.config != config:
         raise ValueError("learner= was built for a different config than config=.")
     warn = warn or (lambda line: print(line, file=sys.stderr))
@@ -815,6 +821,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}.")
     if args.process_id is not None and args.process_id < 0:
         raise UsageError(f"--process-id must be >= 0, got {args.process_id}.")
+    if not args.out.strip():
+        raise UsageError("--out must name a directory; an empty one would be the current one.")
 
 
 def _config_from_args(args: argparse.Namespace, found: Any) -> Any:

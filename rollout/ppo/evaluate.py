@@ -334,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value <= 0:
             print(f"error: {flag} must be positive, got {value}", file=sys.stderr)
             return 2
+    if not 0 <= args.seed < 2**32:  # jax.random.key would wrap it onto another seed
+        print(f"error: --seed must be in [0, 2**32), got {args.seed}", file=sys.stderr)
+        return 2
     video = Path(args.video) if args.video else None
     if video is not None and (video.is_dir() or not video.parent.is_dir()):
         why = "is a directory" if video.is_dir() else f"{video.parent} is not a directory"

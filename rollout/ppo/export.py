@@ -143,10 +143,26 @@ def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike)
     return chosen
 
 
+def _check_same_run(root: Path, config: Any) -> None:
+    """Refuses to write into an export of another run (a different config): its members would
+    be replaced, and the rest then mixed with this run's into one "ensemble"."""
+    for meta_file in sorted(root.glob("member_*/member.json")):
+        try:
+            other = json.loads(meta_file.read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue  # not readable as an export: nothing of a run to protect
+        if other != config.to_dict():
+            raise ValueError(
+                f"{root} holds members of another run ({meta_file.parent.name}); export to an "
+                "empty directory (another --to), or remove that export first."
+            )
+
+
 def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
     n = config.members
     chosen = _chosen(members, n, directory)
     root = Path(directory)
+    _check_same_run(root, config)
     root.mkdir(parents=True, exist_ok=True)
     env_steps = int(jax.device_get(state.update)) * config.batch_size
     network = network_meta(config, spec)
