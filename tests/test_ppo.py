@@ -373,3 +373,25 @@ def test_updates_past_the_end_of_an_annealed_schedule_run_at_learning_rate_zero(
     before = jax.device_get(state.members.params)
     state, _ = learner.update(state, 1)  # lr 0: the parameters stay (was gradient ascent)
     chex.assert_trees_all_equal(jax.device_get(state.members.params), before)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(vf_coef=-1.0), "vf_coef must be finite and >= 0"),
+        (dict(vf_coef=float("nan")), "vf_coef must be finite and >= 0"),
+        (dict(max_grad_norm=float("nan")), "max_grad_norm must be finite and > 0"),
+        (dict(max_grad_norm=float("inf")), "max_grad_norm must be finite and > 0"),
+        (dict(anneal_lr="no"), "anneal_lr must be True or False"),  # "no" is truthy
+        (dict(normalize_obs="yes"), "normalize_obs must be True or False"),
+        (dict(hidden=(64.5,)), "hidden must be a non-empty tuple of positive ints"),
+        (dict(hidden=64), "hidden must be a non-empty tuple of positive ints"),
+        (dict(learning_rate="1e-3"), "learning_rate must be a number"),
+        (dict(members=np.int64(2)), r"members is a NumPy int64 .*members=2"),
+    ],
+)
+def test_config_fields_of_the_wrong_type_or_range_are_named(bad, message):
+    """These were accepted: a NaN clip norm, annealing left on by anneal_lr='no', a width
+    truncated from 64.5, a NumPy int that run.json cannot hold."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        PPOConfig.for_env("cartpole", **bad).validate()

@@ -468,10 +468,11 @@ def test_a_resumed_cpu_run_keeps_its_devices_and_says_when_they_change(tmp_path,
     assert main(["--out", str(out), "--resume", "--total-steps", "64", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "devices=1xcpu" in err and "note:" not in err, err
-    argv = ["--out", str(out), "--resume", "--total-steps", "96", "--no-progress"]
+    argv = ["--out", str(out), "--resume", "--total-steps", "100", "--no-progress"]
     assert main([*argv, "--devices", "2"]) == 0
     err = capsys.readouterr().err
     assert "ran on 1 cpu devices and resumes on 2 cpu devices" in err, err
+    assert "note: --total-steps 100 is not a multiple of one update's batch" in err, err
     assert json.loads((out / "run.json").read_text())["devices"] == 1  # the run's own
 
 

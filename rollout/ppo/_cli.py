@@ -699,6 +699,13 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         f"{' (resumed)' if args.resume else ''}",
         file=sys.stderr,
     )
+    if config.total_steps % config.batch_size and info.is_main:
+        print(
+            f"note: --total-steps {config.total_steps} is not a multiple of one update's batch "
+            f"(num_envs x num_steps = {config.batch_size}): the run takes {config.num_updates} "
+            f"updates, {config.num_updates * config.batch_size} env steps per member.",
+            file=sys.stderr,
+        )
     try:  # only the main process logs, as it alone writes metrics.jsonl
         names = log_names if info.is_main else ()
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 #: Per-member hyperparameters: a float (all members) or one value per member.
 PerMember = float | tuple[float, ...]
 
@@ -234,6 +236,7 @@ class PPOConfig:
         ``num_devices``: check that ``members`` fits that many devices (``ensemble.layout``).
         ``known_envs``: names the env registry offers (an unknown ``env`` lists them).
         """
+        _check_types(self)
         _positive_int(self, "members")
         for name in ("total_steps", "num_envs", "num_steps", "update_epochs", "num_minibatches"):
             _positive_int(self, name)
@@ -279,10 +282,17 @@ class PPOConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}.")
-        if self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}.")
-        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
-            raise ValueError(f"hidden must be non-empty positive widths, got {self.hidden}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}.")
+        if not (math.isfinite(self.vf_coef) and self.vf_coef >= 0):
+            raise ValueError(f"vf_coef must be finite and >= 0, got {self.vf_coef!r}.")
+        hidden = self.hidden
+        if (
+            not isinstance(hidden, tuple | list)
+            or not hidden
+            or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in hidden)
+        ):
+            raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
         if self.pbt:
             _validate_pbt(self)
         if num_devices is not None:
@@ -374,3 +384,33 @@ def _positive_int(cfg: PPOConfig, name: str) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+_BOOLS = ("anneal_lr", "clip_vloss", "norm_adv", "bootstrap_truncation", "pbt")
+_MAYBE_BOOLS = ("normalize_obs", "normalize_reward")
+_FLOATS = ("gamma", "gae_lambda", "vf_coef", "max_grad_norm", "pbt_fraction")
+
+
+def _check_types(cfg: PPOConfig) -> None:
+    """Fields of the wrong Python type, named before any number is read (a string "no" is
+    truthy, a NumPy int cannot be written to run.json)."""
+    for name in dataclasses.fields(cfg):
+        value = getattr(cfg, name.name)
+        if isinstance(value, np.generic):
+            raise TypeError(
+                f"{name.name} is a NumPy {type(value).__name__} ({value!r}); give a Python "
+                f"value, e.g. {name.name}={value.item()!r}."
+            )
+    for name in _BOOLS + _MAYBE_BOOLS:
+        value = getattr(cfg, name)
+        if not (isinstance(value, bool) or (value is None and name in _MAYBE_BOOLS)):
+            raise TypeError(f"{name} must be True or False, got {value!r}.")
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+    for name in _FLOATS:
+        if not number(getattr(cfg, name)):
+            raise TypeError(f"{name} must be a number, got {getattr(cfg, name)!r}.")
+    for name in PER_MEMBER_FIELDS:
+        value = getattr(cfg, name)
+        values = value if isinstance(value, tuple | list) else (value,)
+        if not values or not all(number(v) for v in values):
+            raise TypeError(f"{name} must be a number or one number per member, got {value!r}.")
