@@ -95,9 +95,17 @@ def make_mesh(
       >>> mesh.axis_names
       ('ensemble', 'data', 'model')
     """
+    if isinstance(devices, jax.Device):
+        devices = [devices]
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices= is empty; pass at least one device.")
+    strays = [d for d in devices if not isinstance(d, jax.Device)]
+    if strays:
+        raise TypeError(
+            f"devices= must list jax.Device objects, got {strays[0]!r}; pass e.g. "
+            "jax.devices()[:4] (not indices or names)."
+        )
     if len(set(devices)) != len(devices):
         repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
         raise ValueError(
@@ -126,6 +134,7 @@ def member_index(i: Any, n: int) -> int:
 
 def check_mesh(mesh: Mesh, n: int) -> Mesh:
     """Validates a user-given mesh for n members; returns it unchanged."""
+    layout(n, 1)  # n must be a positive integer
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh= must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if MEMBER_AXIS not in mesh.axis_names:
@@ -169,6 +178,14 @@ def resolve_mesh(
 
 def merge_rules(rules: Sequence[tuple[str, Any]] | None) -> LogicalRules:
     """User rules first (they win), then the defaults for names the user did not map."""
+    bad = isinstance(rules, str) or not all(
+        isinstance(r, tuple | list) and len(r) == 2 for r in (rules or ())
+    )
+    if bad:
+        raise ValueError(
+            f"rules must be (logical name, mesh axis or None) pairs, e.g. [('hidden', 'model'), "
+            f"('embed', None)]; got {rules!r}."
+        )
     rules = tuple((str(k), v) for k, v in (rules or ()))
     names = {k for k, _ in rules}
     return rules + tuple(r for r in DEFAULT_RULES if r[0] not in names)

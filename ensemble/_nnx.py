@@ -789,6 +789,11 @@ def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
     def grads_of(member: nnx.Module, *batch: Any) -> Any:
         def loss_of(m: nnx.Module) -> Any:
             out = step.loss_fn(m, *batch)
+            if not step.has_aux and isinstance(out, tuple):
+                raise ValueError(
+                    "loss_fn returned a tuple; return the loss alone, or (loss, aux) with "
+                    "has_aux=True."
+                )
             loss, aux = out if step.has_aux else (out, None)
             if jnp.shape(loss) != ():
                 raise ValueError(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ensemble._mesh import MEMBER_AXIS
+from ensemble._mesh import MEMBER_AXIS, layout
 
 
 def as_transformation(tx: Any) -> optax.GradientTransformation:
@@ -48,6 +48,7 @@ def per_member(
       >>> optax.tree_utils.tree_get(state, "learning_rate").shape
       (2,)
     """
+    layout(n, 1)  # n must be a positive integer
     tx = optax.with_extra_args_support(as_transformation(tx))
     values = {k: jnp.asarray(v) for k, v in hyperparams.items()}
     for name, v in values.items():

@@ -221,6 +221,10 @@ def _member_update(
         is_pair = isinstance(out, tuple) and len(out) == 2
         if has_aux and not is_pair:
             raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
+        if not has_aux and isinstance(out, tuple):
+            raise ValueError(
+                "loss_fn returned a tuple; return the loss alone, or (loss, aux) with has_aux=True."
+            )
         loss = out[0] if has_aux else out
         if np.shape(loss) != ():
             raise ValueError(

@@ -847,4 +847,6 @@ def on_cpu(
       True
       >>> f.close()
     """
+    if not callable(fn):
+        raise TypeError(f"on_cpu needs a function (arrays -> arrays), got {fn!r}.")
     return OnCpu(fn, in_axes, executor, workers, timeout, cache_size)

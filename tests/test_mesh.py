@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -98,3 +99,34 @@ def test_nnx_unmapped_annotation_is_replicated_like_linen():
         with nnx.use_eager_sharding(False):
             plain = factory(nnx.Rngs(default=keys[i]))
         np.testing.assert_array_equal(ens.member(i).kernel[...], plain.kernel[...])
+
+
+def test_api_mistakes_are_named_where_they_are_made():
+    """Each used to fail later and deeper: a string-format error, a 'shape (4,), got shape
+    (4,)' contradiction, JAX's "'numpy.int64' object has no attribute 'platform'" at init, an
+    unpacking error, a NumPy error on a traced (loss, aux)."""
+    import flax.linen as nn
+    import optax
+
+    import rollout
+
+    mesh = ensemble.make_mesh(4)
+    with pytest.raises(ValueError, match="must be a positive integer, got '4'"):
+        ensemble.train_step(lambda p, x: 0.0, optax.sgd(0.1), n="4", mesh=mesh)
+    for n in ("4", 0):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            ensemble.per_member(optax.sgd(0.1), n)
+    with pytest.raises(TypeError, match=r"must list jax\.Device objects, got 0"):
+        ensemble.build(nn.Dense(2), 2, devices=[0, 1])
+    assert ensemble.build(nn.Dense(2), 1, devices=jax.devices()[0]).mesh.size == 1
+    for rules in ("hidden", [("a", None, 1)]):
+        with pytest.raises(ValueError, match=r"rules must be \(logical name, mesh axis or None\)"):
+            ensemble.build(nn.Dense(2), 2, rules=rules)
+    with pytest.raises(TypeError, match="on_cpu needs a function"):
+        rollout.on_cpu(5)
+    ens = ensemble.build(nn.Dense(1), 4)
+    params = ens.init(0, jnp.ones((2, 3)))["params"]
+    loss = lambda p, x: (jnp.sum(nn.Dense(1).apply({"params": p}, x)), 1.0)
+    step = ensemble.train_step(loss, optax.sgd(0.1), n=4, mesh=ens.mesh)
+    with pytest.raises(ValueError, match=r"returned a tuple;.*has_aux=True"):
+        step(params, step.init(params), jnp.ones((2, 3)))
