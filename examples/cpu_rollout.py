@@ -102,12 +102,15 @@ def main(argv=None) -> None:
         f"{len(jax.devices('cpu'))} CPU device(s); {os.cpu_count()} cores"
     )
 
-    rollout_fn = rollout.on_cpu(
-        lambda sp, gf: render(sp, gf, samples=args.samples, hidden=args.hidden),
-        in_axes=(None, 0),  # synthesiser weights go whole to every worker, rows are split
-        executor=args.executor,
-        workers=args.workers,
-    )
+    try:
+        rollout_fn = rollout.on_cpu(
+            lambda sp, gf: render(sp, gf, samples=args.samples, hidden=args.hidden),
+            in_axes=(None, 0),  # synthesiser weights go whole to every worker, rows are split
+            executor=args.executor,
+            workers=args.workers,
+        )
+    except ValueError as e:  # e.g. far more workers than cores
+        ap.error(f"--workers: {e}")
     tx = optax.adam(3e-3)
 
     @jax.jit

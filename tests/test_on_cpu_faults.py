@@ -96,6 +96,9 @@ def test_bad_workers_and_cache_size_refused():
         on_cpu(lambda x: x, workers="2")
     with pytest.raises(ValueError, match="cache_size must be a positive int"):
         on_cpu(lambda x: x, cache_size=0)
+    too_many = 4 * rollout._devices.available_cores() + 1  # 500 once hung a 2-core machine
+    with pytest.raises(ValueError, match=r"more than 4 per CPU core"):
+        on_cpu(lambda x: x, workers=too_many)
 
 
 # ------------------------------------------------------------------------------ dtypes
