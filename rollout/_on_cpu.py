@@ -370,13 +370,13 @@ class OnCpu:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {executor!r}")
         if workers is not None and (not _is_int(workers) or workers < 1):
             raise ValueError(f"workers must be a positive int or None, got {workers!r}")
-        if workers is not None and workers > MAX_WORKERS_PER_CORE * available_cores():
+        most = MAX_WORKERS_PER_CORE * available_cores()
+        if workers is not None and workers > most:
             # Each worker is a process with its own JAX runtime (about 200 MB); the work is
             # CPU-bound, so more workers than cores only share them.
             raise ValueError(
                 f"workers={workers} is more than {MAX_WORKERS_PER_CORE} per CPU core "
-                f"({available_cores()} cores); give at most {MAX_WORKERS_PER_CORE * available_cores()}, or "
-                "None (one per core)."
+                f"({available_cores()} cores); give at most {most}, or None (one per core)."
             )
         if not _is_int(cache_size) or cache_size < 1:
             raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
