@@ -116,6 +116,24 @@ def typed(value: Any) -> Hashable:
     return type(value), value
 
 
+def split_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` of one member's ``loss_fn`` output (``aux`` None without ``has_aux``),
+    checked: a pair with ``has_aux``, no tuple without it, a scalar loss."""
+    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
+    if not has_aux and isinstance(out, tuple):
+        raise ValueError(
+            "loss_fn returned a tuple; return the loss alone, or (loss, aux) with has_aux=True."
+        )
+    loss, aux = out if has_aux else (out, None)
+    if np.shape(loss) != ():
+        raise ValueError(
+            "loss_fn must return a scalar loss per member (it sees one member); got shape "
+            f"{np.shape(loss)}. Reduce it, e.g. with jnp.mean."
+        )
+    return loss, aux
+
+
 def abstract_signature(tree: Any) -> Hashable:
     """Tree structure, shapes and dtypes: what a compiled program depends on."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

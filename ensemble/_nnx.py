@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -45,6 +44,7 @@ from ensemble._core import (
     check_live,
     check_not_donated,
     check_shared_kwargs,
+    split_loss,
     typed,
 )
 from ensemble._linen import warn_unmapped
@@ -788,18 +788,7 @@ class NNXTrainStep:
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
     def grads_of(member: nnx.Module, *batch: Any) -> Any:
         def loss_of(m: nnx.Module) -> Any:
-            out = step.loss_fn(m, *batch)
-            if not step.has_aux and isinstance(out, tuple):
-                raise ValueError(
-                    "loss_fn returned a tuple; return the loss alone, or (loss, aux) with "
-                    "has_aux=True."
-                )
-            loss, aux = out if step.has_aux else (out, None)
-            if jnp.shape(loss) != ():
-                raise ValueError(
-                    f"loss_fn must return a scalar loss per member, got shape {jnp.shape(loss)}."
-                )
-            return loss, aux
+            return split_loss(step.loss_fn(m, *batch), step.has_aux)
 
         grad_fn = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, wrt), has_aux=True)
         (loss, aux), grads = grad_fn(member)

@@ -40,6 +40,7 @@ from ensemble._core import (
     check_live,
     check_member_major,
     check_not_donated,
+    split_loss,
 )
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
 from ensemble._optim import as_transformation, per_member
@@ -218,19 +219,7 @@ def _member_update(
 
     def member_loss(params, *batch):
         out = loss_fn(params, *batch)
-        is_pair = isinstance(out, tuple) and len(out) == 2
-        if has_aux and not is_pair:
-            raise ValueError("with has_aux=True, loss_fn must return (loss, aux).")
-        if not has_aux and isinstance(out, tuple):
-            raise ValueError(
-                "loss_fn returned a tuple; return the loss alone, or (loss, aux) with has_aux=True."
-            )
-        loss = out[0] if has_aux else out
-        if np.shape(loss) != ():
-            raise ValueError(
-                "loss_fn must return a scalar loss per member (it sees one member's params); "
-                f"got shape {np.shape(loss)}. Reduce it, e.g. with jnp.mean."
-            )
+        split_loss(out, has_aux)  # checked: a scalar loss, (loss, aux) with has_aux
         return out
 
     member_tx = optax.with_extra_args_support(tx)
