@@ -302,8 +302,8 @@ def _check_same_structure(graphdef: Any, state: Any, new_graphdef: Any, new_stat
     if added:
         what = f"created the Variable(s) {', '.join(added[:4])}"
         fix = (
-            "create them in the factory (e.g. init_cache there), or take sown values out "
-            "inside the call: ens.map(lambda m, x: (m(x), nnx.pop(m, nnx.Intermediate)), x)"
+            "create them in the factory (e.g. init_cache there), or capture sown values "
+            "inside the call: ens.map(lambda m, x: nnx.capture(m, nnx.Intermediate)(x), x)"
         )
     else:
         what = "set a Python attribute of the module (not an nnx.Variable)"
