@@ -365,3 +365,28 @@ def test_cli_devices_beyond_what_the_launcher_gave_each_process_is_one_line(tmp_
     assert res.returncode == 2, res.stderr[-3000:]
     assert "--devices 2: each process has only 1 CPU devices" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_process_waiting_for_its_coordinator_says_so(tmp_path):
+    """JAX waits for the other processes in silence (and aborts after its timeout): the CLI
+    first says which coordinator it waits for."""
+    port = launcher.free_port()  # nobody listens there
+    cmd = [sys.executable, "-m", "rollout.ppo", "--members", "2", "--num-processes", "2",
+           "--process-id", "1", "--coordinator", f"127.0.0.1:{port}", "--out",
+           str(tmp_path / "run"), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.monotonic() + 90, []
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            seen.append(line)
+            if "joining the run" in line or not line:
+                break
+        assert (
+            f"process 1 of 2: joining the run through the coordinator at 127.0.0.1:{port}"
+            in (seen[-1])
+        ), seen
+    finally:
+        proc.kill()
+        proc.wait()

@@ -739,7 +739,9 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     from rollout.ppo import _checkpoint as ckpt
 
     try:
-        distributed.resolve_settings(args.coordinator, args.num_processes, args.process_id)
+        joining = distributed.resolve_settings(
+            args.coordinator, args.num_processes, args.process_id
+        )
     except ValueError as e:  # before anything is created or started
         flags = "--coordinator HOST:PORT, --num-processes N and --process-id I"
         raise UsageError(f"{e} On the command line: {flags}.") from None
@@ -765,6 +767,15 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         ckpt.check_fresh(found, args.overwrite)
     ckpt.check_writable(args.out)
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
+    if joining is not None and joining[1] and joining[1] > 1:
+        # JAX says nothing while it waits, and aborts the process if the others never come.
+        address, n, i = joining
+        print(
+            f"process {i} of {n}: joining the run through the coordinator at "
+            f"{address or '(from the cluster)'}; waiting up to 120 s for every process ...",
+            file=sys.stderr,
+            flush=True,
+        )
     info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
