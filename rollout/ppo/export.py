@@ -143,19 +143,28 @@ def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike)
     return chosen
 
 
-def _check_same_run(root: Path, config: Any) -> None:
-    """Refuses to write into an export of another run (a different config): its members would
-    be replaced, and the rest then mixed with this run's into one "ensemble"."""
-    for meta_file in sorted(root.glob("member_*/member.json")):
+def _other_run_member(export: Path, config: dict[str, Any]) -> Path | None:
+    """The first member directory in ``export`` exported from a run of another config (None if
+    all are this run's); members whose ``member.json`` cannot be read are not counted."""
+    for meta_file in sorted(export.glob("member_*/member.json")):
         try:
             other = json.loads(meta_file.read_text()).get("config")
         except (OSError, ValueError, AttributeError):
             continue  # not readable as an export: nothing of a run to protect
-        if other != config.to_dict():
-            raise ValueError(
-                f"{root} holds members of another run ({meta_file.parent.name}); export to an "
-                "empty directory (another --to), or remove that export first."
-            )
+        if other != config:
+            return meta_file.parent
+    return None
+
+
+def _check_same_run(root: Path, config: Any) -> None:
+    """Refuses to write into an export of another run: its members would be replaced, and the
+    rest then mixed with this run's into one "ensemble"."""
+    other = _other_run_member(root, config.to_dict())
+    if other is not None:
+        raise ValueError(
+            f"{root} holds members of another run ({other.name}); export to an empty directory "
+            "(another --to), or remove that export first."
+        )
 
 
 def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
@@ -430,14 +439,13 @@ def load_member(
 
 
 def _export_of(export: Path, run: Path) -> bool:
-    """Whether ``export`` holds members of the run in ``run`` (same config), not of a run that
-    an ``--overwrite`` replaced."""
+    """Whether ``export`` holds members of the run in ``run``, not of a run that an
+    ``--overwrite`` replaced (an unreadable ``run.json`` counts as the same run)."""
     try:
         config = json.loads((run / "run.json").read_text())["config"]
-        metas = [json.loads((p / "member.json").read_text()) for p in export.glob("member_*")]
     except (OSError, ValueError, KeyError, TypeError):
-        return True  # unreadable: say nothing more than before
-    return all(m.get("config") == config for m in metas)
+        return True
+    return _other_run_member(export, config) is None
 
 
 def member_dirs(directory: str | os.PathLike) -> list[Path]:
