@@ -267,32 +267,7 @@ class PPOConfig:
                 f"total_steps={self.total_steps} is less than one update's batch "
                 f"(num_envs*num_steps={self.batch_size}); raise total_steps or shrink the batch."
             )
-        for name in PER_MEMBER_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, (tuple, list)) and len(value) != self.members:
-                raise ValueError(
-                    f"{name} has {len(value)} values but there are members={self.members}; give "
-                    "one value per member or a single float."
-                )
-            values = self.per_member(name)
-            if any(not math.isfinite(v) or v < 0 for v in values):
-                raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
-        if any(v <= 0 for v in self.per_member("learning_rate")):
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
-        for name in ("gamma", "gae_lambda"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}.")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}.")
-        if not (math.isfinite(self.vf_coef) and self.vf_coef >= 0):
-            raise ValueError(f"vf_coef must be finite and >= 0, got {self.vf_coef!r}.")
-        hidden = self.hidden
-        if (
-            not isinstance(hidden, tuple | list)
-            or not hidden
-            or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in hidden)
-        ):
-            raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
+        _check_ranges(self)
         if self.pbt:
             _validate_pbt(self)
         if num_devices is not None:
@@ -389,6 +364,36 @@ def _positive_int(cfg: PPOConfig, name: str) -> None:
 _BOOLS = ("anneal_lr", "clip_vloss", "norm_adv", "bootstrap_truncation", "pbt")
 _MAYBE_BOOLS = ("normalize_obs", "normalize_reward")
 _FLOATS = ("gamma", "gae_lambda", "vf_coef", "max_grad_norm", "pbt_fraction")
+
+
+def _check_ranges(cfg: PPOConfig) -> None:
+    """The hyperparameters' values: per-member lengths, signs, finiteness, widths."""
+    for name in PER_MEMBER_FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, (tuple, list)) and len(value) != cfg.members:
+            raise ValueError(
+                f"{name} has {len(value)} values but there are members={cfg.members}; give "
+                "one value per member or a single float."
+            )
+        values = cfg.per_member(name)
+        if any(not math.isfinite(v) or v < 0 for v in values):
+            raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+    if any(v <= 0 for v in cfg.per_member("learning_rate")):
+        raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate!r}.")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)!r}.")
+    if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be finite and > 0, got {cfg.max_grad_norm!r}.")
+    if not (math.isfinite(cfg.vf_coef) and cfg.vf_coef >= 0):
+        raise ValueError(f"vf_coef must be finite and >= 0, got {cfg.vf_coef!r}.")
+    hidden = cfg.hidden
+    if (
+        not isinstance(hidden, tuple | list)
+        or not hidden
+        or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in hidden)
+    ):
+        raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
 
 
 def _check_types(cfg: PPOConfig) -> None:
