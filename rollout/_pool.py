@@ -21,7 +21,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from multiprocessing import shared_memory
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import numpy as np
 
@@ -70,7 +70,8 @@ def _describe_exit(code: int | None) -> str:
 class _Worker:
     def __init__(self, index: int, env: dict[str, str]):
         self.index = index
-        self.proc, self.conn = spawn(_WORKER, env)
+        self.proc, sock = spawn(_WORKER, env)
+        self.conn = Connection(sock.detach())
         self.programs: set = set()  # program keys this worker holds compiled
         self.drops: set = set()  # keys to tell it to forget with its next message
 

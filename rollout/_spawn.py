@@ -6,10 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
-from multiprocessing.connection import Connection
 
 
-def spawn(script: str, env: dict[str, str]) -> tuple[subprocess.Popen, Connection]:
+def spawn(script: str, env: dict[str, str]) -> tuple[subprocess.Popen, socket.socket]:
     """Starts ``python -u script FD`` with one end of a socket pair; returns it and our end."""
     parent, child = socket.socketpair()
     proc = subprocess.Popen(
@@ -19,7 +18,7 @@ def spawn(script: str, env: dict[str, str]) -> tuple[subprocess.Popen, Connectio
         stdin=subprocess.DEVNULL,
     )
     child.close()
-    return proc, Connection(parent.detach())
+    return proc, parent
 
 
 def exit_text(code: int | None, running: str) -> str:

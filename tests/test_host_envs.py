@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WALK = '''
 import os
+import sys
 
 import gymnasium as gym
 import numpy as np
@@ -45,7 +46,16 @@ class Walk(gym.Env):
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
                  pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
-                 short_obs_at=None):
+                 short_obs_at=None, fork_child=None):
+        if fork_child and "jax" not in sys.modules:  # in a worker only, not the learner: a
+            # process of the env's own that outlives the worker, its pid in the file
+            pid = os.fork()
+            if pid == 0:
+                import time
+                time.sleep(120)
+                os._exit(0)
+            with open(fork_child, "w") as f:
+                f.write(str(pid))
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         self.short_obs_at = short_obs_at  # from this step on, one number short of the space
         self.walls = walls
@@ -430,6 +440,89 @@ def test_killed_worker_is_an_error_within_seconds():
     finally:
         host.close()
     assert not alive(victim)
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_whose_socket_a_child_holds_open_is_an_error_within_seconds(tmp_path):
+    # A process forked by the env inherits the worker's socket, so the worker's death closes
+    # nothing: the group must notice it by watching the process.
+    pid_file = tmp_path / "child"
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1, fork_child=str(pid_file))
+    child = None
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        child = int(pid_file.read_text())
+        victim = host.groups[1].pids[0]
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=rf"pid {victim}.*was killed by signal SIGKILL"):
+            step = _step_fn(host, mesh)
+            jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
+        assert time.monotonic() - start < 20 and alive(child)
+    finally:
+        host.close()
+        for pid in glob.glob(str(tmp_path / "child")):
+            os.kill(int(Path(pid).read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_refuses_a_request_out_of_sequence():
+    from rollout.hostenv._group import HostEnvError, WorkerGroup
+    from rollout.hostenv._worker import STEP
+
+    group = WorkerGroup("gymnasium", WALK_ID, {}, [2], "t", (4,), np.float64, (), np.int32)
+    group.start()
+    try:
+        group.reset(np.arange(2))
+        group.step(np.ones(2, np.int32))  # requests 0 (reset) and 1
+        w = group._workers[0]
+        group._send(w, STEP, 1)  # request 1 again: a replay
+        with pytest.raises(HostEnvError, match="request 1 arrived where request 2 was due"):
+            group._collect(group._workers, 10.0)
+        assert not group.running  # the envs' state is unknown: the group stopped
+    finally:
+        group.close()
+
+
+def test_wire_frames_messages_cut_anywhere_and_tells_timeout_from_close():
+    import socket
+    import threading
+
+    from rollout.hostenv._worker import _HEADER, OK, Wire
+
+    ours, theirs = socket.socketpair()
+    wire = Wire(ours, timeout=0.05)
+    assert wire.recv() is None  # nothing began within the timeout
+    payload = {"obs": np.arange(5.0), "text": "é" * 3}
+    sender, capture = socket.socketpair()  # the bytes a send writes, written below in pieces
+    Wire(sender).send(OK, 7, payload)
+    sender.close()
+    message = capture.makefile("rb").read()
+    capture.close()
+    assert _HEADER.unpack(message[: _HEADER.size])[:2] == (OK, len(message) - _HEADER.size)
+
+    def dribble():
+        for cut in (3, _HEADER.size + 2, len(message)):
+            theirs.sendall(message[dribble.at : cut])
+            dribble.at = cut
+            time.sleep(0.12)  # longer than the timeout: the reader must wait for the rest
+
+    dribble.at = 0
+    writer = threading.Thread(target=dribble)
+    writer.start()
+    kind, seq, got = wire.recv()
+    writer.join()
+    assert (kind, seq, got["text"]) == (OK, 7, payload["text"])
+    np.testing.assert_array_equal(got["obs"], payload["obs"])
+    theirs.sendall(message[:5])
+    theirs.close()
+    with pytest.raises(EOFError, match="in the middle of a message"):
+        wire.recv()
+    with pytest.raises(EOFError, match="closed"):
+        wire.recv()
+    wire.close()
 
 
 def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():

@@ -25,13 +25,22 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
 
 from rollout._spawn import exit_text, spawn
-from rollout.hostenv._worker import STEP_FIELDS, SharedArrays, step_spec
+from rollout.hostenv._worker import (
+    CLOSE,
+    ERR,
+    INIT,
+    RESET,
+    STEP,
+    STEP_FIELDS,
+    SharedArrays,
+    Wire,
+    step_spec,
+)
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
@@ -50,7 +59,8 @@ def _exit_text(code: int | None) -> str:
 class _Worker:
     def __init__(self, index: int, rows: range, env: dict[str, str]):
         self.index, self.rows = index, rows
-        self.proc, self.conn = spawn(_WORKER, env)
+        self.proc, sock = spawn(_WORKER, env)
+        self.wire = Wire(sock, timeout=_POLL_S)
 
     @property
     def pid(self) -> int:
@@ -125,9 +135,9 @@ class WorkerGroup:
             ]
             for w in self._workers:
                 shared = (path, self.spec, w.rows.start, w.rows.stop)
-                init = ("init", list(sys.path), self.backend, self.env_id, self.kwargs)
-                self._send(w, (*init, len(w.rows), shared))
-            self._collect({w.conn: w for w in self._workers}, self.startup_timeout, starting=True)
+                init = (list(sys.path), self.backend, self.env_id, self.kwargs)
+                self._send(w, INIT, 0, (*init, len(w.rows), shared))
+            self._collect(self._workers, self.startup_timeout, starting=True)
         finally:
             os.unlink(path)  # mapped by every live worker now: the file is no longer needed
         self.failed = None
@@ -138,7 +148,7 @@ class WorkerGroup:
         if not workers or os.getpid() != self._owner:
             return  # nothing running, or a forked child: the workers belong to the parent
         for w in workers:
-            self._send(w, ("close",))
+            self._send(w, CLOSE)
         deadline = time.monotonic() + 5.0
         for w in workers:
             try:
@@ -146,7 +156,7 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
-            w.conn.close()
+            w.wire.close()
         if self._shared is not None:
             self._shared.close()
             self._shared = None
@@ -155,13 +165,13 @@ class WorkerGroup:
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         """Resets every env with its own seed; returns the stacked first observations."""
-        return self._request("reset", seeds)
+        return self._request(RESET, seeds)
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
         """Steps every env; returns ``(obs, reward, terminated, truncated, final_obs)``."""
         self._check()
         self._shared["action"][...] = actions  # type: ignore[index]
-        self._request("step", None)
+        self._request(STEP, None)
         return tuple(self._shared[name].copy() for name in STEP_FIELDS)  # type: ignore[index]
 
     def _check(self) -> None:
@@ -170,21 +180,21 @@ class WorkerGroup:
         if not self._workers:
             raise HostEnvError(f"host env {self.env_id!r}, {self.label}: workers not started")
 
-    def _request(self, kind: str, rows: np.ndarray | None) -> Any:
+    def _request(self, kind: int, rows: np.ndarray | None) -> Any:
         self._check()
         seq, self._seq = self._seq, self._seq + 1
         for w in self._workers:
-            part = () if rows is None else (rows[w.rows.start : w.rows.stop],)
-            self._send(w, (kind, seq, *part))
-        answers = self._collect({w.conn: w for w in self._workers}, self.timeout)
+            part = None if rows is None else rows[w.rows.start : w.rows.stop]
+            self._send(w, kind, seq, part)
+        answers = self._collect(self._workers, self.timeout)
         if rows is None:
             return None
         return np.concatenate([answers[w.index] for w in self._workers])
 
     @staticmethod
-    def _send(w: _Worker, msg: tuple) -> None:
+    def _send(w: _Worker, kind: int, seq: int = 0, payload: Any = None) -> None:
         try:
-            w.conn.send(msg)
+            w.wire.send(kind, seq, payload)
         except (OSError, ValueError):
             pass  # a dead worker is reported by _collect, with its exit code
 
@@ -195,32 +205,40 @@ class WorkerGroup:
         )
 
     def _collect(
-        self, pending: dict[Any, _Worker], timeout: float | None, starting: bool = False
+        self, workers: list[_Worker], timeout: float | None, starting: bool = False
     ) -> dict[int, Any]:
+        """Every worker's answer, in order. Each ``recv`` waits at most 0.2 s; then every worker
+        still owing an answer is checked for life (a dead worker's socket usually closes at once,
+        but not if a process it started still holds it) and for the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         answers: dict[int, Any] = {}
         errors: list[str] = []
+        pending = list(workers)
         while pending:
-            for conn in wait(list(pending), timeout=_POLL_S):
-                w = pending.pop(conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    errors.append(f"{self._where(w)} {self._exit(w)}")
-                    continue
-                if msg[0] == "err":
-                    _, _, name, text, tb = msg
+            w = pending[0]
+            try:
+                msg = w.wire.recv()
+            except (EOFError, OSError):
+                pending.pop(0)
+                errors.append(f"{self._where(w)} {self._exit(w)}")
+                continue
+            if msg is not None:
+                pending.pop(0)
+                kind, _, payload = msg
+                if kind == ERR:
+                    name, text, tb = payload
                     where = f"{self._where(w)} raised {name}: {text}"
                     errors.append(f"{where}\n--- worker traceback ---\n{tb}")
                 else:
-                    answers[w.index] = msg[-1]
-            for conn, w in list(pending.items()):
-                if w.proc.poll() is not None:
-                    pending.pop(conn)
-                    errors.append(f"{self._where(w)} {self._exit(w)}")
+                    answers[w.index] = payload
+                continue
+            for other in list(pending):
+                if other.proc.poll() is not None:
+                    pending.remove(other)
+                    errors.append(f"{self._where(other)} {self._exit(other)}")
             if deadline is not None and pending and time.monotonic() > deadline:
                 what = "start" if starting else "answer"
-                names = ", ".join(f"worker {w.index} (pid {w.pid})" for w in pending.values())
+                names = ", ".join(f"worker {o.index} (pid {o.pid})" for o in pending)
                 errors.append(
                     f"host env {self.backend}:{self.env_id}, {self.label}: {names} did not "
                     f"{what} within {timeout:g} s"
