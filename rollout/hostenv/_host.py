@@ -51,6 +51,8 @@ from rollout._relay import finish_dispatched, remember
 from rollout.envs._core import Box, Discrete, Space
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
+_TERM, _TRUNC, _RESTART = 1, 2, 4  # the bits of a step's flags
+
 
 class HostState(NamedTuple):
     """What the device holds of host envs: ``[n, num_envs]`` ids and counters, the last obs."""
@@ -295,7 +297,7 @@ class HostEnvs:
                 return outs
             # Only the leader stepped the envs; share its result with the other replicas.
             share = lambda x: jax.lax.psum(
-                jnp.where(lead, x.astype(jnp.int32) if x.dtype == bool else x, 0),
+                jnp.where(lead, x.astype(jnp.int32) if x.dtype in (jnp.bool_, jnp.uint8) else x, 0),
                 ("data", "model"),
             )
             return tuple(share(x).astype(x.dtype) for x in outs)
@@ -334,21 +336,20 @@ class HostEnvs:
         by ``keys``.
         """
         obs_shape = self.env.observation_space.shape
+        # As few arrays as will do: each one of a callback's costs about 2 us of the main
+        # process's time per call, on the cores the envs step on. The counter advances here.
         types = self._types(
             ((), jnp.uint32),
-            ((), jnp.int32),
             (obs_shape, self._obs_dtype),
             ((), jnp.float32),
-            ((), jnp.bool_),
-            ((), jnp.bool_),
+            ((), jnp.uint8),
             (obs_shape, self._obs_dtype),
-            ((), jnp.bool_),
         )
         args = (state.session, state.t, state.obs, action, self._seeds(keys))
-        out = self._sharded(self._host_step, types, *args)
-        session, t, obs, reward, term, trunc, final, restarted = out
+        session, obs, reward, flags, final = self._sharded(self._host_step, types, *args)
+        term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
         info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
-        return HostState(session, t, obs), obs, reward, term, trunc, info
+        return HostState(session, state.t + 1, obs), obs, reward, term, trunc, info
 
     # ------------------------------------------------------------------ host side
 
@@ -383,12 +384,14 @@ class HostEnvs:
         return np.asarray(x, dtype).reshape(self.per_group, self.num_envs, *x.shape[1:])
 
     def _host_step(self, g, lead, session, t, obs, action, seeds) -> tuple[np.ndarray, ...]:
+        """``(session, obs, reward, flags, final_obs)`` of one step of group ``g``'s envs;
+        ``flags``: ``_TERM | _TRUNC | _RESTART`` bits."""
         m, e = session.shape
         if not lead:
-            zeros = lambda dt, shape=(): np.zeros((m, e, *shape), dt)
-            f32, o, od = np.float32, self._obs_shape, self._obs_dtype
-            return (zeros(np.uint32), zeros(np.int32), zeros(od, o), zeros(f32), zeros(bool),
-                    zeros(bool), zeros(od, o), zeros(bool))  # fmt: skip
+            o, od = self._obs_shape, self._obs_dtype
+            return (np.zeros((m, e), np.uint32), np.zeros((m, e, *o), od),
+                    np.zeros((m, e), np.float32), np.zeros((m, e), np.uint8),
+                    np.zeros((m, e, *o), od))  # fmt: skip
         g = int(g)
         group = self.groups[g]
         with group.lock:
@@ -399,20 +402,20 @@ class HostEnvs:
                         f"host env {self.env.name}, {group.label}: step {step} arrived where "
                         f"step {self._t[g]} was due (a step was duplicated, dropped or reordered)"
                     )
-                rows = action.reshape(m * e, *action.shape[2:])
-                new_obs, reward, term, trunc, final = group.step(rows)
+                new_obs, reward, term, trunc, final = group.step(
+                    action.reshape(m * e, *action.shape[2:])
+                )
                 self._t[g] += 1
-                od = self._obs_dtype
-                return (session, t + 1, self._unflat(new_obs, od),
-                        self._unflat(reward, np.float32), self._unflat(term, bool),
-                        self._unflat(trunc, bool), self._unflat(final, od),
-                        np.zeros((m, e), bool))  # fmt: skip
+                flags = (term * _TERM) | (trunc * _TRUNC)
+                shape = (m, e, *self._obs_shape)
+                return (session, new_obs.reshape(shape), reward.astype(np.float32).reshape(m, e),
+                        flags.astype(np.uint8).reshape(m, e), final.reshape(shape))  # fmt: skip
             # Not the live session: a restored checkpoint, a state from before close(), or an
             # older state of this run. The envs cannot go back to it: restart them.
-            return self._restart(g, session, t, obs, seeds)
+            return self._restart(g, t, obs, seeds)
 
-    def _restart(self, g, session, t, obs, seeds) -> tuple[np.ndarray, ...]:
-        m, e = session.shape
+    def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
+        m, e = t.shape
         if not self._warned.is_set():
             self._warned.set()
             warnings.warn(
@@ -425,9 +428,9 @@ class HostEnvs:
         self.restarts += 1
         new_session, new_obs = self._new_session(g, seeds)
         self._t[g] = int(_one(t, "step counter")) + 1
-        return (np.full((m, e), new_session, np.uint32), t + 1, new_obs,
-                np.zeros((m, e), np.float32), np.zeros((m, e), bool), np.ones((m, e), bool),
-                np.asarray(obs, self._obs_dtype), np.ones((m, e), bool))  # fmt: skip
+        return (np.full((m, e), new_session, np.uint32), new_obs, np.zeros((m, e), np.float32),
+                np.full((m, e), _TRUNC | _RESTART, np.uint8),
+                np.asarray(obs, self._obs_dtype))  # fmt: skip
 
 
 def _recording(host: Any) -> Any:
