@@ -57,6 +57,10 @@ PEER_FAILURE_MARKERS = (
     "Connection reset by peer",
 )
 
+#: Each process is a whole JAX runtime (a few hundred MB); more than this many per core only
+#: share the cores, and a typo (``-n 100000``) would start processes until the machine stalls.
+MAX_PROCESSES_PER_CORE = 4
+
 __all__ = ["free_port", "launch", "main", "port_in_use", "process_env"]
 
 
@@ -168,6 +172,13 @@ def _checked(
     """The command to run (``x.py`` runs with this Python); bad arguments raise before a start."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
+    cores = os.cpu_count() or 1
+    if num_processes > MAX_PROCESSES_PER_CORE * cores:
+        raise ValueError(
+            f"num_processes={num_processes} is more than {MAX_PROCESSES_PER_CORE} per CPU core "
+            f"({cores} cores) on this machine; give at most {MAX_PROCESSES_PER_CORE * cores}, "
+            "and more CPU devices per process with --devices-per-process."
+        )
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}.")
     command = list(command)

@@ -149,7 +149,8 @@ def test_a_rank_that_reports_a_dead_peer_is_not_blamed_though_it_ends_first():
 
 @pytest.mark.timeout(60)
 def test_launcher_cli_mistakes_are_one_line_exit_2():
-    for args in (["-n", "2"], ["-n", "x", "--", "true"], ["-n", "0", "--", "true"]):
+    many = ["-n", "100000", "--", "true"]  # refused, not 100000 processes started
+    for args in (["-n", "2"], ["-n", "x", "--", "true"], ["-n", "0", "--", "true"], many):
         res = subprocess.run(
             [sys.executable, "-m", "ensemble.launch", *args],
             cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=50,
@@ -157,3 +158,5 @@ def test_launcher_cli_mistakes_are_one_line_exit_2():
         assert res.returncode == 2, (args, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
         assert res.stderr.startswith("error: "), res.stderr
+        if args is many:
+            assert "more than 4 per CPU core" in res.stderr, res.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -305,3 +306,26 @@ def test_cli_tensorboard_and_wandb_hold_the_metrics_rows(tmp_path):
         for h, row in zip(history, rows):
             logged = {k: v for k, v in h.items() if not k.startswith("_")}
             assert logged == pytest.approx(_loggers.scalars(row), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(tmp_path):
+    # A W&B that refuses to start (online, no login): stand-in module on the import path.
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(
+        "def init(**kw):\n    raise RuntimeError('api_key not configured (no-tty). call wandb.login')\n"
+    )
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
+    cmd += ["--total-steps", "1024", "--num-steps", "64", "--out", str(out), "--no-progress"]
+    env = _cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
+    for log in ("wandb", "tensorboard,wandb"):
+        proc = subprocess.run(
+            [*cmd, "--log", log], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100
+        )
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: --log {log}: api_key not configured (no-tty). call wandb.login"]
+        assert not out.exists()  # nothing left that the next start would have to explain

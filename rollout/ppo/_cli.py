@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -689,6 +690,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(f"--log-interval must be a number of seconds >= 0, got {interval}.")
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
+    before = _logger_files(args.out)  # (None: no --out yet) to undo a failed logger's files
     config, info, devices, n_dev = _set_up(args, found, signals)
     import jax
 
@@ -706,10 +708,11 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
             f"updates, {config.num_updates * config.batch_size} env steps per member.",
             file=sys.stderr,
         )
-    try:  # only the main process logs, as it alone writes metrics.jsonl
-        names = log_names if info.is_main else ()
+    names = log_names if info.is_main else ()  # only the main process logs (it alone writes
+    try:  # metrics.jsonl)
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
     except Exception as e:  # e.g. W&B online without a login
+        _remove_new_logger_files(args.out, before)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
@@ -730,6 +733,32 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0
+
+
+_LOGGER_FILES = ("tensorboard", "wandb", "wandb_run_id")  # what open_loggers may create
+
+
+def _logger_files(out: str) -> set[str] | None:
+    """Which of the loggers' files ``out`` holds (None: no ``out`` yet)."""
+    if not os.path.isdir(out):
+        return None
+    return {name for name in _LOGGER_FILES if os.path.lexists(os.path.join(out, name))}
+
+
+def _remove_new_logger_files(out: str, before: set[str] | None) -> None:
+    """Undoes what loggers that failed to open left in ``out``, and ``out`` itself if the run
+    made it and it is empty: a failed start leaves no run directory behind."""
+    for name in set(_LOGGER_FILES) - (before or set()):
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    if before is None:
+        try:
+            os.rmdir(out)  # only if empty: nothing but what the loggers made was there
+        except OSError:
+            pass
 
 
 def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
