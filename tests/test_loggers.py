@@ -314,7 +314,8 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "wandb.py").write_text(
-        "def init(**kw):\n    raise RuntimeError('api_key not configured (no-tty). call wandb.login')\n"
+        "def init(**kw):\n"
+        "    raise RuntimeError('api_key not configured (no-tty). call wandb.login')\n"
     )
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
