@@ -502,6 +502,17 @@ def test_more_devices_than_envs_is_refused_before_jax_makes_them(tmp_path):
         "error: --devices 100000: more devices than the envs they would step (2 members x 2 "
         "envs); give --devices at most 4."
     ]
+    # Without --num-envs the env's defaults decide, known only once the env is made (which
+    # may start JAX): refused before that against the most any default gives.
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout.ppo", *argv[:2], *argv[4:]], env=_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --devices 100000: more devices than the envs they would step (2 members x at "
+        "most 8 envs by default); give --devices at most 16."
+    ]
 
 
 def _start(

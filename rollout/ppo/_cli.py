@@ -24,7 +24,7 @@ from typing import Any
 from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError
-from rollout.ppo._config import canonical_env, canonical_env_kwargs
+from rollout.ppo._config import _ENV_DEFAULTS, canonical_env, canonical_env_kwargs
 from rollout.ppo._parser import OneLineParser
 
 
@@ -786,9 +786,12 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     # is built: building it may make the env once (gymnax envs start JAX).
     learner_devices = args.devices or _saved_cpu_devices(args, found, procs)
     learner_devices = learner_devices or cpu_devices_for(members // procs, cores)
+    # Before JAX makes that many devices: the envs per member are known only with the config,
+    # whose env may start JAX (gymnax), so first against the most any default gives.
+    _check_device_count(args.devices, members, *_envs_hint(args, found), procs)
     configure_devices(max(learner_devices, cores))
     config = _config_from_args(args, found)
-    _check_device_count(args.devices, config, procs)  # before JAX makes that many devices
+    _check_device_count(args.devices, config.members, config.num_envs, True, procs)
     ckpt.check_unlocked(args.out)  # first: a run still going there explains whatever it holds
     if args.resume:
         ckpt.check_resume(found, config.to_dict())
@@ -822,14 +825,18 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     return config, info, devices, n_dev
 
 
-def _check_device_count(devices: int | None, config: Any, procs: int) -> None:
+def _check_device_count(
+    devices: int | None, members: int, num_envs: int, exact: bool, procs: int
+) -> None:
     """Refuses simulated CPU devices that no env would use: each device steps at least one
-    env of its members (``--devices 100000`` would build 100,000 devices, gigabytes)."""
-    most = config.members * config.num_envs // procs
+    env of its members (``--devices 100000`` would build 100,000 devices, gigabytes).
+    ``exact=False``: ``num_envs`` is only the most the env's defaults could give."""
+    most = members * num_envs // procs
     if devices is not None and devices > most:
+        envs = f"{num_envs} envs" if exact else f"at most {num_envs} envs by default"
         raise UsageError(
-            f"--devices {devices}: more devices than the envs they would step ({config.members} "
-            f"members x {config.num_envs} envs{f' / {procs} processes' if procs > 1 else ''}); "
+            f"--devices {devices}: more devices than the envs they would step ({members} "
+            f"members x {envs}{f' / {procs} processes' if procs > 1 else ''}); "
             f"give --devices at most {most}."
         )
 
@@ -919,6 +926,16 @@ def _members_hint(args: argparse.Namespace, found: Any) -> int:
     if args.resume and found.record is not None:
         return int(found.record["config"].get("members", _DEFAULTS["members"]))
     return int(_DEFAULTS["members"])
+
+
+def _envs_hint(args: argparse.Namespace, found: Any) -> tuple[int, bool]:
+    """The envs per member, read before the config is built (no JAX needed), and whether that
+    is the run's own number (else the most any env's defaults give)."""
+    if args.num_envs is not None:
+        return int(args.num_envs), True
+    if args.resume and found.record is not None and "num_envs" in found.record["config"]:
+        return int(found.record["config"]["num_envs"]), True
+    return max(int(d["num_envs"]) for d in _ENV_DEFAULTS.values()), False
 
 
 def _env_processes(name: str) -> int:
