@@ -381,7 +381,7 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
         if len(calls) == 1:  # the run writes a newer checkpoint while this one is read
             (out / "ckpt_00000009").mkdir()
             warn(f"warning: checkpoint {out / 'ckpt_00000008'} cannot be restored (gone)")
-            raise ckpt.RunDirError("--resume: no checkpoint in run can be restored; start over")
+            raise ckpt.NoRestorableCheckpoint(out, ["ckpt_00000008"])
         return "state", {}
 
     monkeypatch.setattr(ckpt, "restore_latest", restore_latest)
@@ -389,14 +389,15 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
     assert export._restore_newest(tmp_path, "id", None) == "state" and len(calls) == 2
 
     def never(out, run_id, like, warn, set_aside):
-        raise ckpt.RunDirError(
-            "--resume: no checkpoint in run can be restored; start over with --overwrite."
-        )
+        raise ckpt.NoRestorableCheckpoint(out, ["ckpt_00000009", "ckpt_00000008"])
 
     monkeypatch.setattr(ckpt, "restore_latest", never)
     with pytest.raises(export.NotAnExport) as e:
         export._restore_newest(tmp_path, "id", None)
-    assert "--overwrite" not in str(e.value) and "no checkpoint in run" in str(e.value)
+    assert str(e.value) == (
+        f"no checkpoint in {tmp_path} can be restored (tried ckpt_00000009, ckpt_00000008; "
+        "reasons above)."
+    )
 
 
 def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(

@@ -46,6 +46,21 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked; the message says what to do instead."""
 
 
+class NoRestorableCheckpoint(RunDirError):
+    """No checkpoint of the run restores whole; ``tried``: the names of those that failed."""
+
+    def __init__(self, out: Path, tried: list[str]):
+        self.out, self.tried = out, tried
+        super().__init__(
+            f"--resume: no checkpoint in {out} can be restored ({self.what}); start over with "
+            "--overwrite."
+        )
+
+    @property
+    def what(self) -> str:
+        return f"tried {', '.join(self.tried) or 'none'}; reasons above"
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDir:
     """What a directory holds, read without writing anything."""
@@ -363,10 +378,7 @@ def restore_latest(
             return state, meta
         tried.append(path.name)
         warn(f"warning: checkpoint {path} cannot be restored ({reason}); trying the one before.")
-    raise RunDirError(
-        f"--resume: no checkpoint in {out} can be restored (tried {', '.join(tried) or 'none'}; "
-        "reasons above); start over with --overwrite."
-    )
+    raise NoRestorableCheckpoint(out, tried)
 
 
 def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any]]:

@@ -534,13 +534,12 @@ def _restore_newest(run: Path, run_id: str, like: Any, attempts: int = 5) -> Any
                 if any(f"checkpoint {p} " in line for p in ckpt.checkpoints(run)):
                     print(line, file=sys.stderr)
             return state
-        except ckpt.RunDirError as e:
+        except ckpt.NoRestorableCheckpoint as e:
             if ckpt.checkpoints(run) != listed:
                 continue  # the run wrote a newer one meanwhile: try that
             for line in notes:
                 print(line, file=sys.stderr)
-            why = str(e).replace("--resume: ", "").split("; start over")[0]
-            raise NotAnExport(f"{why}.") from None
+            raise NotAnExport(f"no checkpoint in {run} can be restored ({e.what}).") from None
     raise NotAnExport(
         f"{run} is still writing checkpoints faster than they can be read; export it when it "
         "has stopped, or with a larger --checkpoint-every."
