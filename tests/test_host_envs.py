@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class Walk(gym.Env):
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
                  pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
-                 short_obs_at=None, fork_child=None):
+                 short_obs_at=None, fork_child=None, step_sleep=0.0):
         if fork_child and "jax" not in sys.modules:  # in a worker only, not the learner: a
             # process of the env's own that outlives the worker, its pid in the file
             pid = os.fork()
@@ -57,6 +58,7 @@ class Walk(gym.Env):
             with open(fork_child, "w") as f:
                 f.write(str(pid))
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
+        self.step_sleep = step_sleep
         self.short_obs_at = short_obs_at  # from this step on, one number short of the space
         self.walls = walls
         if continuous:
@@ -97,6 +99,9 @@ class Walk(gym.Env):
 
     def step(self, action):
         self.steps += 1
+        if self.step_sleep:
+            import time
+            time.sleep(self.step_sleep)
         if self.fail_at is not None and self.steps >= self.fail_at:
             raise ValueError(f"the walk fell over at step {self.steps}")
         a = float(action[0] - 0.5 * action[1]) if self.continuous else float(action) - 1.0
@@ -480,15 +485,129 @@ def test_a_worker_refuses_a_request_out_of_sequence():
         w = group._workers[0]
         group._send(w, STEP, 1)  # request 1 again: a replay
         with pytest.raises(HostEnvError, match="request 1 arrived where request 2 was due"):
-            group._collect(group._workers, 10.0)
+            group._collect(group._workers, 10.0, "step")
         assert not group.running  # the envs' state is unknown: the group stopped
     finally:
         group.close()
 
 
+def _hand_made_worker(sock):
+    """A group's worker whose answers this test writes by hand into ``sock``'s other end; the
+    process is a stand-in that lives until killed."""
+    from rollout.hostenv._group import _POLL_S, _Worker
+    from rollout.hostenv._worker import Wire
+
+    w = _Worker.__new__(_Worker)
+    w.index, w.rows = 0, range(0, 2)
+    w.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    w.wire = Wire(sock, timeout=_POLL_S)
+    return w
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["stops", "dies"])
+def test_an_answer_that_stops_part_way_is_an_error_within_the_timeout(how):
+    import socket
+
+    from rollout.hostenv._group import HostEnvError, WorkerGroup
+    from rollout.hostenv._worker import _HEADER, OK
+
+    group = WorkerGroup("gymnasium", WALK_ID, {}, [2], "t", (4,), np.float64, (), np.int32)
+    ours, theirs = socket.socketpair()
+    w = _hand_made_worker(ours)
+    try:
+        theirs.sendall(_HEADER.pack(OK, 1000, 3) + b"x" * 10)  # 10 of 1000 payload bytes
+        if how == "dies":
+            threading.Timer(0.5, w.proc.kill).start()
+        start = time.monotonic()
+        with pytest.raises(HostEnvError) as info:
+            group._collect([w], 1.0 if how == "stops" else None, "reset")
+        assert time.monotonic() - start < 5
+        if how == "stops":
+            assert str(info.value).endswith(
+                f"worker 0 (pid {w.pid}) did not answer a reset within 1 s (worker 0 stopped "
+                "part-way through its answer)"
+            )
+        else:
+            assert f"(pid {w.pid}, envs 0-1 of the group) was killed by signal SIGKILL" in str(
+                info.value
+            )
+    finally:
+        w.proc.kill()
+        w.proc.wait()
+        theirs.close()
+        ours.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_worker_is_an_error_before_its_slow_sibling_answers():
+    from rollout.hostenv._group import HostEnvError, WorkerGroup
+
+    group = WorkerGroup(
+        "gymnasium", WALK_ID, {"step_sleep": 20.0}, [1, 1], "t", (4,), np.float64, (), np.int32
+    )
+    group.start()
+    try:
+        group.reset(np.arange(2))
+        victim = group.pids[1]
+        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(HostEnvError, match=rf"pid {victim}.*killed by signal SIGKILL"):
+            group.step(np.ones(2, np.int32))  # worker 0 would answer after 20 s
+        assert time.monotonic() - start < 10
+    finally:
+        group.close()
+
+
+def test_make_kwargs_the_workers_cannot_receive_are_refused_by_name():
+    from rollout.hostenv._group import WorkerGroup
+
+    with pytest.raises(ValueError, match=r"make kwarg fail_at=<function .* cannot be sent to the"):
+        envs.make(f"gymnasium:{WALK_ID}", fail_at=lambda: 99)
+    envs.make(f"gymnasium:{WALK_ID}", fail_at=lambda: 99, workers_per_device=0)  # in-process
+    # The group itself leaves nothing half-started if its kwargs cannot be sent.
+    kwargs = {"fail_at": lambda: 99}
+    group = WorkerGroup("gymnasium", WALK_ID, kwargs, [1, 1], "t", (4,), np.float64, (), np.int32)
+    with pytest.raises(Exception, match="pickle"):
+        group.start()
+    assert not group.running and children() == []
+
+
+@pytest.mark.timeout(120)
+def test_exit_with_a_rollout_still_running_lets_it_finish_then_closes(walk_module):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(walk_module)!r})
+        import jax, jax.numpy as jnp
+        import ensemble
+        from rollout import envs
+
+        env = envs.make("gymnasium:{WALK_ID}", step_sleep=0.1)
+        mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
+        host = env.bind(mesh, 2, 1)
+        keys = jax.random.split(jax.random.key(0), (2, 1))
+
+        def rollout(keys):
+            state, _ = host.reset(keys)
+            step = lambda s, a: (host.step(s, a, keys)[0], None)
+            return jax.lax.scan(step, state, jnp.ones((8, 2, 1), jnp.int32))[0].t
+
+        with jax.set_mesh(mesh):
+            jax.jit(rollout)(keys)  # dispatched; the interpreter exits while it runs
+        print("exiting", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=clean_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr
+    assert "restarting the envs" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_wire_frames_messages_cut_anywhere_and_tells_timeout_from_close():
     import socket
-    import threading
 
     from rollout.hostenv._worker import _HEADER, OK, Wire
 

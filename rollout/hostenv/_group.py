@@ -27,8 +27,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax  # noqa: F401  (before this module registers _close_all: see there)
 import numpy as np
 
+from rollout._relay import finish_dispatched
 from rollout._spawn import exit_text, spawn
 from rollout.hostenv._worker import (
     CLOSE,
@@ -45,6 +47,10 @@ from rollout.hostenv._worker import (
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
 _live: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+class _GiveUp(Exception):
+    """Ends the wait for an answer that has begun: its worker died or the deadline passed."""
 
 
 class HostEnvError(RuntimeError):
@@ -130,14 +136,18 @@ class WorkerGroup:
         path = os.path.join(_shared_dir(), f"rollout-hostenv-{os.getpid()}-{secrets.token_hex(8)}")
         self._shared = SharedArrays(path, self.spec, create=True)
         try:
-            self._workers = [
-                _Worker(i, range(starts[i], starts[i + 1]), env) for i in range(len(self.counts))
-            ]
+            for i in range(len(self.counts)):
+                self._workers.append(_Worker(i, range(starts[i], starts[i + 1]), env))
+            init = (list(sys.path), self.backend, self.env_id, self.kwargs)
             for w in self._workers:
                 shared = (path, self.spec, w.rows.start, w.rows.stop)
-                init = (list(sys.path), self.backend, self.env_id, self.kwargs)
                 self._send(w, INIT, 0, (*init, len(w.rows), shared))
-            self._collect(self._workers, self.startup_timeout, starting=True)
+            self._collect(self._workers, self.startup_timeout, "start")
+        except HostEnvError:
+            raise  # the group is closed already
+        except BaseException:
+            self.close()  # e.g. kwargs that cannot be pickled: no half-started group is left
+            raise
         finally:
             os.unlink(path)  # mapped by every live worker now: the file is no longer needed
         self.failed = None
@@ -186,7 +196,7 @@ class WorkerGroup:
         for w in self._workers:
             part = None if rows is None else rows[w.rows.start : w.rows.stop]
             self._send(w, kind, seq, part)
-        answers = self._collect(self._workers, self.timeout)
+        answers = self._collect(self._workers, self.timeout, "reset" if kind == RESET else "step")
         if rows is None:
             return None
         return np.concatenate([answers[w.index] for w in self._workers])
@@ -204,52 +214,77 @@ class WorkerGroup:
             f"(pid {w.pid}, envs {w.rows.start}-{w.rows.stop - 1} of the group)"
         )
 
-    def _collect(
-        self, workers: list[_Worker], timeout: float | None, starting: bool = False
-    ) -> dict[int, Any]:
-        """Every worker's answer, in order. Each ``recv`` waits at most 0.2 s; then every worker
-        still owing an answer is checked for life (a dead worker's socket usually closes at once,
-        but not if a process it started still holds it) and for the deadline."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _collect(self, workers: list[_Worker], timeout: float | None, what: str) -> dict[int, Any]:
+        """Every worker's answer to a request (``what``: 'start', 'reset' or 'step'), in order.
+
+        Each ``recv`` waits at most 0.2 s; then every worker still owing an answer is checked
+        for life (a dead worker's socket usually closes at once, but not if a process it
+        started still holds it) and for the deadline, also while an answer that has begun is
+        read. The first failure ends the wait; closing the group then stops the others.
+        """
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         answers: dict[int, Any] = {}
         errors: list[str] = []
         pending = list(workers)
-        while pending:
+
+        def waiting() -> None:  # between the pieces of an answer that has begun
+            self._sweep(pending, start, deadline, what, errors, part_way=True)
+            if errors:
+                raise _GiveUp
+
+        while pending and not errors:
             w = pending[0]
             try:
-                msg = w.wire.recv()
+                msg = w.wire.recv(waiting)
+            except _GiveUp:
+                break
             except (EOFError, OSError):
                 pending.pop(0)
                 errors.append(f"{self._where(w)} {self._exit(w)}")
                 continue
-            if msg is not None:
-                pending.pop(0)
-                kind, _, payload = msg
-                if kind == ERR:
-                    name, text, tb = payload
-                    where = f"{self._where(w)} raised {name}: {text}"
-                    errors.append(f"{where}\n--- worker traceback ---\n{tb}")
-                else:
-                    answers[w.index] = payload
+            if msg is None:
+                self._sweep(pending, start, deadline, what, errors)
                 continue
-            for other in list(pending):
-                if other.proc.poll() is not None:
-                    pending.remove(other)
-                    errors.append(f"{self._where(other)} {self._exit(other)}")
-            if deadline is not None and pending and time.monotonic() > deadline:
-                what = "start" if starting else "answer"
-                names = ", ".join(f"worker {o.index} (pid {o.pid})" for o in pending)
-                errors.append(
-                    f"host env {self.backend}:{self.env_id}, {self.label}: {names} did not "
-                    f"{what} within {timeout:g} s"
-                )
-                break
+            pending.pop(0)
+            kind, _, payload = msg
+            if kind == ERR:
+                name, text, tb = payload
+                where = f"{self._where(w)} raised {name}: {text}"
+                errors.append(f"{where}\n--- worker traceback ---\n{tb}")
+            else:
+                answers[w.index] = payload
         if errors:
             # The envs' states are now unknown: stop the group; the learner must start over.
             self.failed = errors[0].split("\n")[0]
             self.close()
             raise HostEnvError("\n".join(errors))
         return answers
+
+    def _sweep(
+        self,
+        pending: list[_Worker],
+        start: float,
+        deadline: float | None,
+        what: str,
+        errors: list[str],
+        part_way: bool = False,
+    ) -> None:
+        """Moves the dead among ``pending`` to ``errors``, and all of them once past
+        ``deadline``; ``part_way``: the first one's answer had begun."""
+        for w in list(pending):
+            if w.proc.poll() is not None:
+                pending.remove(w)
+                errors.append(f"{self._where(w)} {self._exit(w)}")
+        if deadline is not None and pending and time.monotonic() > deadline:
+            verb = "start" if what == "start" else f"answer a {what}"
+            names = ", ".join(f"worker {w.index} (pid {w.pid})" for w in pending)
+            late = f"{names} did not {verb} within {deadline - start:g} s"
+            stopped = f" (worker {pending[0].index} stopped part-way through its answer)"
+            errors.append(
+                f"host env {self.backend}:{self.env_id}, {self.label}: {late}"
+                + (stopped if part_way else "")
+            )
 
     @staticmethod
     def _exit(w: _Worker) -> str:
@@ -270,9 +305,16 @@ def _shared_dir() -> str:
 
 @atexit.register
 def _close_all() -> None:
+    """At exit: lets the programs already dispatched make their steps first (registered after
+    JAX's own exit handlers, so this runs before them), then closes every group under its lock:
+    closing under a running step would have it restart the envs, or read closed arrays."""
+    if not _live:
+        return
+    finish_dispatched()
     for group in list(_live):
         try:
-            group.close()
+            with group.lock:
+                group.close()
         except Exception:
             pass
 

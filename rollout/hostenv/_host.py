@@ -108,8 +108,8 @@ class HostEnv:
         ``InProcessGroup``). Default: gymnasium, the CPU cores divided by the devices (at least
         1); EnvPool, 0, with one pool per device running that many C++ threads of its own
         (EnvPool's envs never hold the interpreter lock, so a worker process only adds a hop).
-      timeout: seconds one step may take before it is an error (default: no limit; a dead
-        worker is an error within 0.2 s regardless).
+      timeout: seconds one step or reset may take before it is an error (default: no limit;
+        a dead worker is an error within 0.2 s regardless).
     """
 
     backend: str
@@ -125,6 +125,11 @@ class HostEnv:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
         obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
+        in_workers = self.workers_per_device != 0 and (
+            self.workers_per_device is not None or self.backend == "gymnasium"
+        )
+        if in_workers:
+            _check_picklable(self.name, dict(self.kwargs))
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("observation_space", _space(obs_space, "observation", self.name))
         set_("action_space", _space(act_space, "action", self.name))
@@ -196,6 +201,22 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
         return env.observation_space, env.action_space, limit
     finally:
         env.close()
+
+
+def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
+    """The make kwargs travel to the worker processes pickled: refuse, by name, one that cannot."""
+    import pickle
+
+    for key, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:
+            raise ValueError(
+                f"{name}: make kwarg {key}={value!r} cannot be sent to the env worker processes "
+                f"({type(e).__name__}: {e}); pass something picklable (a module-level function, "
+                "not a lambda or local function), or step the envs in this process with "
+                "workers_per_device=0."
+            ) from None
 
 
 def _default_workers(groups: int) -> int:

@@ -35,8 +35,8 @@ import signal
 import socket
 import struct
 import sys
-import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,9 +64,11 @@ class Wire:
         data = b"" if payload is None else pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
         self.sock.sendall(_HEADER.pack(kind, len(data), seq) + data)
 
-    def recv(self) -> tuple[int, int, Any] | None:
+    def recv(self, waiting: Callable[[], None] | None = None) -> tuple[int, int, Any] | None:
         """``(kind, seq, payload)``; None if no message began within the timeout. Raises
-        ``EOFError`` when the other end has closed (its process ended)."""
+        ``EOFError`` when the other end has closed (its process ended). Once a message has
+        begun, its rest is awaited, calling ``waiting()`` at every timeout (it raises to give
+        up: its sender died or stopped part-way)."""
         try:
             head = self.sock.recv(_HEADER.size)
         except TimeoutError:
@@ -74,21 +76,19 @@ class Wire:
         if not head:
             raise EOFError("the socket closed")
         if len(head) < _HEADER.size:
-            head += self._exactly(_HEADER.size - len(head))
+            head += self._exactly(_HEADER.size - len(head), waiting)
         kind, size, seq = _HEADER.unpack(head)
-        return kind, seq, pickle.loads(self._exactly(size)) if size else None
+        return kind, seq, pickle.loads(self._exactly(size, waiting)) if size else None
 
-    def _exactly(self, n: int) -> bytes:
-        """The rest of a message that has begun: its sender wrote it whole, so it follows at
-        once unless that process stopped mid-write."""
-        buf, got, deadline = bytearray(n), 0, time.monotonic() + 60.0
+    def _exactly(self, n: int, waiting: Callable[[], None] | None) -> bytes:
+        buf, got = bytearray(n), 0
         view = memoryview(buf)
         while got < n:
             try:
                 k = self.sock.recv_into(view[got:])
             except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise EOFError("a message stopped half-way for 60 s") from None
+                if waiting is not None:
+                    waiting()
                 continue
             if not k:
                 raise EOFError("the socket closed in the middle of a message")
@@ -305,9 +305,12 @@ def main(fd: int) -> None:
     os.set_inheritable(fd, False)  # a process the env starts must not hold our socket open
     wire = Wire(socket.socket(fileno=fd))
     try:
-        _, _, (sys_path, kind, env_id, kwargs, num_envs, (path, spec, lo, hi)) = wire.recv()
+        first, _, init = wire.recv()  # type: ignore[misc]  (no timeout: never None)
     except (EOFError, OSError):
         return
+    if first != INIT:  # the parent failed while starting us: it is going away
+        return
+    sys_path, kind, env_id, kwargs, num_envs, (path, spec, lo, hi) = init
     # The parent's import path, so `module:EnvId` ids and user packages import here too.
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     try:
