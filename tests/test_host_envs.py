@@ -72,7 +72,8 @@ class Walk(gym.Env):
             self.observation_space = spaces.Tuple((spaces.Discrete(7), box))
         self.pixels, self.pixel_dtype = pixels, np.dtype(pixel_dtype)
         if pixels:  # a frame in [0, 255]: channel 0 shows the position, the others noise
-            self.observation_space = spaces.Box(0, 255, (3, 5, 5), self.pixel_dtype)
+            space_dtype = np.uint8 if self.pixel_dtype == np.int64 else self.pixel_dtype
+            self.observation_space = spaces.Box(0, 255, (3, 5, 5), space_dtype)
         if grid:  # a 2x2 matrix: neither a vector nor an image
             self.observation_space = spaces.Box(-np.inf, np.inf, (2, 2), np.float64)
         self.grid, self.steps = grid, 0
@@ -85,6 +86,8 @@ class Walk(gym.Env):
         if self.pixels:
             frame = self.np_random.integers(0, 256, (3, 5, 5), dtype=np.uint8)
             frame[0] = np.uint8(np.clip(128 + 40 * self.pos, 0, 255))
+            if self.pixel_dtype == np.int64:  # a uint8 space broken: values up to 355
+                return frame.astype(np.int64) + 100
             return frame.astype(self.pixel_dtype)
         if self.tuple_obs:
             return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
@@ -405,6 +408,19 @@ def test_an_observation_of_the_wrong_shape_is_an_error_not_broadcast():
             run_host(host, mesh, keys, jnp.ones((5, 2, 2), jnp.int32))
         want = "step returned an observation of shape (1,); the env's observation space has "
         assert want + "shape (4,)" in str(info.value)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, pixels=True, pixel_dtype="int64")
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with pytest.raises(Exception) as info:
+            run_host(host, mesh, keys, jnp.ones((3, 2, 2), jnp.int32))
+        assert "reset returned observation values in [" in str(info.value)
+        assert "observation space is uint8 (0-255), and they would wrap around" in str(info.value)
     finally:
         host.close()
 

@@ -181,6 +181,7 @@ class _Gymnasium:
         self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
         self.discrete = isinstance(self.envs[0].action_space, gymnasium.spaces.Discrete)
         self.obs_shape = self.envs[0].observation_space.shape
+        self.pixels = np.dtype(self.envs[0].observation_space.dtype) == np.uint8
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         return np.stack(
@@ -197,12 +198,20 @@ class _Gymnasium:
 
     def _checked(self, obs: Any, where: str) -> Any:
         """``obs``, refused where its shape is not the observation space's (NumPy would
-        broadcast a (1,) into a (3,) row without a word)."""
+        broadcast a (1,) into a (3,) row without a word), or where a uint8 space gets values
+        outside 0-255 (NumPy would wrap 256 to 0)."""
         if np.shape(obs) != self.obs_shape:
             raise ValueError(
                 f"{where} returned an observation of shape {np.shape(obs)}; the env's "
                 f"observation space has shape {self.obs_shape}"
             )
+        if self.pixels and np.asarray(obs).dtype != np.uint8 and np.size(obs):
+            low, high = np.min(obs), np.max(obs)
+            if not 0 <= low <= high <= 255:
+                raise ValueError(
+                    f"{where} returned observation values in [{low}, {high}]; the env's "
+                    "observation space is uint8 (0-255), and they would wrap around"
+                )
         return obs
 
     def close(self) -> None:
