@@ -780,7 +780,17 @@ class NNXTrainStep:
         # cross-member sum is ever formed); the per-member optax update follows.
         losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)
         # value=: each member's loss, for optax transforms that read it (reduce_on_plateau).
-        optimizer.update(ens, nnx.State({"members": grads}), value=losses)
+        try:
+            optimizer.update(ens, nnx.State({"members": grads}), value=losses)
+        except TypeError as e:
+            if "keyword-only argument" not in str(e):
+                raise
+            raise TypeError(
+                f"the optimizer's update needs arguments this step does not pass ({e}): the NNX "
+                "train step passes value= (each member's loss) only. Transforms that also need "
+                "grad= and value_fn= (optax.lbfgs's line search) work with ensemble.train_step "
+                "on a linen model, or with a plain step size (optax.lbfgs(linesearch=None))."
+            ) from None
         out = (losses, aux) if self.has_aux else losses
         return out, nnx.state(ens), nnx.state(optimizer)
 

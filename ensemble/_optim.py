@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,10 +75,27 @@ def per_member(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         _check_extra_args(extra_args, n)
+        extra_args = accepted_extra_args(tx, extra_args)
         member = lambda u, s, p, kw: tx.update(u, s, p, **kw)  # p None: no leaves to map
         return jax.vmap(member, spmd_axis_name=MEMBER_AXIS)(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accepted_extra_args(
+    tx: optax.GradientTransformationExtraArgs, extra_args: dict[str, Any]
+) -> dict[str, Any]:
+    """The optax extra update arguments (``value``, ``grad``, ``value_fn``) that ``tx.update``
+    takes: all where it takes ``**extra_args`` (optax's chains and wrappers pass them on, and
+    plain transforms drop them), else only those it names (``optax.contrib.sam`` names
+    ``grad_fn`` alone and refuses the rest)."""
+    try:
+        parameters = inspect.signature(tx.update).parameters
+    except (TypeError, ValueError):  # no signature to read: pass them all, as optax does
+        return extra_args
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return extra_args
+    return {k: v for k, v in extra_args.items() if k in parameters}
 
 
 def _check_extra_args(extra_args: dict[str, Any], n: int) -> None:
@@ -123,5 +141,7 @@ def _check_member_axis(tree: Any, n: int) -> None:
         if not shape or shape[0] != n:
             raise ValueError(
                 f"leaf {jax.tree_util.keystr(path)} has shape {shape}; every leaf a per-member "
-                f"optimizer sees needs a leading member axis of size n={n}."
+                f"optimizer sees needs a leading member axis of size n={n}. If the parameters "
+                "have it, the optimizer may be per-member twice: give train_step (and "
+                "ensemble.per_member) the plain optax optimizer of one member."
             )

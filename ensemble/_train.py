@@ -43,7 +43,7 @@ from ensemble._core import (
     split_loss,
 )
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
-from ensemble._optim import as_transformation, per_member
+from ensemble._optim import accepted_extra_args, as_transformation, per_member
 
 
 class TrainStep:
@@ -230,8 +230,9 @@ def _member_update(
         # optax's extra arguments, for the transforms that read them (reduce_on_plateau,
         # polyak_sgd: value; lbfgs: value, grad, value_fn); the others ignore them.
         value_fn = lambda p: member_loss(p, *batch)[0] if has_aux else member_loss(p, *batch)
+        extra = dict(value=loss, grad=grads, value_fn=value_fn)
         updates, opt_state = member_tx.update(
-            grads, opt_state, params, value=loss, grad=grads, value_fn=value_fn
+            grads, opt_state, params, **accepted_extra_args(member_tx, extra)
         )
         return optax.apply_updates(params, updates), opt_state, loss, aux
 

@@ -378,8 +378,10 @@ def test_an_ensemble_built_for_per_member_inputs_trains_on_per_member_batches():
         nnx_train_step(mse)(ens, nnx_optimizer(ens, optax.sgd(0.1)), x, y)
 
 
-def test_optimizers_reading_the_loss_get_each_members_own():
-    """optax's ``value=`` (reduce_on_plateau, polyak_sgd): the step passes member i's loss."""
+@pytest.mark.parametrize("kind", ["reduce_on_plateau", "sam"])
+def test_optimizers_reading_the_loss_get_each_members_own(kind):
+    """optax's ``value=`` (reduce_on_plateau): the step passes member i's loss; a transform
+    that refuses it (sam, which takes grad_fn= alone) is called as a plain loop calls it."""
     rng = np.random.default_rng(1)
     x, y = (
         rng.normal(size=(D, 4, 3)),
@@ -388,6 +390,8 @@ def test_optimizers_reading_the_loss_get_each_members_own():
     make = lambda: optax.chain(
         optax.sgd(0.3), optax.contrib.reduce_on_plateau(patience=1, cooldown=0, factor=0.1)
     )
+    if kind == "sam":
+        make = lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2)
     ens = build_nnx(linear, D, rngs=3, in_axes=0)
     members = [ens.member(i) for i in range(D)]
     step = ens.train_step(mse, make())
@@ -397,11 +401,21 @@ def test_optimizers_reading_the_loss_get_each_members_own():
         ref = nnx.Optimizer(member, make(), wrt=nnx.Param)
         for t in range(4):
             loss, grads = nnx.value_and_grad(mse)(member, x[i], y[i])
-            ref.update(member, grads, value=loss)
+            ref.update(member, grads, **({} if kind == "sam" else {"value": loss}))
             np.testing.assert_allclose(losses[t][i], loss, rtol=2e-5, atol=1e-6)
         np.testing.assert_allclose(
             ens.member(i).kernel[...], member.kernel[...], rtol=2e-5, atol=1e-6
         )
+
+
+def test_a_line_search_needing_value_fn_is_named_with_what_works():
+    ens = build_nnx(linear, D, rngs=3)
+    x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    step = ens.train_step(mse, optax.lbfgs())
+    with pytest.raises(TypeError, match=r"needs arguments this step does not pass .* 'grad' and"):
+        step(ens, step.init(), x, y)
+    step = ens.train_step(mse, optax.lbfgs(linesearch=None))  # what the message offers
+    assert np.isfinite(np.asarray(step(ens, step.init(), x, y))).all()
 
 
 def test_per_member_learning_rates():

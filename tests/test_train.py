@@ -213,6 +213,10 @@ def test_train_step_errors():
         step(params, opt_state, x, jnp.ones((n, 4, 1)))
     with pytest.raises(ValueError, match=r"params leaf .* leading member axis of size n=8"):
         step.init(ensemble.member(params, 0))
+    twice = ensemble.per_member(optax.adam(1e-3), n)  # train_step makes it per-member again
+    twice_step = ensemble.train_step(mse, twice, n=n, mesh=ens.mesh)
+    with pytest.raises(ValueError, match=r"the optimizer may be per-member twice: give"):
+        twice_step.init(params)
     mixed = ensemble.train_step(
         mse, optax.sgd(0.1), n=n, mesh=ens.mesh, per_member_batch=(True, False)
     )
@@ -348,8 +352,10 @@ def test_multisteps_accumulates_per_member_like_plain_optax():
         ),
         lambda: optax.polyak_sgd(max_learning_rate=0.5),  # value=
         lambda: optax.lbfgs(),  # value=, grad=, value_fn= (line search calls the loss again)
+        # Takes grad_fn= alone and refuses the others: called as a plain loop calls it.
+        lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2),
     ],
-    ids=["reduce_on_plateau", "polyak_sgd", "lbfgs"],
+    ids=["reduce_on_plateau", "polyak_sgd", "lbfgs", "sam"],
 )
 def test_optimizers_reading_the_loss_get_each_members_own(make):
     n, steps = D, 4
@@ -363,6 +369,8 @@ def test_optimizers_reading_the_loss_get_each_members_own(make):
     def plain_step(p, s, x, y):
         loss, grads = jax.value_and_grad(mse)(p, x, y)
         kw = dict(value=loss, grad=grads, value_fn=lambda q: mse(q, x, y))
+        if isinstance(s, optax.contrib.SAMState):
+            kw = {}
         updates, s = tx.update(grads, s, p, **kw)
         return optax.apply_updates(p, updates), s, loss
 
