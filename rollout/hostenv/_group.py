@@ -229,7 +229,7 @@ class WorkerGroup:
         pending = list(workers)
 
         def waiting() -> None:  # between the pieces of an answer that has begun
-            self._sweep(pending, start, deadline, what, errors, part_way=True)
+            self._sweep(pending, start, deadline, what, errors, part_way=pending[0])
             if errors:
                 raise _GiveUp
 
@@ -268,10 +268,10 @@ class WorkerGroup:
         deadline: float | None,
         what: str,
         errors: list[str],
-        part_way: bool = False,
+        part_way: _Worker | None = None,
     ) -> None:
         """Moves the dead among ``pending`` to ``errors``, and all of them once past
-        ``deadline``; ``part_way``: the first one's answer had begun."""
+        ``deadline``; ``part_way``: the worker whose answer had begun."""
         for w in list(pending):
             if w.proc.poll() is not None:
                 pending.remove(w)
@@ -280,11 +280,9 @@ class WorkerGroup:
             verb = "start" if what == "start" else f"answer a {what}"
             names = ", ".join(f"worker {w.index} (pid {w.pid})" for w in pending)
             late = f"{names} did not {verb} within {deadline - start:g} s"
-            stopped = f" (worker {pending[0].index} stopped part-way through its answer)"
-            errors.append(
-                f"host env {self.backend}:{self.env_id}, {self.label}: {late}"
-                + (stopped if part_way else "")
-            )
+            if part_way in pending:
+                late += f" (worker {part_way.index} stopped part-way through its answer)"
+            errors.append(f"host env {self.backend}:{self.env_id}, {self.label}: {late}")
 
     @staticmethod
     def _exit(w: _Worker) -> str:
