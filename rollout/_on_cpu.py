@@ -745,10 +745,22 @@ class _Call:
         xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
         result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in self.row_outs]
         outs = jax.pure_callback(self.host, result, *xs, vmap_method="expand_dims")
-        vma = frozenset().union(*(getattr(jax.typeof(x), "vma", frozenset()) for x in xs))
+        vma = frozenset().union(*(_varying_axes(x) for x in xs))
         if vma:  # inside shard_map: each device got its own rows, so results vary too
             outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]
         return outs
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """The ``shard_map`` axes along which ``x`` differs between devices. A callback's result is
+    typed as the same on every device, so without this a gradient through a ``psum`` of it is
+    summed as if it were (8x one device's value on 8 devices). JAX 0.6-0.9 call it
+    ``aval.vma``; 0.10 ``aval.manual_axis_type.varying``."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
 
 
 def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> list[Any]:

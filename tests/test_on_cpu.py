@@ -241,6 +241,26 @@ def test_zero_gradient(rollout_fn):
     np.testing.assert_allclose(gs, jnp.mean(synth(p, x)) + 6.0, rtol=1e-5)
 
 
+@pytest.mark.timeout(90)
+def test_gradient_through_a_psum_of_results_inside_shard_map():
+    """Inside shard_map each device's results are its own rows: a gradient through their psum
+    (a value baseline against returns, say) sums them once, as with any per-device value; typed
+    as equal on every device, it came out 8x device 0's share."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    x = jax.random.normal(jax.random.key(0), (2 * mesh.size, 3))
+    returns = lambda x: jnp.sin(3 * x)
+    f = on_cpu(returns, executor="process", workers=W)
+
+    def grad_of(ret):
+        loss = lambda b, x: jax.lax.psum(jnp.sum((ret(x) - b) ** 2), "d")
+        grad = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+        return float(jax.jit(grad)(jnp.float32(0.1), x))
+
+    want = float(jax.grad(lambda b: jnp.sum((returns(x) - b) ** 2))(jnp.float32(0.1)))
+    np.testing.assert_allclose(grad_of(lambda x: jax.lax.stop_gradient(returns(x))), want, 1e-5)
+    np.testing.assert_allclose(grad_of(f), want, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ errors
 
 
