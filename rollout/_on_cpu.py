@@ -592,6 +592,11 @@ def _as_leaf(x: Any) -> Any:
     would give it (float64 -> float32 without x64), without compiling a conversion program."""
     if isinstance(x, jax.Array):
         return x
+    if type(x) is int:  # a Python int: refused where it does not fit, as jax.numpy does
+        dtype = jax.dtypes.canonicalize_dtype(np.int64)
+        if not np.iinfo(dtype).min <= x <= np.iinfo(dtype).max:
+            raise OverflowError(f"Python int {x} too large to convert to {dtype.name}")
+        return np.asarray(x, dtype)
     a = np.asarray(x)
     return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
 
@@ -850,6 +855,10 @@ def on_cpu(
     Gradients: none flow through ``on_cpu`` — inputs are wrapped in ``lax.stop_gradient``, so
     differentiating a loss that uses its outputs treats them as constants (zero gradient with
     respect to ``fn``'s inputs), exactly as the rollout-then-train pattern wants.
+
+    Values ``fn`` closes over (a global, ``self.w`` of a callable object) are frozen into its
+    compiled program at the first call for each batch shape, and later changes to them are not
+    seen, even by a newly traced ``jit``: pass whatever changes (parameters) as arguments.
 
     Under ``jax.vmap`` the vmapped axes are folded into the batch (one callback, all workers).
     Inside ``jax.shard_map`` the callback runs once per device on that device's rows; a ``jit`` over

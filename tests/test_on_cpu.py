@@ -265,6 +265,20 @@ def test_gradient_through_a_psum_of_results_inside_shard_map():
 
 
 @pytest.mark.timeout(60)
+def test_a_python_int_too_large_for_int32_is_refused_as_jax_numpy_does():
+    f = on_cpu(lambda x, s: x + s, in_axes=(0, None), workers=W)
+    x = jnp.arange(3.0)
+    for big in (2**31, 2**40):
+        with pytest.raises(OverflowError):
+            x + big  # jax.numpy itself
+        with pytest.raises(OverflowError, match=f"Python int {big} too large to convert to int32"):
+            f(x, big)
+        with pytest.raises(OverflowError, match="too large"):
+            jax.jit(lambda x, big=big: f(x, big))(x)
+    np.testing.assert_array_equal(f(x, 2**31 - 1), x + (2**31 - 1))  # the largest that fits
+
+
+@pytest.mark.timeout(60)
 def test_errors_in_fn_surface_at_trace_time(rollout_fn):
     def bad(x):
         raise ValueError("bad rollout config")
