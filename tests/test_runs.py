@@ -490,28 +490,23 @@ _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps
 
 
 @pytest.mark.timeout(120)
-def test_more_devices_than_envs_is_refused_before_jax_makes_them(tmp_path):
+@pytest.mark.parametrize(
+    "num_envs, envs, most",
+    # Without --num-envs the env's defaults decide, known only once the env is made (which may
+    # start JAX): refused before that against the most any default gives.
+    [(["--num-envs", "2"], "2 envs", 4), ([], "at most 8 envs by default", 16)],
+)
+def test_more_devices_than_envs_is_refused_before_jax_makes_them(tmp_path, num_envs, envs, most):
     """--devices 100000 used to build 100,000 CPU devices (19 GB, minutes) before any check."""
-    argv = ["--devices", "100000", "--num-envs", "2", "--members", "2", "--out", str(tmp_path)]
+    argv = ["--devices", "100000", *num_envs, "--members", "2", "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, "-m", "rollout.ppo", *argv], env=_env(), cwd=ROOT,
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "error: --devices 100000: more devices than the envs they would step (2 members x 2 "
-        "envs); give --devices at most 4."
-    ]
-    # Without --num-envs the env's defaults decide, known only once the env is made (which
-    # may start JAX): refused before that against the most any default gives.
-    done = subprocess.run(
-        [sys.executable, "-m", "rollout.ppo", *argv[:2], *argv[4:]], env=_env(), cwd=ROOT,
-        capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "error: --devices 100000: more devices than the envs they would step (2 members x at "
-        "most 8 envs by default); give --devices at most 16."
+        f"error: --devices 100000: more devices than the envs they would step (2 members x "
+        f"{envs}); give --devices at most {most}."
     ]
 
 
