@@ -708,7 +708,8 @@ class _Call:
                 raise ValueError(
                     f"on_cpu(fn): output leaf {j} has rows of shape {o.shape[1:]} when fn runs "
                     f"on chunks of {chunk} rows, and {tuple(shape)} on the whole batch: fn must "
-                    "be row-independent (no output shape that depends on the batch size)"
+                    "be row-independent (no output shape that depends on the batch size), with "
+                    "the batch on axis 0 of every output"
                 )
         return [o[:rows] for o in outs]
 

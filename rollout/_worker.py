@@ -31,7 +31,7 @@ import traceback
 _SHAPE_CHANGED = (
     "fn returned output leaf {} of shape {} for this worker's chunk of rows, where the whole "
     "batch's output gives the chunk shape {}: fn must be row-independent (no output shape "
-    "that depends on the batch size)"
+    "that depends on the batch size), with the batch on axis 0 of every output"
 )
 
 

@@ -466,12 +466,14 @@ def test_dropped_wrappers_release_their_worker_programs():
 
 def test_an_output_shape_that_depends_on_the_batch_size_is_an_error_not_broadcast():
     outer = lambda x: x[:, None] * x[None, :]  # (B, B): not row-independent
-    x = jnp.array([1.0, 2.0])
-    for executor in ("process", "inprocess"):
-        f = on_cpu(outer, workers=W, executor=executor)
-        with pytest.raises(Exception, match="fn must be row-independent"):
-            f(x)
-        f.close()
+    batch_last = lambda x: jnp.stack([x, 2 * x, 3 * x, 4 * x])  # (4, B), and B = 4 here
+    for fn, x in ((outer, jnp.array([1.0, 2.0])), (batch_last, jnp.arange(4.0))):
+        for executor in ("process", "inprocess"):
+            f = on_cpu(fn, workers=W, executor=executor)
+            with pytest.raises(Exception, match="fn must be row-independent") as info:
+                f(x)
+            assert "with the batch on axis 0 of every output" in str(info.value)
+            f.close()
 
 
 EXIT_DURING_CALL = textwrap.dedent(
