@@ -125,10 +125,7 @@ class HostEnv:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
         obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
-        in_workers = self.workers_per_device != 0 and (
-            self.workers_per_device is not None or self.backend == "gymnasium"
-        )
-        if in_workers:
+        if not _in_process(self.backend, self.workers_per_device):
             _check_picklable(self.name, dict(self.kwargs))
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("observation_space", _space(obs_space, "observation", self.name))
@@ -203,6 +200,11 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
         env.close()
 
 
+def _in_process(backend: str, workers_per_device: int | None) -> bool:
+    """Whether the envs step in this process: ``workers_per_device=0``, EnvPool's default."""
+    return workers_per_device == 0 or (workers_per_device is None and backend == "envpool")
+
+
 def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
     """The make kwargs travel to the worker processes pickled: refuse, by name, one that cannot."""
     import pickle
@@ -253,16 +255,13 @@ class HostEnvs:
         )
         what = (env.backend, env.env_id, dict(env.kwargs))
         cores = min(rows, _default_workers(self.num_groups))
-        workers = env.workers_per_device
-        if workers is None:
-            workers = 0 if env.backend == "envpool" else cores
-        if workers == 0:  # in this process, stepped by the callback threads
+        if _in_process(env.backend, env.workers_per_device):  # stepped by the callback threads
             self.groups: list[Any] = [
                 InProcessGroup(*what, rows, self._label(g), **shapes, threads=cores)
                 for g in range(self.num_groups)
             ]
         else:
-            k = min(rows, workers)
+            k = min(rows, env.workers_per_device or cores)
             counts = [len(c) for c in np.array_split(np.arange(rows), k)]
             self.groups = [
                 WorkerGroup(*what, counts, self._label(g), **shapes, timeout=env.timeout)

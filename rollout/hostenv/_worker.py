@@ -57,9 +57,6 @@ class Wire:
         self.sock = sock
         sock.settimeout(timeout)
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def send(self, kind: int, seq: int = 0, payload: Any = None) -> None:
         data = b"" if payload is None else pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
         self.sock.sendall(_HEADER.pack(kind, len(data), seq) + data)
@@ -311,7 +308,9 @@ def _serve(wire: Wire, backend: Any, shared: SharedArrays, lo: int, hi: int) -> 
 
 
 def main(fd: int) -> None:
-    os.set_inheritable(fd, False)  # a process the env starts must not hold our socket open
+    # A program the env runs must not hold our socket open (a fork still does: the parent then
+    # notices our death by watching the process).
+    os.set_inheritable(fd, False)
     wire = Wire(socket.socket(fileno=fd))
     try:
         first, _, init = wire.recv()  # type: ignore[misc]  (no timeout: never None)
