@@ -30,6 +30,7 @@ from subprocess_env import clean_env
 
 import ensemble
 from rollout import envs
+from rollout.hostenv import _fast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,6 +173,23 @@ def alive(pid: int) -> bool:
 # ---------------------------------------------------------------------- helpers
 
 
+@pytest.fixture(params=["ffi", "python"])
+def step_path(request, monkeypatch):
+    """Each worker-process step made by the FFI handler, or by the Python step it falls back
+    to without a compiler. The handler must build here: a test environment without one would
+    otherwise test only the fallback."""
+    if request.param == "ffi":
+        assert _fast.library() is not None, _fast.why_not()
+    else:
+        monkeypatch.setitem(_fast._state, "lib", None)
+        monkeypatch.setitem(_fast._state, "why", "the test's python path")
+    return request.param
+
+
+def fast_steps(host) -> int:
+    return sum(group.control.fast_steps for group in host.groups)
+
+
 def bound(env_id, members, num_envs, devices, **kwargs):
     env = envs.make(f"gymnasium:{env_id}", **kwargs)
     mesh = ensemble.make_mesh(members, devices=jax.devices()[:devices])
@@ -253,7 +271,7 @@ def actions_for(env_id, T, n, e, seed=0):
         (WALK_ID, 2, {"pixels": True}),  # uint8 frames: they travel as uint8
     ],
 )
-def test_trajectories_equal_a_python_loop(env_id, workers, kwargs):
+def test_trajectories_equal_a_python_loop(env_id, workers, kwargs, step_path):
     # 4 members on 2 devices, 3 envs each, 2 workers per device: rows split unevenly; or the
     # envs in this process (workers_per_device=0).
     n, e, T = 4, 3, 30
@@ -263,6 +281,8 @@ def test_trajectories_equal_a_python_loop(env_id, workers, kwargs):
         actions = actions_for(env_id, T, n, e)
         obs0, steps = run_host(host, mesh, keys, actions)
         assert len(host.pids) == 2 * workers
+        # Every step of every group made without Python, where the handler applies.
+        assert fast_steps(host) == (2 * T if workers and step_path == "ffi" else 0)
     finally:
         host.close()
     ref0, ref = reference(env_id, seeds_of(keys), actions, **kwargs)
@@ -340,6 +360,38 @@ def test_member_spanning_two_devices_steps_its_envs_once():
     _, ref = reference(WALK_ID, seeds_of(keys), actions)
     np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(steps[4], ref[4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
+    # Steps of 0.3 s: the handler sends each and hands the wait to Python after 0.2 s; the
+    # trajectory is the same as the plain loop's, and the group's timeout still applies.
+    n, e, T, kw = 2, 2, 3, {"step_sleep": 0.3}
+    host, mesh = bound(WALK_ID, n, e, devices=2, workers_per_device=1, **kw)
+    try:
+        keys = jax.random.split(jax.random.key(4), (n, e))
+        actions = actions_for(WALK_ID, T, n, e, seed=3)
+        obs0, steps = run_host(host, mesh, keys, actions)
+        assert fast_steps(host) == 0
+    finally:
+        host.close()
+    ref0, ref = reference(WALK_ID, seeds_of(keys), actions, **kw)
+    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
+    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+    env = envs.make(f"gymnasium:{WALK_ID}", step_sleep=2.0, workers_per_device=1, timeout=0.5)
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
+    host = env.bind(mesh, n, e)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+            step = jax.jit(host.step).lower(state, actions[0], keys).compile()
+            with pytest.raises(
+                Exception, match=r"worker 0 \(pid \d+\) did not answer a step within 0.5 s"
+            ):
+                jax.block_until_ready(step(state, actions[0], keys))
+    finally:
+        host.close()
 
 
 # ---------------------------------------------------------------------- ordering, resume
@@ -427,7 +479,7 @@ def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [1, 0])
-def test_env_exception_names_env_worker_and_traceback(workers):
+def test_env_exception_names_env_worker_and_traceback(workers, step_path):
     host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3, workers_per_device=workers)
     try:
         keys = jax.random.split(jax.random.key(0), (2, 2))
@@ -446,7 +498,7 @@ def test_env_exception_names_env_worker_and_traceback(workers):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("child_holds_socket", [False, True])
-def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path):
+def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, step_path):
     # child_holds_socket: a process forked by the env inherits the worker's socket, so the
     # worker's death closes nothing; the group must notice it by watching the process.
     pid_file = tmp_path / "child"

@@ -21,7 +21,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -32,6 +31,8 @@ import numpy as np
 
 from rollout._relay import finish_dispatched
 from rollout._spawn import exit_text, spawn
+from rollout.hostenv import _fast
+from rollout.hostenv._fast import Control
 from rollout.hostenv._worker import (
     CLOSE,
     ERR,
@@ -110,9 +111,10 @@ class WorkerGroup:
         )
         self._shared: SharedArrays | None = None
         self.label, self.timeout, self.startup_timeout = label, timeout, startup_timeout
-        self.lock = threading.Lock()  # one request at a time per group
+        # The group's state, shared with the FFI step where there is one (``_fast``); also the
+        # lock that keeps requests one at a time.
+        self.control = self.lock = Control()
         self._workers: list[_Worker] = []
-        self._seq = 0
         self._owner = os.getpid()
         self.failed: str | None = None  # why the group stopped, for later calls
         _live.add(self)
@@ -131,7 +133,7 @@ class WorkerGroup:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker (MuJoCo, NumPy BLAS)
         self._owner = os.getpid()
-        self._seq = 0
+        self.control[_fast.C_SEQ] = 0
         starts = np.cumsum([0, *self.counts])
         path = os.path.join(_shared_dir(), f"rollout-hostenv-{os.getpid()}-{secrets.token_hex(8)}")
         self._shared = SharedArrays(path, self.spec, create=True)
@@ -151,9 +153,29 @@ class WorkerGroup:
         finally:
             os.unlink(path)  # mapped by every live worker now: the file is no longer needed
         self.failed = None
+        self._arm()
+
+    def _arm(self) -> None:
+        """Lets the FFI step use this group: its sockets and shared arrays' addresses."""
+        c, shared = self.control, self._shared
+        if len(self._workers) > _fast.MAX_WORKERS or shared is None:
+            return
+        c[_fast.C_OWNER], c[_fast.C_NWORKERS] = os.getpid(), len(self._workers)
+        c[_fast.C_ROWS], c[_fast.C_WAIT_MS] = sum(self.counts), _fast.WAIT_MS
+        for i, w in enumerate(self._workers):
+            c[_fast.C_FDS + i] = w.wire.sock.fileno()
+        fields = {"action": _fast.C_ACTION, "obs": _fast.C_OBS, "reward": _fast.C_REWARD,
+                  "terminated": _fast.C_TERM, "truncated": _fast.C_TRUNC,
+                  "final_obs": _fast.C_FINAL}  # fmt: skip
+        for name, field in fields.items():
+            c[field] = shared[name].ctypes.data
+        c[_fast.C_ACTION_BYTES] = shared["action"].nbytes
+        c[_fast.C_OBS_BYTES] = shared["obs"].nbytes
+        c[_fast.C_ARMED] = 1
 
     def close(self) -> None:
         """Stops the workers (they are restarted by the next ``start``)."""
+        self.control[_fast.C_ARMED] = 0
         workers, self._workers = self._workers, []
         if not workers or os.getpid() != self._owner:
             return  # nothing running, or a forked child: the workers belong to the parent
@@ -182,6 +204,18 @@ class WorkerGroup:
         self._check()
         self._shared["action"][...] = actions  # type: ignore[index]
         self._request(STEP, None)
+        return self._results()
+
+    def finish_step(self) -> tuple[np.ndarray, ...]:
+        """Finishes a step the FFI handler sent but did not see answered: collects the answers
+        the workers in ``C_PENDING`` still owe (the deadline counts from the step's start)."""
+        self._check()
+        mask = self.control[_fast.C_PENDING]
+        pending = [w for w in self._workers if mask >> w.index & 1]
+        self._collect(pending, self.timeout, "step", since=self.control[_fast.C_START_NS] / 1e9)
+        return self._results()
+
+    def _results(self) -> tuple[np.ndarray, ...]:
         return tuple(self._shared[name].copy() for name in STEP_FIELDS)  # type: ignore[index]
 
     def _check(self) -> None:
@@ -192,7 +226,8 @@ class WorkerGroup:
 
     def _request(self, kind: int, rows: np.ndarray | None) -> Any:
         self._check()
-        seq, self._seq = self._seq, self._seq + 1
+        seq = self.control[_fast.C_SEQ]
+        self.control[_fast.C_SEQ] = seq + 1
         for w in self._workers:
             part = None if rows is None else rows[w.rows.start : w.rows.stop]
             self._send(w, kind, seq, part)
@@ -214,15 +249,18 @@ class WorkerGroup:
             f"(pid {w.pid}, envs {w.rows.start}-{w.rows.stop - 1} of the group)"
         )
 
-    def _collect(self, workers: list[_Worker], timeout: float | None, what: str) -> dict[int, Any]:
-        """Every worker's answer to a request (``what``: 'start', 'reset' or 'step'), in order.
+    def _collect(
+        self, workers: list[_Worker], timeout: float | None, what: str, since: float | None = None
+    ) -> dict[int, Any]:
+        """Every worker's answer to a request (``what``: 'start', 'reset' or 'step'), in order;
+        ``since``: when the request was sent (``time.monotonic()``; default now).
 
         Each ``recv`` waits at most 0.2 s; then every worker still owing an answer is checked
         for life (a dead worker's socket usually closes at once, but not if a process it
         started still holds it) and for the deadline, also while an answer that has begun is
         read. The first failure ends the wait; closing the group then stops the others.
         """
-        start = time.monotonic()
+        start = time.monotonic() if since is None else since
         deadline = None if timeout is None else start + timeout
         answers: dict[int, Any] = {}
         errors: list[str] = []
@@ -345,7 +383,7 @@ class InProcessGroup:
             self.kwargs.setdefault("num_threads", threads)
         self.rows, self.label = rows, label
         self.spec = step_spec(rows, tuple(obs_shape), obs_dtype, tuple(action_shape), action_dtype)
-        self.lock = threading.Lock()
+        self.control = self.lock = Control()  # never armed: the FFI step is for workers only
         self._envs: Any = None
         self.failed: str | None = None
 

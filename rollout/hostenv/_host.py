@@ -49,6 +49,8 @@ from rollout._devices import available_cores
 from rollout._host_call import host_call
 from rollout._relay import finish_dispatched, remember
 from rollout.envs._core import Box, Discrete, Space
+from rollout.hostenv import _fast
+from rollout.hostenv._fast import C_SESSION, C_T
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
 _TERM, _TRUNC, _RESTART = 1, 2, 4  # the bits of a step's flags
@@ -268,10 +270,15 @@ class HostEnvs:
                 for g in range(self.num_groups)
             ]
         self._init_sessions()
+        # The FFI step (``_fast``) where it is built: for worker processes on CPU devices.
+        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+        workers = all(isinstance(group, WorkerGroup) for group in self.groups)
+        controls = [group.control for group in self.groups]
+        self._slot = _fast.register(controls) if on_cpu and workers else None
 
     def _init_sessions(self) -> None:
-        self._session: list[int | None] = [None] * self.num_groups
-        self._t = [0] * self.num_groups
+        for group in self.groups:
+            group.control[C_SESSION], group.control[C_T] = -1, 0  # no session yet
         self.restarts = 0  # times a group restarted its envs mid-run (resume, or after close)
         self._warned = threading.Event()
 
@@ -300,8 +307,9 @@ class HostEnvs:
         bits = lambda k: jax.random.bits(k, (), jnp.uint32)
         return jax.vmap(jax.vmap(bits))(keys)
 
-    def _sharded(self, host: Any, types: tuple, *args: jax.Array) -> tuple:
-        """``host(group, leader, *local_args)`` once per device, on that device's members."""
+    def _sharded(self, host: Any, types: tuple, *args: jax.Array, fast: bool = False) -> tuple:
+        """``host(group, leader, *local_args)`` once per device, on that device's members;
+        ``fast``: the FFI step first (``_fast``), ``host`` only where it did not finish."""
         replicated = self.replicas > 1
 
         def per_device(*local):
@@ -312,7 +320,10 @@ class HostEnvs:
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
-            outs = host_call(_recording(host), local_types, g, lead, *local)
+            if fast:
+                outs = self._fast_step(host, local_types, g, lead, *local)
+            else:
+                outs = host_call(_recording(host), local_types, g, lead, *local)
             if not replicated:
                 return outs
             # Only the leader stepped the envs; share its result with the other replicas.
@@ -329,6 +340,17 @@ class HostEnvs:
             out_specs=P("ensemble"),
             check_vma=False,
         )(*args)
+
+    def _fast_step(self, host: Any, types: tuple, g: jax.Array, lead: jax.Array, *local) -> tuple:
+        """The FFI step, then ``host`` (given its status first) where it did not finish."""
+        session, t, _, action, _ = local
+        status, *outs = _fast.step(self._slot, types, g.astype(jnp.int32), lead, session, t, action)
+
+        def python(status, g, lead, *local):
+            return host_call(_recording(host), types, status, g, lead, *local)
+
+        finished = lambda status, g, lead, *local: tuple(outs)
+        return tuple(jax.lax.cond(status == _fast.OK, finished, python, status, g, lead, *local))
 
     def _types(self, *specs: tuple[tuple[int, ...], Any]) -> tuple:
         n, e = self.members, self.num_envs
@@ -366,7 +388,11 @@ class HostEnvs:
             (obs_shape, self._obs_dtype),
         )
         args = (state.session, state.t, state.obs, action, self._seeds(keys))
-        session, obs, reward, flags, final = self._sharded(self._host_step, types, *args)
+        if self._slot is None:
+            outs = self._sharded(self._host_step, types, *args)
+        else:
+            outs = self._sharded(self._host_finish, types, *args, fast=True)
+        session, obs, reward, flags, final = outs
         term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
         info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
         return HostState(session, state.t + 1, obs), obs, reward, term, trunc, info
@@ -389,7 +415,7 @@ class HostEnvs:
             group.start()
         obs = group.reset(seeds.reshape(-1))
         session = secrets.randbits(32)
-        self._session[g], self._t[g] = session, 0
+        group.control[C_SESSION], group.control[C_T] = session, 0
         return session, self._unflat(obs, self._obs_dtype)
 
     @property
@@ -402,6 +428,24 @@ class HostEnvs:
 
     def _unflat(self, x: np.ndarray, dtype: Any) -> np.ndarray:
         return np.asarray(x, dtype).reshape(self.per_group, self.num_envs, *x.shape[1:])
+
+    def _host_finish(self, status, g, lead, session, t, obs, action, seeds) -> tuple:
+        """Where the FFI step stopped (``status``): finishes the step it sent, or makes the
+        whole step in Python."""
+        if int(status) != _fast.PENDING:
+            return self._host_step(g, lead, session, t, obs, action, seeds)
+        group = self.groups[int(g)]
+        with group.lock:
+            new_obs, reward, term, trunc, final = group.finish_step()
+            group.control[C_T] += 1
+        return self._step_results(session, new_obs, reward, term, trunc, final)
+
+    def _step_results(self, session, obs, reward, term, trunc, final) -> tuple[np.ndarray, ...]:
+        m, e = session.shape
+        flags = (term * _TERM) | (trunc * _TRUNC)
+        shape = (m, e, *self._obs_shape)
+        return (session, obs.reshape(shape), reward.astype(np.float32).reshape(m, e),
+                flags.astype(np.uint8).reshape(m, e), final.reshape(shape))  # fmt: skip
 
     def _host_step(self, g, lead, session, t, obs, action, seeds) -> tuple[np.ndarray, ...]:
         """``(session, obs, reward, flags, final_obs)`` of one step of group ``g``'s envs;
@@ -416,20 +460,16 @@ class HostEnvs:
         group = self.groups[g]
         with group.lock:
             s, step = _one(session, "session"), _one(t, "step counter")
-            if group.running and s == self._session[g]:
-                if step != self._t[g]:
+            if group.running and s == group.control[C_SESSION]:
+                due = group.control[C_T]
+                if step != due:
                     raise HostEnvError(
                         f"host env {self.env.name}, {group.label}: step {step} arrived where "
-                        f"step {self._t[g]} was due (a step was duplicated, dropped or reordered)"
+                        f"step {due} was due (a step was duplicated, dropped or reordered)"
                     )
-                new_obs, reward, term, trunc, final = group.step(
-                    action.reshape(m * e, *action.shape[2:])
-                )
-                self._t[g] += 1
-                flags = (term * _TERM) | (trunc * _TRUNC)
-                shape = (m, e, *self._obs_shape)
-                return (session, new_obs.reshape(shape), reward.astype(np.float32).reshape(m, e),
-                        flags.astype(np.uint8).reshape(m, e), final.reshape(shape))  # fmt: skip
+                outs = group.step(action.reshape(m * e, *action.shape[2:]))
+                group.control[C_T] = due + 1
+                return self._step_results(session, *outs)
             # Not the live session: a restored checkpoint, a state from before close(), or an
             # older state of this run. The envs cannot go back to it: restart them.
             return self._restart(g, t, obs, seeds)
@@ -447,7 +487,7 @@ class HostEnvs:
             )
         self.restarts += 1
         new_session, new_obs = self._new_session(g, seeds)
-        self._t[g] = int(_one(t, "step counter")) + 1
+        self.groups[g].control[C_T] = int(_one(t, "step counter")) + 1
         return (np.full((m, e), new_session, np.uint32), new_obs, np.zeros((m, e), np.float32),
                 np.full((m, e), _TRUNC | _RESTART, np.uint8),
                 np.asarray(obs, self._obs_dtype))  # fmt: skip
