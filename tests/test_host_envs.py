@@ -182,12 +182,8 @@ def step_path(request, monkeypatch):
         assert _fast.library() is not None, _fast.why_not()
     else:
         monkeypatch.setitem(_fast._state, "lib", None)
-        monkeypatch.setitem(_fast._state, "why", "the test's python path")
+        monkeypatch.setitem(_fast._state, "why", _fast.DISABLED)
     return request.param
-
-
-def fast_steps(host) -> int:
-    return sum(group.control.fast_steps for group in host.groups)
 
 
 def bound(env_id, members, num_envs, devices, **kwargs):
@@ -282,7 +278,7 @@ def test_trajectories_equal_a_python_loop(env_id, workers, kwargs, step_path):
         obs0, steps = run_host(host, mesh, keys, actions)
         assert len(host.pids) == 2 * workers
         # Every step of every group made without Python, where the handler applies.
-        assert fast_steps(host) == (2 * T if workers and step_path == "ffi" else 0)
+        assert host.fast_steps == (2 * T if workers and step_path == "ffi" else 0)
     finally:
         host.close()
     ref0, ref = reference(env_id, seeds_of(keys), actions, **kwargs)
@@ -372,7 +368,7 @@ def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
         keys = jax.random.split(jax.random.key(4), (n, e))
         actions = actions_for(WALK_ID, T, n, e, seed=3)
         obs0, steps = run_host(host, mesh, keys, actions)
-        assert fast_steps(host) == 0
+        assert host.fast_steps == 0
     finally:
         host.close()
     ref0, ref = reference(WALK_ID, seeds_of(keys), actions, **kw)
@@ -460,6 +456,20 @@ def test_an_observation_of_the_wrong_shape_is_an_error_not_broadcast():
             run_host(host, mesh, keys, jnp.ones((5, 2, 2), jnp.int32))
         want = "step returned an observation of shape (1,); the env's observation space has "
         assert want + "shape (4,)" in str(info.value)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_actions_of_the_wrong_shape_are_refused_not_broadcast():
+    # 2 envs per device, 2 numbers per action: [2, 2] actions would fill each env's action
+    # with one number by broadcasting, a silently different policy.
+    host, mesh = bound("hostenv_walk:WalkCont-v0", 2, 2, devices=2, workers_per_device=1)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with pytest.raises(ValueError, match=r"actions have shape \(2, 2\); 2 members x 2 envs "
+                           r"take \(2, 2, 2\)"):  # fmt: skip
+            run_host(host, mesh, keys, jnp.zeros((3, 2, 2), jnp.float32))
     finally:
         host.close()
 
@@ -1009,12 +1019,13 @@ def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "workers, kwargs",
-    [(1, {}), (None, {}), (None, {"num_threads": 3})],
-    ids=["worker-process", "in-process-default", "in-process-3-threads"],
+    [(None, {}), (1, {}), (0, {}), (0, {"num_threads": 3})],
+    ids=["default", "worker-process", "in-process", "in-process-3-threads"],
 )
 def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
-    """In worker processes, or (the default) in this process on EnvPool's own threads: the
-    results come back in env order whatever order the pool's threads finish in."""
+    """In worker processes (the default on CPU devices, with the compiled step), or in this
+    process on EnvPool's own threads: the results come back in env order whatever order the
+    pool's threads finish in."""
     envpool = pytest.importorskip("envpool")
     n, e, T = 2, 3, 40
     env = envs.make("envpool:CartPole-v1", workers_per_device=workers, **kwargs)
@@ -1024,7 +1035,8 @@ def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
     actions = np.random.default_rng(0).integers(0, 2, (T, n, e)).astype(np.int32)
     try:
         obs0, steps = run_host(host, mesh, keys, actions)
-        assert (host.pids == []) == (workers is None)  # worker processes, or none
+        assert (host.pids == []) == (workers == 0)  # worker processes, or none
+        assert (host.fast_steps == 2 * T) == (workers != 0)  # the compiled step, or Python
     finally:
         host.close()
     seeds = seeds_of(keys)
@@ -1045,3 +1057,39 @@ def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
             np.testing.assert_allclose(steps[0][t, m], o, rtol=1e-5, atol=1e-6)
         pool.close()
     assert steps[2].any()  # episodes ended and were reset
+
+
+@pytest.mark.timeout(120)
+def test_without_a_compiler_the_steps_go_through_python_with_one_warning(tmp_path):
+    # A fresh process (the handler is built once per process) whose compiler does not exist and
+    # whose cache is empty: one RuntimeWarning names why, and the steps still come out right.
+    script = textwrap.dedent("""
+        import warnings
+        import jax, numpy as np
+        import ensemble
+        from rollout import envs
+        env = envs.make("gymnasium:CartPole-v1", workers_per_device=1)
+        mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            host = env.bind(mesh, 2, 2)
+        print([str(w.message) for w in caught if w.category is RuntimeWarning])
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with jax.set_mesh(mesh):
+            state, obs = jax.jit(host.reset)(keys)
+            out = jax.jit(host.step)(state, jax.numpy.ones((2, 2), "int32"), keys)
+        print("steps", host.fast_steps, np.asarray(out[2]).tolist())
+        host.close()
+    """)
+    env = clean_env(
+        CXX=str(tmp_path / "no-such-compiler"),
+        XDG_CACHE_HOME=str(tmp_path),
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "every step goes through Python" in lines[0] and "no-such-compiler" in lines[0]
+    assert lines[0].count("every step goes through Python") == 1
+    assert lines[1] == "steps 0 [[1.0, 1.0], [1.0, 1.0]]"

@@ -66,9 +66,12 @@ def why_not() -> str | None:
     return _state["why"]
 
 
+DISABLED = "ROLLOUT_HOSTENV_FFI=0"
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("ROLLOUT_HOSTENV_FFI", "1") == "0":
-        return None, "ROLLOUT_HOSTENV_FFI=0"
+        return None, DISABLED
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError) as e:

@@ -9,18 +9,24 @@ places the envs of an n-member ensemble on worker processes and returns ``HostEn
            └─ host_call -> the WorkerGroup of that device -> its worker processes
 
 ``host_call`` (``rollout._host_call``) is ``io_callback`` without its per-call wrapping of every
-argument into a JAX array, which cost more than a MuJoCo step (see that module).
+argument into a JAX array, which cost more than a MuJoCo step (see that module). On CPU devices
+with worker processes, a step is first an XLA FFI call (``_fast``, C++) that makes the plain step
+without entering Python; ``host_call`` runs, under a ``lax.cond`` on the handler's status, only
+where it did not finish (a restart, an env error, a dead or slow worker). The handler cut the
+learner process's CPU per step from about 500 to about 110 us (CartPole, 2 devices).
 
 Why the steps can be neither reordered, dropped nor duplicated:
 
 1. ``host_call`` carries ``io_callback``'s own IO effect and lowers to the same custom call
-   marked side-effecting, so neither JAX nor XLA removes it as dead code, merges it with another
-   or runs it twice (a ``pure_callback`` may be elided or recomputed).
-2. Its order comes from data: step k+1's callback takes step k's returned ``HostState`` (and
-   actions computed from step k's observations), so it cannot start before step k returned.
-3. Verified, not assumed: ``HostState`` carries a session id and a step counter that the
-   callback checks against the group's own (a replayed or skipped step is an error), and every
-   worker checks the sequence number of each request against its own count.
+   marked side-effecting; the FFI call is made with ``has_side_effect=True``, which gives it
+   JAX's FFI effect and the same marking. So neither JAX nor XLA removes either as dead code,
+   merges it with another or runs it twice (a ``pure_callback`` may be elided or recomputed).
+2. Their order comes from data: step k+1's call takes step k's returned ``HostState`` (and
+   actions computed from step k's observations), so it cannot start before step k returned;
+   the ``host_call`` of a step takes its FFI call's status.
+3. Verified, not assumed: ``HostState`` carries a session id and a step counter that both the
+   handler and the callback check against the group's own (a replayed or skipped step is an
+   error), and every worker checks the sequence number of each request against its own count.
 
 No ordered effect is used: JAX chains ordered effects through a per-thread runtime token,
 and a callback that raised (an env error) leaves that token failed, so every later program with
@@ -107,9 +113,10 @@ class HostEnv:
       kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
       workers_per_device: worker processes per device's members; 0 steps the envs in this
         process instead, from the callback thread of each device (no process hop per step; see
-        ``InProcessGroup``). Default: gymnasium, the CPU cores divided by the devices (at least
-        1); EnvPool, 0, with one pool per device running that many C++ threads of its own
-        (EnvPool's envs never hold the interpreter lock, so a worker process only adds a hop).
+        ``InProcessGroup``). Default: the CPU cores divided by the devices (at least 1); for
+        EnvPool on accelerators, or without the compiled step (``rollout.hostenv._fast``), 0,
+        with one pool per device running that many C++ threads of its own (EnvPool's envs
+        never hold the interpreter lock, and the Python step costs more than the hop).
       timeout: seconds one step or reset may take before it is an error (default: no limit;
         a dead worker is an error within 0.2 s regardless).
     """
@@ -127,7 +134,7 @@ class HostEnv:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
         obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
-        if not _in_process(self.backend, self.workers_per_device):
+        if self.workers_per_device != 0:  # worker processes (EnvPool: where the step is compiled)
             _check_picklable(self.name, dict(self.kwargs))
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("observation_space", _space(obs_space, "observation", self.name))
@@ -202,9 +209,13 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
         env.close()
 
 
-def _in_process(backend: str, workers_per_device: int | None) -> bool:
-    """Whether the envs step in this process: ``workers_per_device=0``, EnvPool's default."""
-    return workers_per_device == 0 or (workers_per_device is None and backend == "envpool")
+def _in_process(env: HostEnv, compiled: bool) -> bool:
+    """Whether the envs step in this process: ``workers_per_device=0``, and EnvPool's default
+    where the compiled step does not serve worker processes (``compiled``: it does). EnvPool's
+    envs never hold the interpreter lock, so each device's callback steps its own pool without
+    a process hop; with the compiled step a worker process per core was faster (README)."""
+    default = env.workers_per_device is None and env.backend == "envpool" and not compiled
+    return env.workers_per_device == 0 or default
 
 
 def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
@@ -255,26 +266,40 @@ class HostEnvs:
             action_shape=() if discrete else tuple(env.action_space.shape),
             action_dtype=np.int32 if discrete else np.float32,
         )
+        self._action_shape, self._action_dtype = shapes["action_shape"], shapes["action_dtype"]
+        # The compiled step (``_fast``) serves worker processes on CPU devices, where it is built.
+        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+        compiled = on_cpu and _fast.library() is not None
+        self.groups = self._make_groups(rows, shapes, _in_process(env, compiled))
+        self._init_sessions()
+        workers = all(isinstance(group, WorkerGroup) for group in self.groups)
+        controls = [group.control for group in self.groups]
+        self._slot = _fast.register(controls) if compiled and workers else None
+        why = _fast.why_not() if on_cpu and workers else None
+        if why is not None and why != _fast.DISABLED:
+            warnings.warn(
+                f"host env {env.name}: every step goes through Python, about 400 us of the "
+                f"learner's CPU per step slower ({why}). Install a C++ compiler (or set $CXX) "
+                "for the compiled step, or set ROLLOUT_HOSTENV_FFI=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _make_groups(self, rows: int, shapes: dict, in_process: bool) -> list[Any]:
+        env = self.env
         what = (env.backend, env.env_id, dict(env.kwargs))
         cores = min(rows, _default_workers(self.num_groups))
-        if _in_process(env.backend, env.workers_per_device):  # stepped by the callback threads
-            self.groups: list[Any] = [
+        if in_process:  # stepped by the callback threads
+            return [
                 InProcessGroup(*what, rows, self._label(g), **shapes, threads=cores)
                 for g in range(self.num_groups)
             ]
-        else:
-            k = min(rows, env.workers_per_device or cores)
-            counts = [len(c) for c in np.array_split(np.arange(rows), k)]
-            self.groups = [
-                WorkerGroup(*what, counts, self._label(g), **shapes, timeout=env.timeout)
-                for g in range(self.num_groups)
-            ]
-        self._init_sessions()
-        # The FFI step (``_fast``) where it is built: for worker processes on CPU devices.
-        on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-        workers = all(isinstance(group, WorkerGroup) for group in self.groups)
-        controls = [group.control for group in self.groups]
-        self._slot = _fast.register(controls) if on_cpu and workers else None
+        k = min(rows, env.workers_per_device or cores)
+        counts = [len(c) for c in np.array_split(np.arange(rows), k)]
+        return [
+            WorkerGroup(*what, counts, self._label(g), **shapes, timeout=env.timeout)
+            for g in range(self.num_groups)
+        ]
 
     def _init_sessions(self) -> None:
         for group in self.groups:
@@ -290,6 +315,12 @@ class HostEnvs:
     def pids(self) -> list[int]:
         """Process ids of all running workers."""
         return [pid for group in self.groups for pid in group.pids]
+
+    @property
+    def fast_steps(self) -> int:
+        """Group steps made by the compiled FFI step, without entering Python (0 where it is
+        not in use: envs in this process, non-CPU devices, no C++ compiler)."""
+        return sum(group.control.fast_steps for group in self.groups)
 
     def close(self) -> None:
         """Stops every worker, once the programs already dispatched have made their steps. A
@@ -377,6 +408,13 @@ class HostEnvs:
         learner bootstraps them like a time limit), and the envs restart from reset, seeded
         by ``keys``.
         """
+        want = (self.members, self.num_envs, *self._action_shape)
+        if tuple(action.shape) != want:  # NumPy would broadcast some shapes into the envs' rows
+            raise ValueError(
+                f"host env {self.env.name}: actions have shape {tuple(action.shape)}; "
+                f"{self.members} members x {self.num_envs} envs take {want}"
+            )
+        action = jnp.asarray(action).astype(self._action_dtype)  # as the workers read them
         obs_shape = self.env.observation_space.shape
         # As few arrays as will do: each one of a callback's costs about 2 us of the main
         # process's time per call, on the cores the envs step on. The counter advances here.
