@@ -18,9 +18,9 @@ made sample by sample by a GRU synthesiser whose weights, `SynthParams` from
 `init_synth_params`, are the `params` input of every step).
 
 Other libraries' envs by prefix: 'gymnax:<name>' (a pure-JAX `GymnaxEnv` on this API),
-'gymnasium:<id>' and 'envpool:<task>' (a `rollout.hostenv.HostEnv`: gymnasium envs stepped in
-CPU worker processes, EnvPool pools on their own C++ threads; bound to a learner's members with
-`HostEnv.bind`).
+'gymnasium:<id>' and 'envpool:<task>' (a `rollout.hostenv.HostEnv`: envs stepped in CPU worker
+processes, or EnvPool pools on their own C++ threads in this process; bound to a learner's
+members with `HostEnv.bind`).
 
 `make(name)` wraps the env in `AutoReset` by default: finished episodes restart inside `step`
 and `info` carries `final_obs` (the true last observation), `done`, `episode_return` and
@@ -98,8 +98,8 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
           stepped in CPU worker processes (see `rollout.hostenv`); `kwargs` go to
           `gymnasium.make`, except `workers_per_device` and `timeout`, which go to `HostEnv`.
         - `'envpool:<task>'` (e.g. `'envpool:HalfCheetah-v5'`): a `HostEnv`, one EnvPool pool
-          per device stepped from its callback (or one per worker with `workers_per_device`);
-          `kwargs` go to `envpool.make`.
+          per worker process (or, with `workers_per_device=0` and by default on accelerators,
+          one per device stepped from its callback); `kwargs` go to `envpool.make`.
         - `'gymnax:<name>'` (e.g. `'gymnax:Acrobot-v1'`): a functional env (`GymnaxEnv`, in
           `AutoReset` unless `auto_reset=False`); `kwargs` go to `gymnax.make`.
         - `'brax:<name>'` (e.g. `'brax:ant'`): a functional env (`BraxEnv`, in `AutoReset`
