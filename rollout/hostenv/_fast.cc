@@ -18,6 +18,7 @@
 // The group's state lives in its `ctl` block of int64s (a NumPy array Python owns and never
 // frees), shared by both sides under ctl[LOCK]. See the C_* constants in _fast.py.
 
+#include <errno.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -72,13 +73,29 @@ struct Header {  // _worker._HEADER: "<BxxxIq"
 };
 static_assert(sizeof(Header) == 16, "the wire header is 16 bytes");
 
+// All of `n` bytes, as Python's sendall (the sockets are non-blocking: Python set a timeout).
+bool send_exactly(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    const ssize_t k = send(fd, data, n, MSG_NOSIGNAL);
+    if (k > 0) {
+      data += k, n -= size_t(k);
+    } else if (k < 0 && (errno == EAGAIN || errno == EINTR)) {
+      pollfd p{fd, POLLOUT, 0};
+      if (poll(&p, 1, 200) < 0 && errno != EINTR) return false;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Sends the step to every worker; false if a socket refused it (its worker is dead: Python
 // reports it with its exit code).
 bool send_all(const int64_t* ctl, int64_t seq) {
   Header h{kStep, {0, 0, 0}, 0, seq};
   bool ok = true;
   for (int i = 0; i < ctl[NWORKERS]; ++i) {
-    if (send(int(ctl[FDS + i]), &h, sizeof h, MSG_NOSIGNAL) != ssize_t(sizeof h)) ok = false;
+    if (!send_exactly(int(ctl[FDS + i]), reinterpret_cast<const char*>(&h), sizeof h)) ok = false;
   }
   return ok;
 }
