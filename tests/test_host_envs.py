@@ -1093,3 +1093,20 @@ def test_without_a_compiler_the_steps_go_through_python_with_one_warning(tmp_pat
     assert "every step goes through Python" in lines[0] and "no-such-compiler" in lines[0]
     assert lines[0].count("every step goes through Python") == 1
     assert lines[1] == "steps 0 [[1.0, 1.0], [1.0, 1.0]]"
+
+
+@pytest.mark.timeout(60)
+def test_when_the_compiled_steps_slots_run_out_python_steps_with_a_warning(monkeypatch):
+    monkeypatch.setattr(_fast, "_next_slot", [_fast.SLOTS - 1])  # one slot left, two groups
+    assert _fast.library() is not None, _fast.why_not()
+    with pytest.warns(RuntimeWarning, match="has bound the 65536 device groups it can serve"):
+        host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    try:
+        keys = jax.random.split(jax.random.key(2), (2, 2))
+        actions = actions_for(WALK_ID, 5, 2, 2)
+        _, steps = run_host(host, mesh, keys, actions)
+        assert host.fast_steps == 0
+    finally:
+        host.close()
+    _, ref = reference(WALK_ID, seeds_of(keys), actions)
+    np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)

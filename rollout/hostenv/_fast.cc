@@ -39,7 +39,7 @@ enum Ctl {
   ACTION, ACTION_BYTES, OBS, OBS_BYTES, REWARD, TERM, TRUNC, FINAL, ROWS, FDS = 32,
 };
 constexpr int kMaxWorkers = 63;  // PENDING is a bit mask
-constexpr int kSlots = 4096;
+constexpr int kSlots = 1 << 16;  // groups bound in one process (a block each, never freed)
 enum Status { OK = 0, NOT_SENT = 1, SENT_PENDING = 2 };
 constexpr uint8_t kStep = 4, kOk = 5;  // _worker.STEP, _worker.OK
 constexpr uint8_t kTerm = 1, kTrunc = 2;  // _host._TERM, _host._TRUNC

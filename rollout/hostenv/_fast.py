@@ -40,7 +40,7 @@ import numpy as np
 (C_LOCK, C_ARMED, C_OWNER, C_SESSION, C_T, C_SEQ, C_PENDING, C_FAST_STEPS, C_NWORKERS,
  C_WAIT_MS, C_START_NS, C_ACTION, C_ACTION_BYTES, C_OBS, C_OBS_BYTES, C_REWARD, C_TERM,
  C_TRUNC, C_FINAL, C_ROWS) = range(20)  # fmt: skip
-C_FDS, MAX_WORKERS, SLOTS = 32, 63, 4096
+C_FDS, MAX_WORKERS, SLOTS = 32, 63, 1 << 16
 OK, NOT_SENT, PENDING = 0, 1, 2  # the handler's status
 WAIT_MS = 200  # how long the handler waits for the workers before Python takes over
 

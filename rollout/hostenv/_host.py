@@ -272,18 +272,26 @@ class HostEnvs:
         compiled = on_cpu and _fast.library() is not None
         self.groups = self._make_groups(rows, shapes, _in_process(env, compiled))
         self._init_sessions()
-        workers = all(isinstance(group, WorkerGroup) for group in self.groups)
-        controls = [group.control for group in self.groups]
-        self._slot = _fast.register(controls) if compiled and workers else None
-        why = _fast.why_not() if on_cpu and workers else None
-        if why is not None and why != _fast.DISABLED:
+        self._slot = self._register_compiled_step(on_cpu, compiled)
+
+    def _register_compiled_step(self, on_cpu: bool, compiled: bool) -> int | None:
+        """The first slot of this ensemble's groups in the compiled step, or None: the Python
+        step serves them (a warning says why, where the compiled step should have)."""
+        if not (on_cpu and all(isinstance(group, WorkerGroup) for group in self.groups)):
+            return None  # accelerators, or envs in this process: the Python step by design
+        slot = _fast.register([group.control for group in self.groups]) if compiled else None
+        why = _fast.why_not()
+        if slot is None and why != _fast.DISABLED:
+            fix = "install a C++ compiler (or set $CXX)" if why else "use fewer HostEnvs"
+            why = why or f"this process has bound the {_fast.SLOTS} device groups it can serve"
             warnings.warn(
-                f"host env {env.name}: every step goes through Python, about 400 us of the "
-                f"learner's CPU per step slower ({why}). Install a C++ compiler (or set $CXX) "
-                "for the compiled step, or set ROLLOUT_HOSTENV_FFI=0 to silence this.",
+                f"host env {self.env.name}: every step goes through Python, about 400 us of the "
+                f"learner's CPU per step slower ({why}); {fix} for the compiled step, or set "
+                "ROLLOUT_HOSTENV_FFI=0 to silence this.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        return slot
 
     def _make_groups(self, rows: int, shapes: dict, in_process: bool) -> list[Any]:
         env = self.env
