@@ -214,7 +214,8 @@ def _in_process(env: HostEnv, compiled: bool) -> bool:
     where the compiled step does not serve worker processes (``compiled``: it does). EnvPool's
     envs never hold the interpreter lock, so each device's callback steps its own pool without
     a process hop; with the compiled step a worker process per core was faster (README)."""
-    default = env.workers_per_device is None and env.backend == "envpool" and not compiled
+    del compiled  # EnvPool in workers seeds pools by row ranges: not yet layout-independent
+    default = env.workers_per_device is None and env.backend == "envpool"
     return env.workers_per_device == 0 or default
 
 
