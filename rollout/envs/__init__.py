@@ -98,8 +98,8 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
           stepped in CPU worker processes (see `rollout.hostenv`); `kwargs` go to
           `gymnasium.make`, except `workers_per_device` and `timeout`, which go to `HostEnv`.
         - `'envpool:<task>'` (e.g. `'envpool:HalfCheetah-v5'`): a `HostEnv`, one EnvPool pool
-          per worker process (or, with `workers_per_device=0` and by default on accelerators,
-          one per device stepped from its callback); `kwargs` go to `envpool.make`.
+          per device stepped from its callback (or one per worker with `workers_per_device`);
+          `kwargs` go to `envpool.make`.
         - `'gymnax:<name>'` (e.g. `'gymnax:Acrobot-v1'`): a functional env (`GymnaxEnv`, in
           `AutoReset` unless `auto_reset=False`); `kwargs` go to `gymnax.make`.
         - `'brax:<name>'` (e.g. `'brax:ant'`): a functional env (`BraxEnv`, in `AutoReset`

@@ -113,10 +113,8 @@ class HostEnv:
       kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
       workers_per_device: worker processes per device's members; 0 steps the envs in this
         process instead, from the callback thread of each device (no process hop per step; see
-        ``InProcessGroup``). Default: the CPU cores divided by the devices (at least 1); for
-        EnvPool on accelerators, or without the compiled step (``rollout.hostenv._fast``), 0,
-        with one pool per device running that many C++ threads of its own (EnvPool's envs
-        never hold the interpreter lock, and the Python step costs more than the hop).
+        ``InProcessGroup``). Default: gymnasium, the CPU cores divided by the devices (at least
+        1); EnvPool, 0, with one pool per device running that many C++ threads of its own.
       timeout: seconds one step or reset may take before it is an error (default: no limit;
         a dead worker is an error within 0.2 s regardless).
     """
@@ -134,7 +132,7 @@ class HostEnv:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
         obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
-        if self.workers_per_device != 0:  # worker processes (EnvPool: where the step is compiled)
+        if not _in_process(self):
             _check_picklable(self.name, dict(self.kwargs))
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("observation_space", _space(obs_space, "observation", self.name))
@@ -209,14 +207,13 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
         env.close()
 
 
-def _in_process(env: HostEnv, compiled: bool) -> bool:
+def _in_process(env: HostEnv) -> bool:
     """Whether the envs step in this process: ``workers_per_device=0``, and EnvPool's default
-    where the compiled step does not serve worker processes (``compiled``: it does). EnvPool's
-    envs never hold the interpreter lock, so each device's callback steps its own pool without
-    a process hop; with the compiled step a worker process per core was faster (README)."""
-    del compiled  # EnvPool in workers seeds pools by row ranges: not yet layout-independent
-    default = env.workers_per_device is None and env.backend == "envpool"
-    return env.workers_per_device == 0 or default
+    (its envs never hold the interpreter lock; and pools in workers are seeded by row ranges,
+    so their trajectories would depend on the worker count)."""
+    return env.workers_per_device == 0 or (
+        env.workers_per_device is None and env.backend == "envpool"
+    )
 
 
 def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
@@ -271,7 +268,7 @@ class HostEnvs:
         # The compiled step (``_fast``) serves worker processes on CPU devices, where it is built.
         on_cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
         compiled = on_cpu and _fast.library() is not None
-        self.groups = self._make_groups(rows, shapes, _in_process(env, compiled))
+        self.groups = self._make_groups(rows, shapes, _in_process(env))
         self._init_sessions()
         self._slot = self._register_compiled_step(on_cpu, compiled)
 
