@@ -10,10 +10,9 @@ this machine's cores:
   ``ppo-full``: whole ``Learner.update`` calls (CleanRL's 10 epochs x 32 minibatches for
   continuous actions, 4 x 4 for discrete), whose gradient steps share the same CPU cores here.
   Both place the envs where ``rollout.envs.make`` puts them by default: in worker processes,
-  stepped by the compiled host-env step (EnvPool without it: pools in this process, on their
-  own C++ threads). ``ppo-other-place``: as ``ppo-rollout`` with the other placement (in this
-  process, ``workers_per_device=0``; EnvPool without the compiled step: in worker processes,
-  cores / devices per device).
+  stepped by the compiled host-env step. ``ppo-other-place``: as ``ppo-rollout`` with the envs
+  in this process instead (``workers_per_device=0``; EnvPool pools on cores / devices C++
+  threads per device).
 - ``env-layer``: the learner's own host envs (same devices, placement and callback) stepped in
   one jitted scan with actions drawn before the clock starts: no policy, no statistics. What
   every jitted rollout pays per step for the callback and the env layer; ``ppo-rollout`` below
@@ -291,15 +290,6 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
     return timed, vec.close
 
 
-def _other_place(name: str, members: int) -> int:
-    """``workers_per_device`` of the placement that is not the backend's default."""
-    from rollout.hostenv import _fast
-    from rollout.hostenv._host import _default_workers
-
-    in_process = name.startswith("envpool:") and _fast.library() is None  # EnvPool's fallback
-    return _default_workers(_devices(members)) if in_process else 0
-
-
 def _devices(members: int) -> int:
     import jax
 
@@ -351,7 +341,7 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
         for mode, make in (
             ("ppo-rollout", lambda: ppo(name, mode="rollout", **common)),
             ("ppo-full", lambda: ppo(name, **common)),
-            ("ppo-other-place", lambda: ppo(name, _other_place(name, n), mode="rollout", **common)),
+            ("ppo-other-place", lambda: ppo(name, 0, mode="rollout", **common)),
             ("env-layer", lambda: ppo(name, mode="layer", **common)),
             ("cleanrl", lambda: cleanrl(name, n, e, num_steps * calls)),
         ):

@@ -31,6 +31,7 @@ from subprocess_env import clean_env
 import ensemble
 from rollout import envs
 from rollout.hostenv import _fast
+from rollout.hostenv._fast import C_T
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -388,6 +389,102 @@ def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
                 jax.block_until_ready(step(state, actions[0], keys))
     finally:
         host.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["slow", "stopped"])
+def test_a_timeout_shorter_than_the_poll_holds_and_a_stuck_worker_is_not_awaited(how, step_path):
+    # slow: steps of 0.15 s against a 0.05 s timeout (under the 0.2 s the handler and Python
+    # otherwise wait between checks); stopped: a SIGSTOPped worker, which closing the group
+    # must not wait for (it would ignore the request to exit).
+    timeout = 0.05 if how == "slow" else 0.3
+    kw = {"step_sleep": 0.15} if how == "slow" else {}
+    env = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1, timeout=timeout, **kw)
+    mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
+    host = env.bind(mesh, 2, 2)
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    action = jnp.zeros((2, 2), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+            step = jax.jit(host.step).lower(state, action, keys).compile()
+        victim = host.groups[1].pids[0]
+        if how == "stopped":
+            os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=rf"did not answer a step within {timeout:g} s"):
+            jax.block_until_ready(step(state, action, keys))
+        assert time.monotonic() - start < 4  # not the 5 s a close waits for a worker to exit
+        assert not alive(victim)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_step_counter_wraps_past_int32_without_an_error(step_path):
+    # 2**31 steps is hours of a fast env: the device's int32 counter wraps, the group's does not.
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    keys = jax.random.split(jax.random.key(3), (2, 2))
+    actions = actions_for(WALK_ID, 3, 2, 2, seed=5)
+    step = _step_fn(host, mesh)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        state = state._replace(t=jnp.full((2, 2), 2**31 - 1, jnp.int32))
+        for group in host.groups:
+            group.control[C_T] = 2**31 - 1
+        got = []
+        for t in range(3):
+            state, obs, *_, info = step(state, jnp.asarray(actions[t]), keys)
+            got.append(np.asarray(obs))
+            assert not np.asarray(info["restarted"]).any()
+        assert np.asarray(state.t).tolist() == [[-(2**31) + 2] * 2] * 2  # 2**31 + 2, wrapped
+        assert host.fast_steps == (6 if step_path == "ffi" else 0)
+    finally:
+        host.close()
+    _, ref = reference(WALK_ID, seeds_of(keys), actions)
+    np.testing.assert_allclose(np.stack(got), ref[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_step_sent_before_its_group_closed_restarts_the_envs():
+    # close() from another thread does not wait for a program this thread dispatched: the
+    # handler may have sent a step (PENDING) whose answers the close then threw away.
+    from rollout.hostenv._host import _RESTART, _TRUNC
+
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        host.close()
+        local = lambda x: np.asarray(x)[:1]  # group 0's member
+        seeds = np.full((1, 2), 7, np.uint32)
+        with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
+            out = host._host_finish(np.int32(_fast.PENDING), np.int32(0), np.bool_(True),
+                                    local(state.session), local(state.t), local(state.obs),
+                                    np.zeros((1, 2), np.int32), seeds)  # fmt: skip
+        assert (out[3] == _TRUNC | _RESTART).all() and host.groups[0].running
+        np.testing.assert_array_equal(out[4], local(state.obs))  # the cut episodes' last obs
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_more_workers_than_the_compiled_step_serves_warn_and_step_in_python(monkeypatch):
+    monkeypatch.setattr(_fast, "MAX_WORKERS", 1)
+    assert _fast.library() is not None, _fast.why_not()
+    with pytest.warns(RuntimeWarning, match="2 workers per device; it serves at most 1"):
+        host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=2)
+    try:
+        keys = jax.random.split(jax.random.key(2), (2, 2))
+        actions = actions_for(WALK_ID, 4, 2, 2)
+        _, steps = run_host(host, mesh, keys, actions)
+        assert host.fast_steps == 0
+    finally:
+        host.close()
+    _, ref = reference(WALK_ID, seeds_of(keys), actions)
+    np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- ordering, resume
@@ -1018,25 +1115,26 @@ def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "workers, kwargs",
-    [(None, {}), (1, {}), (0, {}), (0, {"num_threads": 3})],
-    ids=["default", "worker-process", "in-process", "in-process-3-threads"],
-)
-def test_envpool_task_equals_envpool_called_directly(workers, kwargs):
-    """In worker processes (the default on CPU devices, with the compiled step), or in this
-    process on EnvPool's own threads: the results come back in env order whatever order the
-    pool's threads finish in."""
+    "workers, kwargs, devices",
+    [(None, {}, 2), (1, {}, 2), (4, {}, 1), (0, {}, 2), (0, {"num_threads": 3}, 2), (0, {}, 1)],
+    ids=["default", "worker-process", "members-split-over-workers", "in-process",
+         "in-process-3-threads", "in-process-one-device"],
+)  # fmt: skip
+def test_envpool_task_equals_envpool_called_directly(workers, kwargs, devices):
+    """Whatever the devices and workers (4 workers for 6 envs hold rows 0-1, 2-3, 4, 5: members
+    split across workers, one worker with the ends of both), each member's envs are its own pool
+    seeded from its first env's key, in env order whatever order the threads finish in."""
     envpool = pytest.importorskip("envpool")
     n, e, T = 2, 3, 40
     env = envs.make("envpool:CartPole-v1", workers_per_device=workers, **kwargs)
-    mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:devices])
     host = env.bind(mesh, n, e)
     keys = jax.random.split(jax.random.key(1), (n, e))
     actions = np.random.default_rng(0).integers(0, 2, (T, n, e)).astype(np.int32)
     try:
         obs0, steps = run_host(host, mesh, keys, actions)
-        assert (host.pids == []) == (workers in (0, None))  # worker processes, or none
-        assert (host.fast_steps == 2 * T) == (workers == 1)  # the compiled step, or Python
+        assert (host.pids == []) == (workers == 0)  # worker processes, or none
+        assert (host.fast_steps == devices * T) == (workers != 0)  # the compiled step, or Python
     finally:
         host.close()
     seeds = seeds_of(keys)
@@ -1093,6 +1191,22 @@ def test_without_a_compiler_the_steps_go_through_python_with_one_warning(tmp_pat
     assert "every step goes through Python" in lines[0] and "no-such-compiler" in lines[0]
     assert lines[0].count("every step goes through Python") == 1
     assert lines[1] == "steps 0 [[1.0, 1.0], [1.0, 1.0]]"
+
+
+@pytest.mark.timeout(120)
+def test_a_compiler_given_with_a_launcher_and_flags_builds_the_step(tmp_path):
+    # $CXX as build systems set it ("ccache g++ -m64"): a command line, not one program.
+    compiler = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("c++")
+    script = textwrap.dedent("""
+        from rollout.hostenv import _fast
+        print(_fast.why_not())
+    """)
+    env = clean_env(CXX=f"env {compiler} -DHOSTENV_TEST_FLAG=1", XDG_CACHE_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "None"
+    assert list((tmp_path / "sharded-ensembles").glob("hostenv-*.so"))
 
 
 @pytest.mark.timeout(60)

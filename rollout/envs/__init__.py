@@ -19,8 +19,8 @@ made sample by sample by a GRU synthesiser whose weights, `SynthParams` from
 
 Other libraries' envs by prefix: 'gymnax:<name>' (a pure-JAX `GymnaxEnv` on this API),
 'gymnasium:<id>' and 'envpool:<task>' (a `rollout.hostenv.HostEnv`: envs stepped in CPU worker
-processes, or EnvPool pools on their own C++ threads in this process; bound to a learner's
-members with `HostEnv.bind`).
+processes, or with `workers_per_device=0` in this process; bound to a learner's members with
+`HostEnv.bind`).
 
 `make(name)` wraps the env in `AutoReset` by default: finished episodes restart inside `step`
 and `info` carries `final_obs` (the true last observation), `done`, `episode_return` and

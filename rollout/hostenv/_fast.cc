@@ -157,7 +157,8 @@ int32_t step_locked(int64_t* ctl, const uint32_t* session, const int32_t* t, siz
                     void* final_obs) {
   if (!ctl[ARMED] || ctl[OWNER] != getpid() || size_t(ctl[ROWS]) != rows ||
       size_t(ctl[ACTION_BYTES]) != action.size_bytes() || !all_equal(session, rows) ||
-      !all_equal(t, rows) || int64_t(session[0]) != ctl[SESSION] || int64_t(t[0]) != ctl[T]) {
+      !all_equal(t, rows) || int64_t(session[0]) != ctl[SESSION] ||
+      t[0] != int32_t(uint32_t(ctl[T]))) {  // the device's int32 counter wraps; ctl[T] does not
     return NOT_SENT;
   }
   std::memcpy(reinterpret_cast<void*>(ctl[ACTION]), action.untyped_data(), action.size_bytes());

@@ -26,6 +26,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,7 +43,6 @@ import numpy as np
  C_TRUNC, C_FINAL, C_ROWS) = range(20)  # fmt: skip
 C_FDS, MAX_WORKERS, SLOTS = 32, 63, 1 << 16
 OK, NOT_SENT, PENDING = 0, 1, 2  # the handler's status
-WAIT_MS = 200  # how long the handler waits for the workers before Python takes over
 
 _SOURCE = Path(__file__).with_name("_fast.cc")
 _TARGET = "rollout_hostenv_step"
@@ -93,9 +93,9 @@ def _build() -> Path:
     target = cache / f"hostenv-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler {compiler!r} on PATH to build {_SOURCE.name}")
+    compiler = shlex.split(os.environ.get("CXX") or "c++")  # may carry a launcher or flags
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C++ compiler {compiler[:1]!r} on PATH to build {_SOURCE.name}")
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / "hostenv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -103,9 +103,13 @@ def _build() -> Path:
             return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include}",
+        cmd = [*compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include}",
                str(_SOURCE), "-o", tmp]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            os.unlink(tmp)
+            raise RuntimeError(f"building {_SOURCE.name} took over 300 s; gave up") from None
         if done.returncode != 0:
             os.unlink(tmp)
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

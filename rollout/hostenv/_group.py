@@ -64,10 +64,10 @@ def _exit_text(code: int | None) -> str:
 
 
 class _Worker:
-    def __init__(self, index: int, rows: range, env: dict[str, str]):
+    def __init__(self, index: int, rows: range, env: dict[str, str], poll: float):
         self.index, self.rows = index, rows
         self.proc, sock = spawn(_WORKER, env)
-        self.wire = Wire(sock, timeout=_POLL_S)
+        self.wire = Wire(sock, timeout=poll)
 
     @property
     def pid(self) -> int:
@@ -127,6 +127,11 @@ class WorkerGroup:
     def running(self) -> bool:
         return bool(self._workers)
 
+    @property
+    def _poll(self) -> float:
+        """Seconds between checks on waiting workers: 0.2, or the timeout where it is shorter."""
+        return _POLL_S if self.timeout is None else max(1e-3, min(_POLL_S, self.timeout))
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
@@ -139,7 +144,8 @@ class WorkerGroup:
         self._shared = SharedArrays(path, self.spec, create=True)
         try:
             for i in range(len(self.counts)):
-                self._workers.append(_Worker(i, range(starts[i], starts[i + 1]), env))
+                rows = range(starts[i], starts[i + 1])
+                self._workers.append(_Worker(i, rows, env, self._poll))
             init = (list(sys.path), self.backend, self.env_id, self.kwargs)
             for w in self._workers:
                 shared = (path, self.spec, w.rows.start, w.rows.stop)
@@ -161,7 +167,8 @@ class WorkerGroup:
         if len(self._workers) > _fast.MAX_WORKERS or shared is None:
             return
         c[_fast.C_OWNER], c[_fast.C_NWORKERS] = os.getpid(), len(self._workers)
-        c[_fast.C_ROWS], c[_fast.C_WAIT_MS] = sum(self.counts), _fast.WAIT_MS
+        # The handler waits as long as a Python wait would before it hands the step to Python.
+        c[_fast.C_ROWS], c[_fast.C_WAIT_MS] = sum(self.counts), int(self._poll * 1000)
         for i, w in enumerate(self._workers):
             c[_fast.C_FDS + i] = w.wire.sock.fileno()
         fields = {"action": _fast.C_ACTION, "obs": _fast.C_OBS, "reward": _fast.C_REWARD,
@@ -284,8 +291,11 @@ class WorkerGroup:
             if msg is None:
                 self._sweep(pending, start, deadline, what, errors)
                 continue
-            pending.pop(0)
             kind, _, payload = msg
+            if kind != ERR and deadline is not None and time.monotonic() > deadline:
+                self._sweep(pending, start, deadline, what, errors)  # a late answer is too late
+                continue
+            pending.pop(0)
             if kind == ERR:
                 name, text, tb = payload
                 where = f"{self._where(w)} raised {name}: {text}"
@@ -321,6 +331,8 @@ class WorkerGroup:
             if part_way in pending:
                 late += f" (worker {part_way.index} stopped part-way through its answer)"
             errors.append(f"host env {self.backend}:{self.env_id}, {self.label}: {late}")
+            for w in pending:
+                w.proc.kill()  # stuck (or stopped): closing would wait for them in vain
 
     @staticmethod
     def _exit(w: _Worker) -> str:
@@ -358,10 +370,10 @@ def _close_all() -> None:
 class InProcessGroup:
     """The envs of one device's members in this process, stepped by the callback thread itself.
 
-    ``workers_per_device=0`` (EnvPool's default): no process hop per step, but the envs share
-    this process's interpreter, so pure-Python envs of different devices take turns on the GIL,
-    and an env that crashes the interpreter takes the learner with it. An EnvPool pool steps on
-    ``threads`` C++ threads of its own (unless ``make`` kwargs set ``num_threads``). Same
+    ``workers_per_device=0``: no process hop per step, but the envs share this process's
+    interpreter, so pure-Python envs of different devices take turns on the GIL, and an env
+    that crashes the interpreter takes the learner with it. EnvPool pools step on ``threads``
+    C++ threads of their own in all (unless ``make`` kwargs set ``num_threads``). Same
     interface and error messages as ``WorkerGroup``.
     """
 
@@ -379,9 +391,7 @@ class InProcessGroup:
         threads: int = 1,
     ):
         self.backend, self.env_id, self.kwargs = backend, env_id, dict(kwargs)
-        if backend == "envpool":
-            self.kwargs.setdefault("num_threads", threads)
-        self.rows, self.label = rows, label
+        self.rows, self.label, self.threads = rows, label, threads
         self.spec = step_spec(rows, tuple(obs_shape), obs_dtype, tuple(action_shape), action_dtype)
         self.control = self.lock = Control()  # never armed: the FFI step is for workers only
         self._envs: Any = None
@@ -397,7 +407,7 @@ class InProcessGroup:
         from rollout.hostenv._worker import _BACKENDS
 
         self._envs = self._call(
-            lambda: _BACKENDS[self.backend](self.env_id, self.kwargs, self.rows)
+            lambda: _BACKENDS[self.backend](self.env_id, self.kwargs, self.rows, self.threads)
         )
         self.failed = None
 

@@ -113,8 +113,10 @@ class HostEnv:
       kwargs: keyword arguments of ``gymnasium.make`` / ``envpool.make``.
       workers_per_device: worker processes per device's members; 0 steps the envs in this
         process instead, from the callback thread of each device (no process hop per step; see
-        ``InProcessGroup``). Default: gymnasium, the CPU cores divided by the devices (at least
-        1); EnvPool, 0, with one pool per device running that many C++ threads of its own.
+        ``InProcessGroup``; EnvPool pools then run cores / devices C++ threads per device).
+        Default: the CPU cores divided by the devices (at least 1). Seeding does not depend on
+        it: each env's seed comes from the learner's key for that env (EnvPool: its member's
+        first env's, see ``HostEnvs.reset``).
       timeout: seconds one step or reset may take before it is an error (default: no limit;
         a dead worker is an error within 0.2 s regardless).
     """
@@ -208,12 +210,8 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
 
 
 def _in_process(env: HostEnv) -> bool:
-    """Whether the envs step in this process: ``workers_per_device=0``, and EnvPool's default
-    (its envs never hold the interpreter lock; and pools in workers are seeded by row ranges,
-    so their trajectories would depend on the worker count)."""
-    return env.workers_per_device == 0 or (
-        env.workers_per_device is None and env.backend == "envpool"
-    )
+    """Whether the envs step in this process (``workers_per_device=0``)."""
+    return env.workers_per_device == 0
 
 
 def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
@@ -242,7 +240,7 @@ class HostEnvs:
     The members on one device (a group of the mesh's ``'ensemble'`` axis) have their own
     ``WorkerGroup``: ``workers_per_device`` processes that hold that group's envs, so each
     device's members step their own envs on their own workers, and all groups step at once
-    (with ``workers_per_device=0``, EnvPool's default, an ``InProcessGroup`` instead).
+    (with ``workers_per_device=0``, an ``InProcessGroup`` instead).
     ``reset`` and ``step`` are traceable (use them inside ``jit``, with the mesh's shardings);
     ``close()`` stops the workers.
 
@@ -277,11 +275,19 @@ class HostEnvs:
         step serves them (a warning says why, where the compiled step should have)."""
         if not (on_cpu and all(isinstance(group, WorkerGroup) for group in self.groups)):
             return None  # accelerators, or envs in this process: the Python step by design
-        slot = _fast.register([group.control for group in self.groups]) if compiled else None
+        workers = max(len(group.counts) for group in self.groups)
+        fits = workers <= _fast.MAX_WORKERS
+        slot = _fast.register([g.control for g in self.groups]) if compiled and fits else None
         why = _fast.why_not()
         if slot is None and why != _fast.DISABLED:
-            fix = "install a C++ compiler (or set $CXX)" if why else "use fewer HostEnvs"
-            why = why or f"this process has bound the {_fast.SLOTS} device groups it can serve"
+            if why:
+                fix = "install a C++ compiler (or set $CXX)"
+            elif not fits:
+                why = f"{workers} workers per device; it serves at most {_fast.MAX_WORKERS}"
+                fix = "set fewer workers_per_device"
+            else:
+                why = f"this process has bound the {_fast.SLOTS} device groups it can serve"
+                fix = "use fewer HostEnvs"
             warnings.warn(
                 f"host env {self.env.name}: every step goes through Python, about 400 us of the "
                 f"learner's CPU per step slower ({why}); {fix} for the compiled step, or set "
@@ -342,7 +348,14 @@ class HostEnvs:
         if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
             keys = jax.random.wrap_key_data(keys)
         bits = lambda k: jax.random.bits(k, (), jnp.uint32)
-        return jax.vmap(jax.vmap(bits))(keys)
+        seeds = jax.vmap(jax.vmap(bits))(keys)
+        if self.env.backend == "envpool":
+            # EnvPool seeds a pool, not an env (env i of a pool seeded s gets s + i, an int32):
+            # member m's envs get s_m + j, s_m from its first env's key, so that whichever
+            # worker holds them, they are seeded as one pool of the member's own would be.
+            first = seeds[:, :1] % jnp.uint32(2**31 - self.num_envs)
+            seeds = first + jnp.arange(self.num_envs, dtype=jnp.uint32)
+        return seeds
 
     def _sharded(self, host: Any, types: tuple, *args: jax.Array, fast: bool = False) -> tuple:
         """``host(group, leader, *local_args)`` once per device, on that device's members;
@@ -394,7 +407,10 @@ class HostEnvs:
         return tuple(jax.ShapeDtypeStruct((n, e, *shape), dt) for shape, dt in specs)
 
     def reset(self, keys: jax.Array) -> tuple[HostState, jax.Array]:
-        """Resets all envs (``keys``: ``[n, num_envs]``, one seed drawn from each)."""
+        """Resets all envs (``keys``: ``[n, num_envs]``): env j of member m with a uint32 seed
+        drawn from ``keys[m, j]``. EnvPool seeds a pool, not an env (env i of a pool seeded s
+        gets s + i), so there env j of member m gets s_m + j, s_m the seed of ``keys[m, 0]``
+        modulo 2**31 - num_envs: the same seeds whatever the devices and workers."""
         obs_shape = self.env.observation_space.shape
         types = self._types(((), jnp.uint32), (obs_shape, self._obs_dtype))
         session, obs = self._sharded(self._host_reset, types, self._seeds(keys))
@@ -431,7 +447,9 @@ class HostEnvs:
             ((), jnp.uint8),
             (obs_shape, self._obs_dtype),
         )
-        args = (state.session, state.t, state.obs, action, self._seeds(keys))
+        # As the handler and the callbacks read them, whatever a restored checkpoint made them.
+        session, t = state.session.astype(jnp.uint32), state.t.astype(jnp.int32)
+        args = (session, t, state.obs.astype(self._obs_dtype), action, self._seeds(keys))
         if self._slot is None:
             outs = self._sharded(self._host_step, types, *args)
         else:
@@ -439,7 +457,7 @@ class HostEnvs:
         session, obs, reward, flags, final = outs
         term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
         info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
-        return HostState(session, state.t + 1, obs), obs, reward, term, trunc, info
+        return HostState(session, t + 1, obs), obs, reward, term, trunc, info
 
     # ------------------------------------------------------------------ host side
 
@@ -476,13 +494,16 @@ class HostEnvs:
     def _host_finish(self, status, g, lead, session, t, obs, action, seeds) -> tuple:
         """Where the FFI step stopped (``status``): finishes the step it sent, or makes the
         whole step in Python."""
-        if int(status) != _fast.PENDING:
-            return self._host_step(g, lead, session, t, obs, action, seeds)
         group = self.groups[int(g)]
         with group.lock:
-            new_obs, reward, term, trunc, final = group.finish_step()
-            group.control[C_T] += 1
-        return self._step_results(session, new_obs, reward, term, trunc, final)
+            # PENDING: the step went out. If the group was closed since (``close()`` from
+            # another thread) its answers are gone, and the Python step restarts the envs.
+            live = group.running and _one(session, "session") == group.control[C_SESSION]
+            if int(status) == _fast.PENDING and live:
+                new_obs, reward, term, trunc, final = group.finish_step()
+                group.control[C_T] += 1
+                return self._step_results(session, new_obs, reward, term, trunc, final)
+            return self._step_locked(int(g), session, t, obs, action, seeds)
 
     def _step_results(self, session, obs, reward, term, trunc, final) -> tuple[np.ndarray, ...]:
         m, e = session.shape
@@ -500,23 +521,27 @@ class HostEnvs:
             return (np.zeros((m, e), np.uint32), np.zeros((m, e, *o), od),
                     np.zeros((m, e), np.float32), np.zeros((m, e), np.uint8),
                     np.zeros((m, e, *o), od))  # fmt: skip
-        g = int(g)
+        with self.groups[int(g)].lock:
+            return self._step_locked(int(g), session, t, obs, action, seeds)
+
+    def _step_locked(self, g: int, session, t, obs, action, seeds) -> tuple[np.ndarray, ...]:
+        """``_host_step`` of the leader, under its group's lock."""
         group = self.groups[g]
-        with group.lock:
-            s, step = _one(session, "session"), _one(t, "step counter")
-            if group.running and s == group.control[C_SESSION]:
-                due = group.control[C_T]
-                if step != due:
-                    raise HostEnvError(
-                        f"host env {self.env.name}, {group.label}: step {step} arrived where "
-                        f"step {due} was due (a step was duplicated, dropped or reordered)"
-                    )
-                outs = group.step(action.reshape(m * e, *action.shape[2:]))
-                group.control[C_T] = due + 1
-                return self._step_results(session, *outs)
-            # Not the live session: a restored checkpoint, a state from before close(), or an
-            # older state of this run. The envs cannot go back to it: restart them.
-            return self._restart(g, t, obs, seeds)
+        s, step = _one(session, "session"), _one(t, "step counter")
+        if group.running and s == group.control[C_SESSION]:
+            due = group.control[C_T]
+            if _int32(due) != step:  # the device's int32 counter wraps after 2**31 steps
+                raise HostEnvError(
+                    f"host env {self.env.name}, {group.label}: step {step} arrived where "
+                    f"step {_int32(due)} was due (a step was duplicated, dropped or reordered)"
+                )
+            m, e = session.shape
+            outs = group.step(action.reshape(m * e, *action.shape[2:]))
+            group.control[C_T] = due + 1
+            return self._step_results(session, *outs)
+        # Not the live session: a restored checkpoint, a state from before close(), or an
+        # older state of this run. The envs cannot go back to it: restart them.
+        return self._restart(g, t, obs, seeds)
 
     def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
         m, e = t.shape
@@ -549,6 +574,11 @@ def _recording(host: Any) -> Any:
             raise
 
     return call
+
+
+def _int32(x: int) -> int:
+    """``x`` as the device's int32 step counter holds it (wrapped)."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def _one(x: np.ndarray, what: str) -> int:

@@ -28,6 +28,7 @@ The worker exits when its socket closes (the parent exited or was killed).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import pickle
@@ -170,9 +171,10 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
 
 
 class _Gymnasium:
-    """``num_envs`` instances of :func:`make_gymnasium` ``(env_id, **kwargs)``."""
+    """``num_envs`` instances of :func:`make_gymnasium` ``(env_id, **kwargs)``, stepped in turn
+    (``threads`` is EnvPool's: a gymnasium env steps in the thread that calls it)."""
 
-    def __init__(self, env_id: str, kwargs: dict, num_envs: int):
+    def __init__(self, env_id: str, kwargs: dict, num_envs: int, threads: int = 1):
         import gymnasium
 
         self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
@@ -217,53 +219,65 @@ class _Gymnasium:
 
 
 class _EnvPool:
-    """One EnvPool pool of ``num_envs`` envs (its own C++ threads), stepped synchronously.
+    """``num_envs`` EnvPool envs, env ``j`` seeded with ``seeds[j]``, stepped synchronously.
+
+    EnvPool seeds a pool, not an env (env ``i`` of a pool made with ``seed=s`` gets ``s + i``),
+    so each run of consecutive seeds gets a pool of its own: the learner gives a member's envs
+    consecutive seeds, so its envs are seeded the same whichever worker or device holds them,
+    in one pool per member (or per part of a member a worker holds). The pools step at once,
+    each on its own C++ threads (``threads`` in all unless the kwargs set ``num_threads``).
 
     EnvPool resets a finished env on the *next* step; resetting the finished ones right away
     (``reset(env_id)``) gives the same-step autoreset of the gymnasium backend, and the done step
     itself already returns the true final observation.
     """
 
-    def __init__(self, task: str, kwargs: dict, num_envs: int):
+    def __init__(self, task: str, kwargs: dict, num_envs: int, threads: int = 1):
         import envpool  # noqa: F401  (fail at start, not at the first reset)
 
-        self.kwargs = dict(kwargs)
-        self.task = task
-        self.num_envs = num_envs
-        self.pool: Any = None
-        self.ids = np.arange(num_envs, dtype=np.int32)
+        self.kwargs, self.task, self.num_envs, self.threads = dict(kwargs), task, num_envs, threads
+        self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         import envpool
 
-        # EnvPool seeds a pool, not an env: env i gets seed + i. A pool per reset keeps every
-        # reset reproducible from its first seed.
-        if self.pool is not None:
-            self.pool.close()
-        kw = {"num_threads": 1, **self.kwargs}  # one thread per worker unless the kwargs say
-        # EnvPool takes int32 seeds, and env i of the pool gets seed + i.
-        seed = int(seeds[0]) % (2**31 - self.num_envs)
-        self.pool = envpool.make(
-            self.task, env_type="gymnasium", num_envs=self.num_envs, seed=seed, **kw
-        )
-        obs, info = self.pool.reset()
-        return np.asarray(obs)[np.argsort(info["env_id"])]
+        self.close()  # a pool per reset keeps every reset reproducible from its seeds
+        seeds = np.asarray(seeds, np.int64)
+        if seeds.shape != (self.num_envs,):
+            raise ValueError(f"{self.num_envs} envs take {self.num_envs} seeds, got {seeds.shape}")
+        if seeds.size and not (0 <= seeds.min() and seeds.max() < 2**31):
+            raise ValueError("EnvPool seeds are int32: got seeds outside [0, 2**31)")
+        cuts = [0, *(np.flatnonzero(np.diff(seeds) != 1) + 1), len(seeds)]
+        runs = [slice(int(a), int(b)) for a, b in itertools.pairwise(cuts)]
+        kw = {"num_threads": max(1, self.threads // len(runs)), **self.kwargs}
+        obs = []
+        for rows in runs:
+            pool = envpool.make(self.task, env_type="gymnasium", num_envs=rows.stop - rows.start,
+                                seed=int(seeds[rows.start]), **kw)  # fmt: skip
+            self.pools.append((pool, rows))
+            o, info = pool.reset()
+            obs.append(np.asarray(o)[np.argsort(info["env_id"])])
+        return np.concatenate(obs)
 
     def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
-        result = self.pool.step(np.asarray(actions), self.ids)
-        order = np.argsort(result[4]["env_id"])  # rows in env order, whatever order they came in
-        for target, value in zip(out, result[:4]):
-            target[...] = np.asarray(value)[order]
-        obs, _, term, trunc, final = out
-        final[...] = obs
-        done = np.flatnonzero(np.logical_or(term, trunc))
-        if done.size:
-            fresh, info = self.pool.reset(done.astype(np.int32))
-            obs[np.asarray(info["env_id"])] = np.asarray(fresh)
+        for pool, rows in self.pools:  # all pools step at once, each on its own threads
+            pool.send(np.asarray(actions[rows]), np.arange(rows.stop - rows.start, dtype=np.int32))
+        for pool, rows in self.pools:
+            result = pool.recv(reset=False, return_info=True)
+            order = np.argsort(result[4]["env_id"])  # rows in env order, whatever order they came
+            for target, value in zip(out, result[:4]):
+                target[rows] = np.asarray(value)[order]
+            obs, _, term, trunc, final = (x[rows] for x in out)
+            final[...] = obs
+            done = np.flatnonzero(np.logical_or(term, trunc))
+            if done.size:
+                fresh, info = pool.reset(done.astype(np.int32))
+                obs[np.asarray(info["env_id"])] = np.asarray(fresh)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        pools, self.pools = self.pools, []
+        for pool, _ in pools:
+            pool.close()
 
 
 _BACKENDS = {"gymnasium": _Gymnasium, "envpool": _EnvPool}

@@ -187,7 +187,7 @@ def envpool_returns(
     act = jax.jit(policy)
     pool = _EnvPool(env_id.removeprefix("envpool:"), dict(kwargs or {}), episodes)
     try:
-        obs = pool.reset(np.asarray([seed]))
+        obs = pool.reset(seed + np.arange(episodes))  # consecutive: one pool
         total, live = np.zeros(episodes), np.ones(episodes, bool)
         out = (np.empty_like(obs), np.empty(episodes, np.float32), np.empty(episodes, bool),
                np.empty(episodes, bool), np.empty_like(obs))  # fmt: skip
