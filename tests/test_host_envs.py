@@ -470,23 +470,6 @@ def test_a_step_sent_before_its_group_closed_restarts_the_envs():
         host.close()
 
 
-@pytest.mark.timeout(60)
-def test_more_workers_than_the_compiled_step_serves_warn_and_step_in_python(monkeypatch):
-    monkeypatch.setattr(_fast, "MAX_WORKERS", 1)
-    assert _fast.library() is not None, _fast.why_not()
-    with pytest.warns(RuntimeWarning, match="2 workers per device; it serves at most 1"):
-        host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=2)
-    try:
-        keys = jax.random.split(jax.random.key(2), (2, 2))
-        actions = actions_for(WALK_ID, 4, 2, 2)
-        _, steps = run_host(host, mesh, keys, actions)
-        assert host.fast_steps == 0
-    finally:
-        host.close()
-    _, ref = reference(WALK_ID, seeds_of(keys), actions)
-    np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)
-
-
 # ---------------------------------------------------------------------- ordering, resume
 
 
@@ -1210,11 +1193,17 @@ def test_a_compiler_given_with_a_launcher_and_flags_builds_the_step(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_when_the_compiled_steps_slots_run_out_python_steps_with_a_warning(monkeypatch):
-    monkeypatch.setattr(_fast, "_next_slot", [_fast.SLOTS - 1])  # one slot left, two groups
+@pytest.mark.parametrize("why", ["slots-run-out", "too-many-workers"])
+def test_where_the_compiled_step_cannot_serve_python_steps_with_a_warning(why, monkeypatch):
+    if why == "slots-run-out":
+        monkeypatch.setattr(_fast, "_next_slot", [_fast.SLOTS - 1])  # one slot left, two groups
+        workers, says = 1, "has bound the 65536 device groups it can serve"
+    else:
+        monkeypatch.setattr(_fast, "MAX_WORKERS", 1)
+        workers, says = 2, "2 workers per device; it serves at most 1"
     assert _fast.library() is not None, _fast.why_not()
-    with pytest.warns(RuntimeWarning, match="has bound the 65536 device groups it can serve"):
-        host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    with pytest.warns(RuntimeWarning, match=says):
+        host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=workers)
     try:
         keys = jax.random.split(jax.random.key(2), (2, 2))
         actions = actions_for(WALK_ID, 5, 2, 2)
