@@ -39,7 +39,7 @@ Run it on a quiet machine::
     python benchmarks/envs.py          # HalfCheetah-v5 (gymnasium, EnvPool), CartPole-v1; 4x4/16/64
     python benchmarks/envs.py --envs gymnasium:Hopper-v5 --members 2 --num-envs 4
 
-Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png``.
+Writes ``benchmarks/results/envs.json``, ``envs.txt`` and ``envs.png`` (``--out NAME``: NAME.*).
 """
 
 from __future__ import annotations
@@ -311,6 +311,7 @@ def main() -> None:
     p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
     p.add_argument("--calls", type=int, default=3, help="timed PPO updates per sample")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
+    p.add_argument("--out", default="envs", help="results' file name under benchmarks/results")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
     import rollout
@@ -388,8 +389,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         "settings": vars(args),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "envs.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (RESULTS / "envs.txt").write_text(text + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / f"{args.out}.txt").write_text(text + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -409,7 +410,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(RESULTS / "envs.png", dpi=110)
+    fig.savefig(RESULTS / f"{args.out}.png", dpi=110)
     plt.close(fig)
 
 
