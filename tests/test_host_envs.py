@@ -1105,8 +1105,8 @@ def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
 )  # fmt: skip
 def test_envpool_task_equals_envpool_called_directly(workers, kwargs, devices):
     """Whatever the devices and workers (4 workers for 6 envs hold rows 0-1, 2-3, 4, 5: members
-    split across workers, one worker with the ends of both), each member's envs are its own pool
-    seeded from its first env's key, in env order whatever order the threads finish in."""
+    split across workers, one worker with the ends of both), the envs step as one pool of all
+    of them seeded from the first env's key, in env order whatever order the threads finish."""
     envpool = pytest.importorskip("envpool")
     n, e, T = 2, 3, 40
     env = envs.make("envpool:CartPole-v1", workers_per_device=workers, **kwargs)
@@ -1120,23 +1120,22 @@ def test_envpool_task_equals_envpool_called_directly(workers, kwargs, devices):
         assert (host.fast_steps == devices * T) == (workers != 0)  # the compiled step, or Python
     finally:
         host.close()
-    seeds = seeds_of(keys)
-    for m in range(n):  # member m's pool, seeded with its first env's seed, stepped here
-        seed = int(seeds[m, 0]) % (2**31 - e)  # EnvPool's seeds are int32
-        pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=e, seed=seed)
-        o, _ = pool.reset()
-        np.testing.assert_allclose(obs0[m], o, rtol=1e-6)
-        ids = np.arange(e, dtype=np.int32)
-        for t in range(T):
-            o, r, te, tr, _ = pool.step(actions[t, m], ids)
-            np.testing.assert_allclose(steps[4][t, m], o, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(steps[1][t, m], r)
-            done = np.flatnonzero(te | tr)
-            if done.size:
-                o = o.copy()
-                o[done] = pool.reset(done.astype(np.int32))[0]
-            np.testing.assert_allclose(steps[0][t, m], o, rtol=1e-5, atol=1e-6)
-        pool.close()
+    seed = int(seeds_of(keys)[0, 0]) % (2**31 - n * e)  # EnvPool's seeds are int32
+    pool = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=n * e, seed=seed)
+    flat = lambda x: np.asarray(x).reshape(n * e, *np.shape(x)[2:])
+    o, _ = pool.reset()
+    np.testing.assert_allclose(flat(obs0), o, rtol=1e-6)
+    ids = np.arange(n * e, dtype=np.int32)
+    for t in range(T):
+        o, r, te, tr, _ = pool.step(flat(actions[t]), ids)
+        np.testing.assert_allclose(flat(steps[4][t]), o, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(flat(steps[1][t]), r)
+        done = np.flatnonzero(te | tr)
+        if done.size:
+            o = o.copy()
+            o[done] = pool.reset(done.astype(np.int32))[0]
+        np.testing.assert_allclose(flat(steps[0][t]), o, rtol=1e-5, atol=1e-6)
+    pool.close()
     assert steps[2].any()  # episodes ended and were reset
 
 

@@ -115,8 +115,8 @@ class HostEnv:
         process instead, from the callback thread of each device (no process hop per step; see
         ``InProcessGroup``; EnvPool pools then run cores / devices C++ threads per device).
         Default: the CPU cores divided by the devices (at least 1). Seeding does not depend on
-        it: each env's seed comes from the learner's key for that env (EnvPool: its member's
-        first env's, see ``HostEnvs.reset``).
+        it: each env's seed comes from the learner's key for that env (EnvPool: consecutive
+        seeds from the first env's key, see ``HostEnvs.reset``).
       timeout: seconds one step or reset may take before it is an error (default: no limit;
         a dead worker is an error within 0.2 s regardless).
     """
@@ -351,10 +351,11 @@ class HostEnvs:
         seeds = jax.vmap(jax.vmap(bits))(keys)
         if self.env.backend == "envpool":
             # EnvPool seeds a pool, not an env (env i of a pool seeded s gets s + i, an int32):
-            # member m's envs get s_m + j, s_m from its first env's key, so that whichever
-            # worker holds them, they are seeded as one pool of the member's own would be.
-            first = seeds[:, :1] % jnp.uint32(2**31 - self.num_envs)
-            seeds = first + jnp.arange(self.num_envs, dtype=jnp.uint32)
+            # consecutive seeds over all members' envs make any worker's rows one pool, seeded
+            # as one pool of all the envs would be, whichever devices and workers hold them.
+            n, e = seeds.shape
+            first = seeds[0, 0] % jnp.uint32(2**31 - n * e)
+            seeds = first + jnp.arange(n * e, dtype=jnp.uint32).reshape(n, e)
         return seeds
 
     def _sharded(self, host: Any, types: tuple, *args: jax.Array, fast: bool = False) -> tuple:
@@ -409,8 +410,9 @@ class HostEnvs:
     def reset(self, keys: jax.Array) -> tuple[HostState, jax.Array]:
         """Resets all envs (``keys``: ``[n, num_envs]``): env j of member m with a uint32 seed
         drawn from ``keys[m, j]``. EnvPool seeds a pool, not an env (env i of a pool seeded s
-        gets s + i), so there env j of member m gets s_m + j, s_m the seed of ``keys[m, 0]``
-        modulo 2**31 - num_envs: the same seeds whatever the devices and workers."""
+        gets s + i), so there env j of member m gets s + m * num_envs + j, s the seed of
+        ``keys[0, 0]`` modulo 2**31 - n * num_envs: the same seeds whatever the devices and
+        workers, and each worker's envs one pool."""
         obs_shape = self.env.observation_space.shape
         types = self._types(((), jnp.uint32), (obs_shape, self._obs_dtype))
         session, obs = self._sharded(self._host_reset, types, self._seeds(keys))

@@ -222,10 +222,10 @@ class _EnvPool:
     """``num_envs`` EnvPool envs, env ``j`` seeded with ``seeds[j]``, stepped synchronously.
 
     EnvPool seeds a pool, not an env (env ``i`` of a pool made with ``seed=s`` gets ``s + i``),
-    so each run of consecutive seeds gets a pool of its own: the learner gives a member's envs
-    consecutive seeds, so its envs are seeded the same whichever worker or device holds them,
-    in one pool per member (or per part of a member a worker holds). The pools step at once,
-    each on its own C++ threads (``threads`` in all unless the kwargs set ``num_threads``).
+    so each run of consecutive seeds gets a pool of its own. The learner gives all envs
+    consecutive seeds, so a worker's envs are one pool, seeded as they would be in one pool of
+    all envs whichever workers and devices hold them. Several pools step at once, each on its
+    own C++ threads (``threads`` in all unless the kwargs set ``num_threads``).
 
     EnvPool resets a finished env on the *next* step; resetting the finished ones right away
     (``reset(env_id)``) gives the same-step autoreset of the gymnasium backend, and the done step
