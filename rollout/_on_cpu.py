@@ -26,6 +26,7 @@ import math
 import numbers
 import pickle
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -515,6 +516,7 @@ class OnCpu:
         leaves, treedef, axes, n, weak = self._flatten(args)
         keys = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
         raw = [jax.random.key_data(x) if k is not None else x for x, k in zip(leaves, keys)]
+        _warn_batch_dependent_keys(keys, raw, axes)
         b_idx = [i for i, ax in enumerate(axes) if ax is not None]
         s_idx = [i for i, ax in enumerate(axes) if ax is None]
         # Concrete inputs: run the host side directly (NumPy only: an eager jnp op compiles a
@@ -757,6 +759,32 @@ class _Call:
         return outs
 
 
+def _warn_batch_dependent_keys(keys: list, raw: list, axes: list) -> None:
+    """Warns when batched keys use an rbg-family generator.
+
+    ``rbg`` and ``unsafe_rbg`` keys draw different bits for a row depending on the batch the row
+    is vmapped in, so ``fn``'s results would depend on the worker count, the chunking and the
+    callbacks merged into one call: threefry keys give every row the same bits in any batch.
+    Raw key data (uint32, last axis 4) counts when JAX's default generator is rbg-family.
+    """
+    default = str(jax.config.jax_default_prng_impl)
+    for k, x, ax in zip(keys, raw, axes):
+        if ax is None:
+            continue
+        impl = str(k) if k is not None else None
+        if impl is None and "rbg" in default and x.dtype == np.uint32 and x.shape[-1:] == (4,):
+            impl = default
+        if impl is not None and "rbg" in impl:
+            warnings.warn(
+                f"on_cpu(fn): batched {impl!r} keys draw bits that depend on the batch a row is "
+                "vmapped in, so results will depend on the worker count and chunking; use "
+                "threefry keys (jax.random.key's default) for results that do not",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+
+
 def _varying_axes(x: Any) -> frozenset:
     """The ``shard_map`` axes along which ``x`` differs between devices. A callback's result is
     typed as the same on every device, so without this a gradient through a ``psum`` of it is
@@ -860,6 +888,11 @@ def on_cpu(
     Values ``fn`` closes over (a global, ``self.w`` of a callable object) are frozen into its
     compiled program at the first call for each batch shape, and later changes to them are not
     seen, even by a newly traced ``jit``: pass whatever changes (parameters) as arguments.
+
+    Random keys pass as typed keys or raw key data. With threefry keys (JAX's default) a row's
+    draws do not depend on its batch, so results do not depend on ``workers``. ``rbg`` and
+    ``unsafe_rbg`` keys draw bits that depend on the batch a row is vmapped in, so results then
+    vary with the worker count and chunking: batched keys of those kinds give a ``RuntimeWarning``.
 
     Under ``jax.vmap`` the vmapped axes are folded into the batch (one callback, all workers).
     Inside ``jax.shard_map`` the callback runs once per device on that device's rows; a ``jit`` over

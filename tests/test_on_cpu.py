@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +209,28 @@ def test_pytrees_in_axes_and_keys(rollout_fn):
     assert got["n"].dtype == jnp.int32 and (got["n"] == want["n"]).all()
     assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
     assert (jax.random.key_data(got["k"]) == jax.random.key_data(want["k"])).all()
+
+
+@pytest.mark.timeout(180)
+def test_threefry_draws_do_not_depend_on_workers_and_rbg_keys_warn():
+    def fn(keys):
+        return jax.vmap(lambda k: jax.random.normal(k, (2,)))(keys)
+
+    keys = jax.random.split(jax.random.key(0), 7)
+    results = []
+    for workers in (1, 3):
+        with on_cpu(fn, workers=workers) as f, warnings.catch_warnings():
+            warnings.simplefilter("error")  # threefry: no warning
+            results.append(np.asarray(jax.jit(f)(keys)))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], fn(keys))
+
+    f = on_cpu(fn, workers=W)
+    with pytest.warns(RuntimeWarning, match="'rbg' keys draw bits that depend on the batch"):
+        jax.eval_shape(f, jax.random.split(jax.random.key(0, impl="rbg"), 7))
+    raw = jnp.zeros((7, 4), jnp.uint32)  # raw key data under an rbg-family default
+    with jax.default_prng_impl("unsafe_rbg"), pytest.warns(RuntimeWarning, match="'unsafe_rbg'"):
+        jax.eval_shape(on_cpu(lambda k: k + 1, workers=W), raw)
 
 
 @pytest.mark.timeout(60)
