@@ -155,6 +155,25 @@ def test_cartpole_sutton_barto_reward():
             break
 
 
+@pytest.mark.parametrize("name", ["cartpole", "audio"])
+def test_an_action_outside_the_discrete_space_is_an_error_or_nan_never_a_number(name):
+    kwargs = {"light": True} if name == "audio" else {}
+    env = envs.make(name, auto_reset=False, **kwargs)
+    n = env.action_space.n
+    state, _ = env.reset(KEY)
+    for bad in (n, -1, 0.5):
+        with pytest.raises(ValueError, match=rf"takes an integer action in \[0, {n}\), not "):
+            env.step(state, bad, KEY)
+    step = jax.jit(jax.vmap(env.step, in_axes=(None, 0, None)))
+    actions = jnp.array([n, -1, *range(n)], jnp.int32)
+    _, obs, reward, _, _, _ = step(state, actions, KEY)
+    bad_rows = np.arange(len(actions)) < 2
+    assert np.isnan(np.asarray(reward)[bad_rows]).all()
+    assert np.isnan(np.asarray(obs)[bad_rows]).any(axis=1).all()
+    assert np.isfinite(np.asarray(reward)[~bad_rows]).all()
+    assert np.isfinite(np.asarray(obs)[~bad_rows]).all()
+
+
 # ------------------------------------------------------------------------------------------
 # Pendulum
 # ------------------------------------------------------------------------------------------

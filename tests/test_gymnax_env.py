@@ -84,6 +84,19 @@ def test_gymnax_spaces_and_bad_names():
         envs.make("gymnax:Nope-v0")
 
 
+def test_gymnax_action_outside_the_discrete_space_is_an_error_or_nan():
+    # gymnax indexes a torque table with the action, and JAX clamps an index out of range, so
+    # without the check action 7 would silently act as action 2.
+    env = envs.make("gymnax:Acrobot-v1", auto_reset=False)
+    state, _ = env.reset(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"gymnax:Acrobot-v1 takes an integer action in \[0, 3\)"):
+        env.step(state, 7, jax.random.key(1))
+    step = jax.jit(jax.vmap(env.step, in_axes=(None, 0, None)))
+    _, obs, reward, _, _, _ = step(state, jnp.array([7, 2], jnp.int32), jax.random.key(1))
+    assert np.isnan(np.asarray(reward)[0]) and np.isnan(np.asarray(obs)[0]).all()
+    assert np.isfinite(np.asarray(reward)[1]) and np.isfinite(np.asarray(obs)[1]).all()
+
+
 # ---------------------------------------------------------------------- a user's own env
 
 

@@ -555,6 +555,29 @@ def test_actions_of_the_wrong_shape_are_refused_not_broadcast():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ["gymnasium", "envpool"])
+def test_an_action_outside_a_discrete_space_is_an_error(engine, step_path):
+    # Walk-v0 (3 actions) does not check its actions, and EnvPool takes any integer.
+    if engine == "envpool":
+        pytest.importorskip("envpool")
+        env = envs.make("envpool:CartPole-v1")
+    else:
+        env = envs.make(f"gymnasium:{WALK_ID}")
+    mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
+    host = env.bind(mesh, 2, 2)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        n = env.action_space.n
+        actions = jnp.zeros((3, 2, 2), jnp.int32).at[1, 1, 0].set(n)
+        with pytest.raises(Exception) as info:
+            run_host(host, mesh, keys, actions)
+        want = f"action {n} of env row 0 is outside the Discrete action space of {n} actions"
+        assert want in str(info.value)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
 def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
     host, mesh = bound(WALK_ID, 2, 2, devices=2, pixels=True, pixel_dtype="int64")
     try:

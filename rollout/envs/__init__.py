@@ -63,7 +63,15 @@ from rollout.envs._audio import (
     synthesize,
 )
 from rollout.envs._cartpole import CartPole, CartPoleState
-from rollout.envs._core import AutoReset, AutoResetState, Box, Discrete, Env, Space
+from rollout.envs._core import (
+    AutoReset,
+    AutoResetState,
+    Box,
+    Discrete,
+    Env,
+    Space,
+    valid_discrete_action,
+)
 from rollout.envs._pendulum import Pendulum, PendulumState
 
 _REGISTRY: dict[str, type[Env]] = {
@@ -165,4 +173,5 @@ __all__ = [
     "init_synth_params",
     "make",
     "synthesize",
+    "valid_discrete_action",
 ]

@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rollout.envs._core import Array, Box, Discrete, Env, Info, PRNGKey, Space
+from rollout.envs._core import (
+    Array,
+    Box,
+    Discrete,
+    Env,
+    Info,
+    PRNGKey,
+    Space,
+    valid_discrete_action,
+)
 
 
 class SynthParams(NamedTuple):
@@ -187,7 +196,9 @@ class AudioSynth(Env):
         del key
         params = self._params(params)
         if self.discrete:
+            valid = valid_discrete_action(jnp.reshape(action, ()), 3, self.name)
             delta = (jnp.asarray(action, jnp.float32).reshape(()) - 1.0) * self.gain_step
+            delta = jnp.where(valid, delta, jnp.nan)  # NaN gain, audio and reward: not a number
         else:
             delta = jnp.clip(jnp.asarray(action, jnp.float32).reshape(()), -1.0, 1.0)
             delta = delta * self.gain_step

@@ -9,7 +9,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rollout.envs._core import Array, Box, Discrete, Env, Info, PRNGKey, PyTree
+from rollout.envs._core import (
+    Array,
+    Box,
+    Discrete,
+    Env,
+    Info,
+    PRNGKey,
+    PyTree,
+    valid_discrete_action,
+)
 
 
 class CartPoleState(NamedTuple):
@@ -31,6 +40,8 @@ class CartPole(Env):
     termination), initial state (each of the 4 variables uniform in [-0.05, 0.05]) and time limit
     (truncated when `t >= max_episode_steps`, 500) as gymnasium's CartPole-v1 with its TimeLimit.
     Stepping an already terminated episode is undefined, as in gymnasium: use `AutoReset`.
+    An action other than 0 or 1 is a `ValueError` when concrete (gymnasium asserts it); under
+    `jit` it cannot raise, so it makes the state, observation and reward NaN instead of a number.
     """
 
     gravity: float = 9.8
@@ -71,7 +82,10 @@ class CartPole(Env):
         self, state: CartPoleState, action: Array, key: PRNGKey, params: PyTree = None
     ) -> tuple[CartPoleState, Array, Array, Array, Array, Info]:
         del key, params
-        x, x_dot, theta, theta_dot = (jnp.asarray(v, jnp.float32) for v in state[:4])
+        valid = valid_discrete_action(action, 2, self.name)
+        x, x_dot, theta, theta_dot = (
+            jnp.where(valid, jnp.asarray(v, jnp.float32), jnp.nan) for v in state[:4]
+        )
         total_mass = self.masspole + self.masscart
         polemass_length = self.masspole * self.length
         force = jnp.where(jnp.asarray(action) == 1, self.force_mag, -self.force_mag)
@@ -104,5 +118,6 @@ class CartPole(Env):
             reward = jnp.where(terminated, -1.0, 0.0).astype(jnp.float32)
         else:
             reward = jnp.ones((), jnp.float32)
+        reward = jnp.where(valid, reward, jnp.nan)
         truncated = t >= self.max_episode_steps
         return new_state, self.observation(new_state), reward, terminated, truncated, {}

@@ -131,6 +131,31 @@ class Env:
         raise NotImplementedError
 
 
+def valid_discrete_action(action: Array, n: int, env: str) -> Array:
+    """Whether ``action`` is one of ``0 .. n-1``; a concrete action that is not is a ValueError.
+
+    Under ``jit`` an env cannot raise, so its ``step`` should turn an invalid action's results
+    into NaN (visible in every return and loss) rather than into a plausible number.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from rollout.envs import valid_discrete_action
+      >>> jax.jit(lambda a: valid_discrete_action(a, 2, "MyEnv"))(jnp.array([0, 1, 2])).tolist()
+      [True, True, False]
+      >>> valid_discrete_action(3, 2, "MyEnv")
+      Traceback (most recent call last):
+      ...
+      ValueError: MyEnv takes an integer action in [0, 2), not 3
+    """
+    a = jnp.asarray(action)
+    valid = (a >= 0) & (a < n)
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        valid = valid & (a == jnp.floor(a))
+    if not isinstance(valid, jax.core.Tracer) and not bool(jnp.all(valid)):
+        raise ValueError(f"{env} takes an integer action in [0, {n}), not {action}")
+    return valid
+
+
 # --------------------------------------------------------------------------------------------
 # Auto-reset with episode statistics
 # --------------------------------------------------------------------------------------------

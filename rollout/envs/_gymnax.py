@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout.envs._core import Box, Discrete, Env, Space
+from rollout.envs._core import Box, Discrete, Env, Space, valid_discrete_action
 
 
 def _gymnax():
@@ -138,4 +138,10 @@ class GymnaxEnv(Env):
         truncated = self._env.is_truncated(state, params)
         reward = jnp.asarray(reward, jnp.float32)
         obs = self._obs(obs)
+        space = self.action_space
+        if isinstance(space, Discrete):  # gymnax indexes with the action, and JAX clamps indices
+            valid = valid_discrete_action(action, space.n, self.name)
+            reward = jnp.where(valid, reward, jnp.nan)
+            if jnp.issubdtype(obs.dtype, jnp.floating):
+                obs = jnp.where(valid, obs, jnp.nan)
         return state, obs, reward, jnp.asarray(terminated), jnp.asarray(truncated), dict(info)

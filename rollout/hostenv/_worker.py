@@ -170,6 +170,18 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
     return env
 
 
+def _check_discrete(actions: np.ndarray, n: int | None) -> None:
+    """Refuses actions outside a Discrete space of ``n`` actions (``None``: not Discrete)."""
+    if n is None or not actions.size:
+        return
+    bad = np.flatnonzero((actions < 0) | (actions >= n) | (actions != np.floor(actions)))
+    if bad.size:
+        raise ValueError(
+            f"action {actions.flat[bad[0]]} of env row {bad[0]} is outside the Discrete action "
+            f"space of {n} actions (integers in [0, {n}))"
+        )
+
+
 class _Gymnasium:
     """``num_envs`` instances of :func:`make_gymnasium` ``(env_id, **kwargs)``, stepped in turn
     (``threads`` is EnvPool's: a gymnasium env steps in the thread that calls it)."""
@@ -178,7 +190,9 @@ class _Gymnasium:
         import gymnasium
 
         self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
-        self.discrete = isinstance(self.envs[0].action_space, gymnasium.spaces.Discrete)
+        space = self.envs[0].action_space
+        self.discrete = isinstance(space, gymnasium.spaces.Discrete)
+        self.actions = int(space.n) if self.discrete else None
         self.obs_shape = self.envs[0].observation_space.shape
         self.pixels = np.dtype(self.envs[0].observation_space.dtype) == np.uint8
 
@@ -189,6 +203,7 @@ class _Gymnasium:
 
     def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
         obs, reward, term, trunc, final = out
+        _check_discrete(actions, self.actions)
         for i, env in enumerate(self.envs):
             action = int(actions[i]) if self.discrete else actions[i]
             o, r, te, tr, _ = env.step(action)
@@ -237,6 +252,7 @@ class _EnvPool:
 
         self.kwargs, self.task, self.num_envs, self.threads = dict(kwargs), task, num_envs, threads
         self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
+        self.actions: int | None = None  # the Discrete action count, once a pool exists
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         import envpool
@@ -255,11 +271,14 @@ class _EnvPool:
             pool = envpool.make(self.task, env_type="gymnasium", num_envs=rows.stop - rows.start,
                                 seed=int(seeds[rows.start]), **kw)  # fmt: skip
             self.pools.append((pool, rows))
+            space = pool.action_space
+            self.actions = int(space.n) if type(space).__name__ == "Discrete" else None
             o, info = pool.reset()
             obs.append(np.asarray(o)[np.argsort(info["env_id"])])
         return np.concatenate(obs)
 
     def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
+        _check_discrete(actions, self.actions)  # EnvPool itself takes any integer
         for pool, rows in self.pools:  # all pools step at once, each on its own threads
             pool.send(np.asarray(actions[rows]), np.arange(rows.stop - rows.start, dtype=np.int32))
         for pool, rows in self.pools:
