@@ -637,7 +637,9 @@ def _json_default(x: Any) -> Any:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry", action="store_true", help="tiny sizes (automatic without a GPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     p.add_argument(

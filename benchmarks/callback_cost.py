@@ -17,7 +17,6 @@ Run: ``python benchmarks/callback_cost.py`` (about half a minute). Writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -83,7 +82,9 @@ def _one(devices: int, work: str, steps: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     p.add_argument("--work", nargs="+", default=["spin:0", "spin:30", "sleep:200"])
     p.add_argument("--steps", type=int, default=3000)

@@ -21,7 +21,6 @@ Run: ``python benchmarks/core_speed.py --part ops`` and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -290,7 +289,9 @@ def _merge_write(part: str, data: Any, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("ops", "ppo"), required=True)
     p.add_argument("--old-root", type=pathlib.Path, help="old checkout (for --part ppo)")
     p.add_argument("--rounds", type=int, default=5)

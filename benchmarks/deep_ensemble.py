@@ -284,7 +284,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(v) for v in s.split(",")]
     parser.add_argument("--members", type=ints, default=[2, 8], help="ensemble sizes, e.g. 2,8")
     parser.add_argument("--hidden", type=ints, default=[128, 1024], help="MLP widths")

@@ -300,17 +300,23 @@ def _devices(members: int) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    from rollout.ppo._parser import OneLineParser, positive_int
+
+    p = OneLineParser()
     p.add_argument(
         "--envs",
         nargs="+",
         default=["gymnasium:HalfCheetah-v5", "envpool:HalfCheetah-v5", "gymnasium:CartPole-v1"],
     )
-    p.add_argument("--members", type=int, default=4)
-    p.add_argument("--num-envs", type=int, nargs="+", default=[4, 16, 64], help="envs per member")
-    p.add_argument("--num-steps", type=int, default=256, help="rollout length per update")
-    p.add_argument("--calls", type=int, default=3, help="timed PPO updates per sample")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
+    p.add_argument("--members", type=positive_int, default=4)
+    p.add_argument(
+        "--num-envs", type=positive_int, nargs="+", default=[4, 16, 64], help="envs per member"
+    )
+    p.add_argument("--num-steps", type=positive_int, default=256, help="rollout length per update")
+    p.add_argument("--calls", type=positive_int, default=3, help="timed PPO updates per sample")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="interleaved rounds (medians reported)"
+    )
     p.add_argument("--out", default="envs", help="results' file name under benchmarks/results")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))

@@ -21,7 +21,6 @@ an existing finished run is summarised, not re-run. Writes ``benchmarks/results/
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -88,7 +87,9 @@ def summarise(env: str, out: Path, seconds: float) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--envs", nargs="+", default=list(RUNS))
     p.add_argument("--members", type=int, default=4)
     p.add_argument("--runs", default=str(ROOT / "runs" / "learning"))

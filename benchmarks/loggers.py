@@ -23,7 +23,6 @@ Writes ``benchmarks/results/loggers.json`` and prints the tables.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -166,7 +165,9 @@ def row_cost(members: int, rows: int = 300) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=4)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--updates", type=int, default=1024, help="PPO updates per run")

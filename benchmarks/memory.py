@@ -54,6 +54,7 @@ import optax
 
 import ensemble
 import ensemble.debug
+from rollout.ppo._parser import OneLineParser
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import conv_models
@@ -378,7 +379,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument(
         "--api", choices=["linen", "nnx", "both"], help="only the MLP, with this API / both"

@@ -125,7 +125,9 @@ def run_arms(args: argparse.Namespace, work: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--total-steps", type=int, default=300_000, help="env steps per member")
     p.add_argument("--interval", type=int, default=10, help="PPO updates between PBT steps")
     p.add_argument("--tail", type=int, default=10, help="updates averaged for the final score")

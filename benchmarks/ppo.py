@@ -19,7 +19,6 @@ Writes ``benchmarks/results/ppo.json`` (merged with earlier parts), ``ppo_learni
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -198,7 +197,9 @@ def _plot_speed(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rollout.ppo._parser import OneLineParser
+
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("all", "speed", "learn"), default="all")
     p.add_argument("--envs", nargs="+", default=["cartpole", "pendulum"])
     p.add_argument("--members", type=int, default=4)

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import jax  # noqa: E402
 
 import rollout  # noqa: E402
+from rollout.ppo._parser import OneLineParser  # noqa: E402
 
 rollout.configure_cpu_devices()  # one CPU device and one thread per core, before JAX starts
 
@@ -78,7 +79,7 @@ def timeit(configs, reps: int) -> list[tuple[float, float]]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--samples", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=32)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 import rollout
+from rollout.ppo._parser import OneLineParser
 
 # Before JAX starts: one CPU device (and thread) per core. On an accelerator host this only shapes
 # the CPU client that the in-process executor uses; the train step stays on the accelerator.
@@ -72,7 +73,7 @@ def mlp(params, x):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64, help="rollouts per step (all devices)")
     ap.add_argument("--samples", type=int, default=2048, help="audio samples per rollout")

@@ -55,6 +55,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import ensemble
+from rollout.ppo._parser import OneLineParser
 
 NUM_CLASSES = 10
 SHIFTS = ("rotated", "inverted", "shuffled", "noise")
@@ -521,7 +522,7 @@ def to_json(obj: Any) -> Any:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """``Config`` from the command line: one option per field; bad values exit 2 with one line."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="A deep ensemble on scikit-learn's digits: calibration and OOD detection.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

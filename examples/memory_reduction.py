@@ -59,6 +59,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
+from rollout.ppo._parser import OneLineParser
 
 MB = 1e6
 
@@ -338,7 +339,7 @@ def _simulate_cpu_devices(count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out/memory_reduction", help="output folder")
     parser.add_argument("--members", type=int, default=8, help="ensemble size (fixed over D)")
     parser.add_argument("--hidden", type=int, default=5000, help="hidden features (reported: 5000)")
