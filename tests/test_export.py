@@ -314,6 +314,12 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
 
 
+def test_envpool_evaluation_seeds_past_int32_are_refused_not_wrapped():
+    with pytest.raises(ValueError, match=r"seeds 2147483646\.\.2147483648 do not fit; use a "
+                       r"--seed below 2147483645"):  # fmt: skip
+        evaluate.envpool_returns(None, "envpool:CartPole-v1", 3, 2**31 - 2)
+
+
 @pytest.mark.timeout(300)
 def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, capsys):
     from rollout.ppo import train

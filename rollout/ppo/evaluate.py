@@ -184,6 +184,11 @@ def envpool_returns(
 
     from rollout.hostenv._worker import _EnvPool
 
+    if seed + episodes > 2**31:
+        raise ValueError(
+            f"EnvPool seeds are int32: seeds {seed}..{seed + episodes - 1} do not fit; "
+            f"use a --seed below {2**31 - episodes}"
+        )
     act = jax.jit(policy)
     pool = _EnvPool(env_id.removeprefix("envpool:"), dict(kwargs or {}), episodes)
     try:
