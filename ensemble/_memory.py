@@ -58,6 +58,9 @@ class CompiledMemory:
       alias: output bytes that reuse donated input buffers.
       generated_code: compiled code size.
       xla_peak: XLA's own liveness-based peak estimate when the backend reports it, else 0.
+        All sizes are XLA's: it counts sub-byte dtypes (int4, float4) packed, as GPUs and TPUs
+        store them, although the CPU runtime stores one byte per element (``live_memory``
+        reports what is stored).
       devices: devices the program runs on.
       device_stats: ``Device.memory_stats()`` subset (GPU/TPU) per device; empty on CPU.
     """
@@ -105,7 +108,8 @@ def _as_tree(tree: Any) -> Any:
 def live_memory(tree: Any = None) -> dict[jax.Device, int]:
     """Bytes each device holds for the arrays in ``tree`` (all live arrays when ``None``).
 
-    Summed over ``addressable_shards`` (what really sits on each device, replicas included), so
+    Summed over ``addressable_shards`` (what really sits on each device, replicas included,
+    each shard's ``on_device_size_in_bytes``, so packed sub-byte dtypes count as stored), so
     a replicated array counts once per device and a sharded one only by its shards. An array
     that appears twice in ``tree`` counts once; deleted (donated) arrays count zero. Every local
     device of the default backend appears, with 0 if it holds nothing.
@@ -137,8 +141,9 @@ def live_memory(tree: Any = None) -> dict[jax.Device, int]:
 
 
 def _nbytes(x: jax.Array) -> int:
-    # Typed PRNG keys report nbytes of their underlying key data, which is what they occupy.
-    return int(x.nbytes)
+    # What the runtime allocated, not size x itemsize: sub-byte dtypes (int4, float4) are packed
+    # on GPU/TPU but NumPy's itemsize says one byte; typed keys count their key data.
+    return int(x.on_device_size_in_bytes())
 
 
 def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CompiledMemory:

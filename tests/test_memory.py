@@ -32,6 +32,17 @@ def test_live_memory_members_spanning_devices_and_unused_devices():
     assert set(ensemble.live_memory(two_each).values()) == {1000}  # member replicated on 2
 
 
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.float32, jnp.bfloat16])
+def test_live_memory_counts_what_the_runtime_stores(dtype):
+    # int4: XLA's analysis counts it packed, NumPy's itemsize says one byte; the runtime's own
+    # buffer size is what a device holds (one byte per element on CPU, packed on GPU/TPU).
+    x = ensemble.shard_members(jnp.ones((8, 1001), dtype), ensemble.make_mesh(8), 8)
+    stored = {s.device: s.data.on_device_size_in_bytes() for s in x.addressable_shards}
+    assert ensemble.live_memory(x) == stored
+    if jax.default_backend() == "cpu":
+        assert set(stored.values()) == {1001 * max(1, np.dtype(dtype).itemsize)}
+
+
 def test_live_memory_all_live_arrays_and_deleted():
     x = jax.device_put(jnp.ones((1000,)), jax.devices()[3])
     before = ensemble.live_memory()[jax.devices()[3]]
