@@ -30,11 +30,11 @@ ROW_NAMES = [name for names, _ in check.CHECKS for name in names]
 ON_CPU_HOST = jax.default_backend() == "cpu"
 
 
-def _run(args, timeout):
+def _run(args, timeout, script=SCRIPT):
     """The script in a fresh process (its own CPU devices), killed with its workers on timeout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, str(script), *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -201,8 +201,22 @@ def test_a_hung_check_is_reported_and_the_rest_marked_not_run():
 
 @pytest.mark.timeout(120)
 def test_a_hung_check_ends_the_command_with_the_table_so_far(tmp_path):
-    # 0.5 s is far too short for the ensemble check: the command must report it and exit 1.
-    rc, out, err = _run(["--dry", "--out", str(tmp_path), "--check-timeout", "0.5"], timeout=100)
+    # The script with its ensemble check hanging (a timing alone would not make it hang: with a
+    # warm compilation cache the check can finish in 0.5 s): it must report it and exit 1.
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text(
+        "import importlib.util, sys, threading\n"
+        f"spec = importlib.util.spec_from_file_location('accelerator_check', {str(SCRIPT)!r})\n"
+        "check = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['accelerator_check'] = check\n"
+        "spec.loader.exec_module(check)\n"
+        "hang = lambda ctx: threading.Event().wait(60)\n"
+        "check.CHECKS = tuple((names, hang if 'ensemble placement' in names else fn)\n"
+        "                     for names, fn in check.CHECKS)\n"
+        "sys.exit(check.main())\n"
+    )
+    args = ["--dry", "--out", str(tmp_path), "--check-timeout", "0.5"]
+    rc, out, err = _run(args, timeout=100, script=hangs)
     assert rc == 1, err[-2000:]
     report = json.loads((tmp_path / "accelerator_check_dry.json").read_text())
     status = {r["check"]: (r["status"], r["result"]) for r in report["rows"]}

@@ -530,7 +530,7 @@ def test_cpu_rollout_example_runs_and_refuses_bad_flags():
     bad = run("--batch", "3")
     assert bad.returncode == 2
     last = bad.stderr.strip().splitlines()[-1]
-    assert re.match(r"cpu_rollout.py: error: --batch 3 must be a multiple of the \d+ devices", last)
+    assert re.match(r"error: --batch 3 must be a multiple of the \d+ devices", last)
     bad = run("--executor", "inprocess")  # the CPU devices here: it would deadlock
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "--executor inprocess cannot serve a step over" in bad.stderr
