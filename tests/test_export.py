@@ -449,10 +449,14 @@ def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         [str(tmp_path / "bad_config")],
         [str(tmp_path / "empty"), "--members", "a,b"],
     ]
+    errors = []
     for argv in cases:
         assert export.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+        errors.append(err[0])
+    assert errors[0].endswith("missing does not exist: give the --out directory of a training run.")
+    assert errors[1].endswith("empty has no run.json: give the --out directory of a training run.")
     # Argument mistakes too (argparse's own usage + error would be two lines).
     for main, argv in [(export.main, ["--bogus"]), (evaluate.main, ["x", "--episodes", "y"])]:
         with pytest.raises(SystemExit) as exit_:

@@ -504,7 +504,8 @@ def export_run(
     except ckpt.RunDirError as e:  # its wording names training's --out; export has none
         raise NotAnExport(str(e).replace("--out ", "", 1)) from None
     if found.record is None:
-        raise NotAnExport(f"{run} has no run.json: give the --out directory of a training run.")
+        what = "has no run.json" if run.is_dir() else "does not exist"
+        raise NotAnExport(f"{run} {what}: give the --out directory of a training run.")
     if not ckpt.checkpoints(run):
         raise NotAnExport(f"{run} has no checkpoint yet: train longer (--checkpoint-every).")
     try:
