@@ -571,7 +571,7 @@ def test_an_action_outside_a_discrete_space_is_an_error(engine, step_path):
         actions = jnp.zeros((3, 2, 2), jnp.int32).at[1, 1, 0].set(n)
         with pytest.raises(Exception) as info:
             run_host(host, mesh, keys, actions)
-        want = f"action {n} of env row 0 is outside the Discrete action space of {n} actions"
+        want = f"action {n} of this worker's env 0 is outside the Discrete action space of {n} "
         assert want in str(info.value)
     finally:
         host.close()

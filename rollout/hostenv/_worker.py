@@ -177,8 +177,8 @@ def _check_discrete(actions: np.ndarray, n: int | None) -> None:
     bad = np.flatnonzero((actions < 0) | (actions >= n) | (actions != np.floor(actions)))
     if bad.size:
         raise ValueError(
-            f"action {actions.flat[bad[0]]} of env row {bad[0]} is outside the Discrete action "
-            f"space of {n} actions (integers in [0, {n}))"
+            f"action {actions.flat[bad[0]]} of this worker's env {bad[0]} is outside the "
+            f"Discrete action space of {n} actions (integers in [0, {n}))"
         )
 
 
