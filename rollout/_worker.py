@@ -25,6 +25,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 
 #: fn's outputs for a chunk of rows must be the full batch's, row for row.
@@ -54,8 +56,16 @@ def _attach(name: str, size: int):
         resource_tracker.register = register
 
 
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:  # an orphan is adopted by another process
+        time.sleep(0.5)
+    os._exit(1)  # the parent died (SIGKILL) during a call: the call's result has no reader
+
+
 def main(fd: int) -> None:
     from multiprocessing.connection import Connection
+
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     conn = Connection(fd)
     import jax
@@ -116,7 +126,7 @@ if __name__ == "__main__":
     # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
     # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
     # the job, and a worker dying of it first would fail that step. We still end with the
-    # parent (our socket closes) and on SIGKILL.
+    # parent (our socket closes, or, during a call, `_watch_parent` sees it gone) and on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

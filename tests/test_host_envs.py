@@ -609,6 +609,52 @@ def test_env_exception_names_env_worker_and_traceback(workers, step_path):
         host.close()
 
 
+STUCK_STEP = textwrap.dedent(
+    """
+    import sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import jax, jax.numpy as jnp
+    import ensemble
+    from rollout import envs
+
+    env = envs.make("gymnasium:hostenv_walk:Walk-v0", step_sleep=100)
+    mesh = ensemble.make_mesh(1, devices=jax.devices()[:1])
+    host = env.bind(mesh, 1, 1)
+    keys = jax.random.split(jax.random.key(0), (1, 1))
+    step = jax.jit(lambda k: host.step(host.reset(k)[0], jnp.zeros((1, 1), jnp.int32), k)[1])
+
+    def go():
+        with jax.set_mesh(mesh):
+            step(keys)
+
+    threading.Thread(target=go, daemon=True).start()
+    while not host.pids:
+        time.sleep(0.1)
+    time.sleep(3.0)  # the worker is in its 100 s step
+    print(*host.pids, flush=True)
+    time.sleep(100)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_in_a_stuck_step_ends_soon_after_its_parent_is_sigkilled(walk_module):
+    parent = subprocess.Popen([sys.executable, "-c", STUCK_STEP, str(walk_module)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=clean_env())  # fmt: skip
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 1 and alive(pids[0])
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while alive(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pids[0]), "the orphaned worker still runs 5 s after its parent died"
+    finally:
+        parent.kill()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("child_holds_socket", [False, True])
 def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, step_path):

@@ -519,6 +519,34 @@ def test_exit_with_a_call_running_in_a_daemon_thread_ends_its_workers():
         )
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_workers_in_a_call_end_soon_after_their_parent_is_sigkilled():
+    # A SIGKILLed parent closes the workers' socket, but a worker in a call (here one that never
+    # ends) does not read it: it notices that it was orphaned instead.
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="2")
+    script = EXIT_DURING_CALL + "time.sleep(100)\n"
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and not any(map(_gone, pids))
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(map(_gone, pids)), "orphaned workers still running 5 s after their parent"
+    finally:
+        parent.kill()
+
+
 def test_a_host_callback_inside_fn_is_one_clear_error_for_worker_processes():
     def noisy(x):
         jax.debug.print("x = {}", x)

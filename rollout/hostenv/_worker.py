@@ -36,6 +36,8 @@ import signal
 import socket
 import struct
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -340,7 +342,14 @@ def _serve(wire: Wire, backend: Any, shared: SharedArrays, lo: int, hi: int) -> 
         wire.send(OK, n, result)
 
 
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:  # an orphan is adopted by another process
+        time.sleep(0.5)
+    os._exit(1)  # the parent died (SIGKILL) during a step that may never end (a stuck env)
+
+
 def main(fd: int) -> None:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     # A program the env runs must not hold our socket open (a fork still does: the parent then
     # notices our death by watching the process).
     os.set_inheritable(fd, False)
@@ -374,7 +383,7 @@ if __name__ == "__main__":
     # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
     # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
     # the job, and a worker dying of it first would fail that step. We still end with the
-    # parent (our socket closes) and on SIGKILL.
+    # parent (our socket closes, or, during a step, `_watch_parent` sees it gone) and on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Drop this file's directory from the path: the worker must not shadow user modules.
