@@ -173,10 +173,11 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
 
 
 def _check_discrete(actions: np.ndarray, n: int | None) -> None:
-    """Refuses actions outside a Discrete space of ``n`` actions (``None``: not Discrete)."""
+    """Refuses actions outside a Discrete space of ``n`` actions (``None``: not Discrete).
+    Discrete actions reach the workers as int32 (``HostEnvs.step`` casts them)."""
     if n is None or not actions.size:
         return
-    bad = np.flatnonzero((actions < 0) | (actions >= n) | (actions != np.floor(actions)))
+    bad = np.flatnonzero((actions < 0) | (actions >= n))
     if bad.size:
         raise ValueError(
             f"action {actions.flat[bad[0]]} of this worker's env {bad[0]} is outside the "
