@@ -578,6 +578,17 @@ def test_an_action_outside_a_discrete_space_is_an_error(engine, step_path):
 
 
 @pytest.mark.timeout(60)
+def test_float_actions_for_a_discrete_space_are_refused_not_truncated():
+    host, mesh = bound(WALK_ID, 2, 2, devices=2)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with pytest.raises(TypeError, match=r"takes integer actions, not float32; cast them"):
+            run_host(host, mesh, keys, jnp.full((3, 2, 2), 1.7, jnp.float32))
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
 def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
     host, mesh = bound(WALK_ID, 2, 2, devices=2, pixels=True, pixel_dtype="int64")
     try:

@@ -438,7 +438,14 @@ class HostEnvs:
                 f"host env {self.env.name}: actions have shape {tuple(action.shape)}; "
                 f"{self.members} members x {self.num_envs} envs take {want}"
             )
-        action = jnp.asarray(action).astype(self._action_dtype)  # as the workers read them
+        action = jnp.asarray(action)
+        if self._action_dtype == np.int32 and not jnp.issubdtype(action.dtype, jnp.integer):
+            # The int32 cast would truncate 1.7 to 1: a wrong action taken without a word.
+            raise TypeError(
+                f"host env {self.env.name}: a Discrete action space takes integer actions, not "
+                f"{action.dtype}; cast them yourself (e.g. jnp.round(a).astype(jnp.int32))"
+            )
+        action = action.astype(self._action_dtype)  # as the workers read them
         obs_shape = self.env.observation_space.shape
         # As few arrays as will do: each one of a callback's costs about 2 us of the main
         # process's time per call, on the cores the envs step on. The counter advances here.
