@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 
 from rollout._devices import with_thread_flag
-from rollout._spawn import exit_text, spawn
+from rollout._spawn import exit_text, reap, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _ALIGN = 64
@@ -191,13 +191,8 @@ class ProcessPool:
                     w.conn.send(("close",))
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5.0
+        reap(w.proc for w in workers)
         for w in workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
             w.conn.close()
         if self._shm is not None:
             self._shm.close()

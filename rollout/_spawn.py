@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 
 
 def spawn(script: str, env: dict[str, str]) -> tuple[subprocess.Popen, socket.socket]:
@@ -31,3 +33,14 @@ def exit_text(code: int | None, running: str) -> str:
         except ValueError:
             pass
     return f"exited with code {code}"
+
+
+def reap(procs: Iterable[subprocess.Popen], grace: float = 5.0) -> None:
+    """Waits for ``procs`` to exit, ``grace`` seconds for all of them together; kills the rest."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -30,7 +30,7 @@ import jax  # noqa: F401  (before this module registers _close_all: see there)
 import numpy as np
 
 from rollout._relay import finish_dispatched
-from rollout._spawn import exit_text, spawn
+from rollout._spawn import exit_text, reap, spawn
 from rollout.hostenv import _fast
 from rollout.hostenv._fast import Control
 from rollout.hostenv._worker import (
@@ -188,13 +188,8 @@ class WorkerGroup:
             return  # nothing running, or a forked child: the workers belong to the parent
         for w in workers:
             self._send(w, CLOSE)
-        deadline = time.monotonic() + 5.0
+        reap(w.proc for w in workers)
         for w in workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
             w.wire.close()
         if self._shared is not None:
             self._shared.close()
