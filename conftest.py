@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # One thread per simulated device keeps 8 devices on 2 cores from oversubscribing. The suite
 # compiles hundreds of small programs and runs most of them a few times, and compiling is most of
 # its time, so two flags buy compile speed with code speed: LLVM at -O1 compiles a conv net's
@@ -31,8 +33,54 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# Every process the session starts (workers, CLI runs, what an env forks) inherits this mark, so
+# the session can tell at its end whether any of them outlived it. A pytest-xdist worker keeps
+# its controller's.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["SHARDED_ENSEMBLES_TEST_SESSION"] = f"{os.getpid()}-{os.urandom(4).hex()}"
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+_MARK = "SHARDED_ENSEMBLES_TEST_SESSION"
+
+
+def _marked_processes() -> list[str]:
+    """Live processes (not zombies) other than this one that carry this session's mark."""
+    want = f"{_MARK}={os.environ[_MARK]}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if want not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry.name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"pid {entry.name}: {cmd[:200]}")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run if a process the tests started outlives them (given a few seconds)."""
+    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
+        return  # a pytest-xdist worker (the controller checks once all are gone), or no /proc
+    import time
+
+    deadline = time.monotonic() + 10
+    while (left := _marked_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        print("\nprocesses started by the tests outlived them:\n  " + "\n  ".join(left))
+        session.exitstatus = 1
+
 
 NUM_DEVICES = 8

@@ -8,6 +8,7 @@ loop over ``gymnasium.make`` with the same seeds and actions.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -57,8 +58,8 @@ class Walk(gym.Env):
                 import time
                 time.sleep(120)
                 os._exit(0)
-            with open(fork_child, "w") as f:
-                f.write(str(pid))
+            with open(fork_child, "a") as f:  # one line per env: the test kills them all
+                f.write(f"{pid}\\n")
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         self.step_sleep = step_sleep
         self.short_obs_at = short_obs_at  # from this step on, one number short of the space
@@ -686,12 +687,18 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
             jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
         assert time.monotonic() - start < 20
         if child_holds_socket:
-            assert alive(int(pid_file.read_text()))
+            assert all(alive(int(pid)) for pid in pid_file.read_text().split())
     finally:
         host.close()
-        for path in glob.glob(str(pid_file)):
-            os.kill(int(Path(path).read_text()), signal.SIGKILL)
+        children = [int(p) for p in pid_file.read_text().split()] if pid_file.exists() else []
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert not alive(victim)
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is delivered, not awaited
+    assert not any(alive(pid) for pid in children)
 
 
 @pytest.mark.timeout(60)
