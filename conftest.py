@@ -75,11 +75,18 @@ def pytest_sessionfinish(session, exitstatus):
         return  # a pytest-xdist worker (the controller checks once all are gone), or no /proc
     import time
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + float(os.environ.get("SHARDED_ENSEMBLES_TEST_GRACE_S", "10"))
     while (left := _marked_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
     if left:
-        print("\nprocesses started by the tests outlived them:\n  " + "\n  ".join(left))
+        title = "processes started by the tests outlived them"
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        if report is None:
+            print(f"\n{title}:\n" + "\n".join(left))
+        else:
+            report.section(title, red=True, bold=True)
+            for line in left:
+                report.line(line, red=True)
         session.exitstatus = 1
 
 
