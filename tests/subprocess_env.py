@@ -1,8 +1,11 @@
-"""The environment for JAX processes the tests start (CLI runs, launchers, workers)."""
+"""The environment for JAX processes the tests start (CLI runs, launchers, workers), and whether
+they still run."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,3 +33,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie); Linux only."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def alive_after(pids: Iterable[int], seconds: float) -> list[int]:
+    """Those of ``pids`` still running once all have ended or ``seconds`` have passed."""
+    pids, deadline = list(pids), time.monotonic() + seconds
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]

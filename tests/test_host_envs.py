@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from subprocess_env import clean_env
+from subprocess_env import alive, alive_after, clean_env
 
 import ensemble
 from rollout import envs
@@ -162,14 +162,6 @@ def children() -> list[tuple[int, str]]:
         if int(fields[1]) == me and fields[0] != "Z" and "hostenv/_worker.py" in cmd:
             out.append((int(pid), cmd))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # ---------------------------------------------------------------------- helpers
@@ -659,10 +651,7 @@ def test_a_worker_in_a_stuck_step_ends_soon_after_its_parent_is_sigkilled(walk_m
         assert len(pids) == 1 and alive(pids[0])
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 5
-        while alive(pids[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pids[0]), "the orphaned worker still runs 5 s after its parent died"
+        assert not alive_after(pids, 5), "the orphaned worker still runs 5 s after its parent died"
     finally:
         parent.kill()
 
@@ -695,10 +684,7 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert not alive(victim)
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.05)  # SIGKILL is delivered, not awaited
-    assert not any(alive(pid) for pid in children)
+    assert not alive_after(children, 5)  # SIGKILL is delivered, not awaited
 
 
 @pytest.mark.timeout(60)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from subprocess_env import alive, alive_after
 
 import rollout
 from rollout import on_cpu
@@ -141,6 +142,7 @@ def test_every_dtype_round_trips(executor):
 INT64 = """
 import jax, jax.numpy as jnp, numpy as np
 from rollout import on_cpu
+from subprocess_env import alive, alive_after
 g = on_cpu(lambda x: x + 1, workers=2, executor="process")
 np.testing.assert_array_equal(g(np.ones((4, 2))), np.full((4, 2), 2, np.float32))  # x64 off
 jax.config.update("jax_enable_x64", True)  # the running workers are restarted to match
@@ -513,17 +515,7 @@ def test_exit_with_a_call_running_in_a_daemon_thread_ends_its_workers():
     assert len(pids) == 2, res.stdout + res.stderr[-2000:]
     time.sleep(0.5)
     for pid in pids:  # killed at exit, not left spinning as orphans
-        assert (
-            not os.path.exists(f"/proc/{pid}")
-            or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
-        )
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
-    except OSError:
-        return True
+        assert not alive(pid)
 
 
 @pytest.mark.timeout(120)
@@ -536,13 +528,10 @@ def test_workers_in_a_call_end_soon_after_their_parent_is_sigkilled():
                               stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and not any(map(_gone, pids))
+        assert len(pids) == 2 and all(map(alive, pids))
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 5
-        while not all(map(_gone, pids)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(map(_gone, pids)), "orphaned workers still running 5 s after their parent"
+        assert not alive_after(pids, 5), "orphaned workers still running 5 s after their parent"
     finally:
         parent.kill()
 
