@@ -142,7 +142,6 @@ def test_every_dtype_round_trips(executor):
 INT64 = """
 import jax, jax.numpy as jnp, numpy as np
 from rollout import on_cpu
-from subprocess_env import alive, alive_after
 g = on_cpu(lambda x: x + 1, workers=2, executor="process")
 np.testing.assert_array_equal(g(np.ones((4, 2))), np.full((4, 2), 2, np.float32))  # x64 off
 jax.config.update("jax_enable_x64", True)  # the running workers are restarted to match
