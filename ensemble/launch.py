@@ -483,4 +483,6 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ensemble._exit import exit_process
+
+    exit_process(main())

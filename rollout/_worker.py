@@ -21,6 +21,7 @@ closures are never pickled and the worker starts as fast as ``import jax`` allow
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -133,3 +134,6 @@ if __name__ == "__main__":
         main(int(sys.argv[1]))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away while we answered it: nothing left to tell
+    # The parent waits for our exit: skip the interpreter's final collections of the objects
+    # JAX (or an env's package) made, 0.1-0.2 s of CPU that only frees memory the OS takes back.
+    gc.freeze()

@@ -296,6 +296,28 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 # ---------------------------------------------------------------------- CLI
 
 
+@pytest.mark.timeout(60)
+def test_the_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
+    """train() in a notebook draws its PNGs without switching the notebook's backend."""
+    script = f"""
+import matplotlib
+matplotlib.use("svg")
+from rollout.ppo._cli import plot_curves
+from rollout.ppo._pbt import plot_lineage
+rows = [{{"env_steps": s, "returns": [1.0 * s, None], "pbt_parent": [0, 0],
+          "hparams": {{h: [1e-3, 2e-3] for h in ("learning_rate", "ent_coef", "clip_coef")}}}}
+        for s in (8, 16)]
+plot_curves(rows, {str(tmp_path / "c.png")!r}, "t")
+plot_lineage(rows, {str(tmp_path / "l.png")!r}, "t")
+assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True,
+                          text=True, timeout=50)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("c.png", "l.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
     out = tmp_path / "run"
     env = clean_env()

@@ -6,9 +6,16 @@ Example:
 
 from __future__ import annotations
 
-import sys
+from typing import NoReturn
 
+from ensemble._exit import exit_process
 from rollout.ppo._cli import main
 
+
+def run() -> NoReturn:
+    """The ``ensemble-ppo`` console script: :func:`main`, then the process ends."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -397,16 +397,16 @@ def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupte
 
 def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
     """One line per member: mean episode return against env steps per member."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure, not pyplot: no global backend or figure registry is touched in the
+    # caller's process (a notebook keeps its own backend), and pyplot's import is skipped.
+    from matplotlib.figure import Figure
 
     if not rows:
         return
     steps = [r["env_steps"] for r in rows]
     n = len(rows[0]["returns"])
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for i in range(n):  # updates without a finished episode have no point
         xy = [(x, r["returns"][i]) for x, r in zip(steps, rows) if r["returns"][i] is not None]
         ax.plot([x for x, _ in xy], [y for _, y in xy], lw=1.2, label=f"member {i}")
@@ -417,7 +417,6 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str 
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def latest_returns(rows: list[dict[str, Any]]) -> list[float | None]:

@@ -187,17 +187,16 @@ def chunk(cfg: Any, done: int, k: int) -> int:
 def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
     """Each member's hyperparameters over time, and who copied whom at every PBT step."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: see plot_curves
 
     rows = [r for r in rows if "hparams" in r]
     if not rows:
         return
     n = len(rows[0]["hparams"]["learning_rate"])
     steps = np.array([r["env_steps"] for r in rows])
-    fig, axes = plt.subplots(len(HPARAMS) + 1, 1, figsize=(8, 9), sharex=True)
-    colors = plt.get_cmap("tab10" if n <= 10 else "viridis")(np.linspace(0, 1, max(n, 2)))
+    fig = Figure(figsize=(8, 9))
+    axes = fig.subplots(len(HPARAMS) + 1, 1, sharex=True)
+    colors = matplotlib.colormaps["tab10" if n <= 10 else "viridis"](np.linspace(0, 1, max(n, 2)))
     for ax, name in zip(axes, HPARAMS, strict=False):
         for i in range(n):
             ax.plot(steps, [r["hparams"][name][i] for r in rows], color=colors[i], lw=1.1)
@@ -223,4 +222,3 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
     axes[0].set_title(f"PBT lineage {title} (n={n})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -369,4 +369,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ensemble._exit import exit_process
+
+    exit_process(main())

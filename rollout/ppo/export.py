@@ -597,4 +597,6 @@ def _devices_for_run(run_dir: str) -> list[jax.Device] | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ensemble._exit import exit_process
+
+    exit_process(main())
