@@ -36,14 +36,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Every process the session starts (workers, CLI runs, what an env forks) inherits this mark, so
 # the session can tell at its end whether any of them outlived it. A pytest-xdist worker keeps
 # its controller's.
+_MARK = "SHARDED_ENSEMBLES_TEST_SESSION"
 if "PYTEST_XDIST_WORKER" not in os.environ:
-    os.environ["SHARDED_ENSEMBLES_TEST_SESSION"] = f"{os.getpid()}-{os.urandom(4).hex()}"
+    os.environ[_MARK] = f"{os.getpid()}-{os.urandom(4).hex()}"
 
-import jax
+import jax  # noqa: E402  (after the environment above is set)
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-_MARK = "SHARDED_ENSEMBLES_TEST_SESSION"
 
 
 def _marked_processes() -> list[str]:

@@ -512,9 +512,7 @@ def test_exit_with_a_call_running_in_a_daemon_thread_ends_its_workers():
     )  # fmt: skip
     pids = [int(p) for p in res.stdout.split()]
     assert len(pids) == 2, res.stdout + res.stderr[-2000:]
-    time.sleep(0.5)
-    for pid in pids:  # killed at exit, not left spinning as orphans
-        assert not alive(pid)
+    assert not alive_after(pids, 0.5)  # killed at exit, not left spinning as orphans
 
 
 @pytest.mark.timeout(120)

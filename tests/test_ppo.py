@@ -303,10 +303,9 @@ def test_the_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
 import matplotlib
 matplotlib.use("svg")
 from rollout.ppo._cli import plot_curves
-from rollout.ppo._pbt import plot_lineage
+from rollout.ppo._pbt import HPARAMS, plot_lineage
 rows = [{{"env_steps": s, "returns": [1.0 * s, None], "pbt_parent": [0, 0],
-          "hparams": {{h: [1e-3, 2e-3] for h in ("learning_rate", "ent_coef", "clip_coef")}}}}
-        for s in (8, 16)]
+          "hparams": {{h: [1e-3, 2e-3] for h in HPARAMS}}}} for s in (8, 16)]
 plot_curves(rows, {str(tmp_path / "c.png")!r}, "t")
 plot_lineage(rows, {str(tmp_path / "l.png")!r}, "t")
 assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
