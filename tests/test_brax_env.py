@@ -61,6 +61,14 @@ def test_adapter_equals_brax_called_directly_and_splits_the_time_limit():
     assert env.action_space.shape == (benv.action_size,) and env.max_episode_steps == limit
 
 
+def test_the_spaces_come_from_a_trace_not_an_eager_reset():
+    """Brax's own ``observation_size`` runs ``reset`` op by op (11 s for the generalized
+    backend); the adapter only traces it, once."""
+    env = envs.make("brax:inverted_pendulum", **KW)
+    with jax.transfer_guard("disallow"):  # an eager reset moves its constants to the device
+        assert env.observation_space.shape == (4,) and env.action_space.shape == (1,)
+
+
 def test_bad_brax_ids_and_kwargs_are_one_line():
     with pytest.raises(ValueError, match=r"unknown brax env 'nope'; registered: .*ant"):
         envs.make("brax:nope")

@@ -16,6 +16,7 @@ Actions are ``Box(-1, 1)`` of ``action_size``, as Brax's training code assumes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -76,9 +77,14 @@ class BraxEnv(Env):
         """The wrapped Brax environment."""
         return self._env
 
-    @property
+    @functools.cached_property
     def observation_space(self) -> Box:
-        size = int(self._env.observation_size)
+        # Brax's own ``observation_size`` runs ``reset`` eagerly, op by op (11 s for the
+        # generalized backend's inverted pendulum); its shape alone needs only a trace.
+        obs = jax.eval_shape(self._env.reset, jax.ShapeDtypeStruct((2,), jnp.uint32)).obs
+        if not isinstance(obs, jax.ShapeDtypeStruct) or len(obs.shape) != 1:
+            raise ValueError(f"brax:{self.env_id}: observations must be one vector, got {obs}")
+        size = obs.shape[0]
         return Box((size,), (-float("inf"),) * size, (float("inf"),) * size)
 
     @property
