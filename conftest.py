@@ -57,10 +57,11 @@ def _marked_processes() -> list[str]:
                 if want not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{entry.name}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
             with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if state == "Z" or (int(ppid) == os.getpid() and "resource_tracker" in cmd):
+                continue  # multiprocessing's tracker of this process ends when it does
             found.append(f"pid {entry.name}: {cmd[:200]}")
         except OSError:  # ended meanwhile, or not ours to read
             continue
@@ -72,7 +73,11 @@ def pytest_sessionfinish(session, exitstatus):
     """Fails the run if a process the tests started outlives them (given a few seconds)."""
     if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
         return  # a pytest-xdist worker (the controller checks once all are gone), or no /proc
+    import sys
     import time
+
+    if "rollout._template" in sys.modules:  # run without pytest-xdist: this process's own
+        sys.modules["rollout._template"].close_all()  # templates would end only with it
 
     deadline = time.monotonic() + float(os.environ.get("SHARDED_ENSEMBLES_TEST_GRACE_S", "10"))
     while (left := _marked_processes()) and time.monotonic() < deadline:

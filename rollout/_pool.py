@@ -7,7 +7,8 @@ runtime, so the callback only copies NumPy arrays and waits on sockets: safe fro
 Why ``subprocess`` and not ``multiprocessing``'s spawn context: spawn re-imports the user's
 ``__main__`` in every worker (a script without an ``if __name__ == "__main__"`` guard would run
 again, and JAX would be imported before the worker could pin it to one device and one thread). A
-fresh ``python _worker.py`` with a prepared environment does neither.
+``python _worker.py`` with a prepared environment does neither, and neither does a fork of a
+template process started that way (``rollout/_template.py``, how workers start on Linux).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rollout._devices import with_thread_flag
 from rollout._spawn import exit_text, reap, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+WORKER_NAME = "on_cpu-worker"  # a forked worker's process name (its cmdline is the template's)
 _ALIGN = 64
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
 
@@ -68,9 +70,9 @@ def _describe_exit(code: int | None) -> str:
 
 
 class _Worker:
-    def __init__(self, index: int, env: dict[str, str]):
+    def __init__(self, index: int, env: dict[str, str], startup_timeout: float):
         self.index = index
-        self.proc, sock = spawn(_WORKER, env)
+        self.proc, sock = spawn(_WORKER, env, WORKER_NAME, ("numpy", "jax"), startup_timeout)
         self.conn = Connection(sock.detach())
         self.programs: set = set()  # program keys this worker holds compiled
         self.drops: set = set()  # keys to tell it to forget with its next message
@@ -130,7 +132,7 @@ class ProcessPool:
     def _spawn(self, indices: Sequence[int]) -> None:
         """Start workers at these indices (replacing what is there) and wait until they are up."""
         env = _worker_env(bool(self._x64))
-        fresh = [_Worker(i, env) for i in indices]
+        fresh = [_Worker(i, env, self.startup_timeout) for i in indices]
         for w in fresh:
             self._workers[w.index] = w
         deadline = time.monotonic() + self.startup_timeout

@@ -1,7 +1,8 @@
 """One worker process of the out-of-process ``on_cpu`` executor.
 
-Started by ``rollout._pool`` as ``python _worker.py FD`` in a fresh interpreter whose environment
-already pins JAX to one CPU device and one thread (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=1``,
+Started by ``rollout._pool`` (``serve(FD)``: a fork of a template process, ``rollout/_template.py``,
+or a fresh ``python _worker.py FD``) in an environment that already pins JAX to one CPU device and
+one thread (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=1``,
 ``XLA_FLAGS=... --xla_cpu_multi_thread_eigen=false``), so W workers use W cores and no more.
 
 Protocol over the socket ``FD`` (pickled tuples through ``multiprocessing.connection``):
@@ -123,7 +124,8 @@ def main(fd: int) -> None:
                 pass  # a view is still alive during interpreter teardown; the OS unmaps it
 
 
-if __name__ == "__main__":
+def serve(fd: int) -> None:
+    """The worker's whole life, in a fresh interpreter or in a fork of a template process."""
     # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
     # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
     # the job, and a worker dying of it first would fail that step. We still end with the
@@ -131,9 +133,13 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        main(int(sys.argv[1]))
+        main(fd)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away while we answered it: nothing left to tell
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
     # The parent waits for our exit: skip the interpreter's final collections of the objects
     # JAX (or an env's package) made, 0.1-0.2 s of CPU that only frees memory the OS takes back.
     gc.freeze()

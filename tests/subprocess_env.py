@@ -50,3 +50,33 @@ def alive_after(pids: Iterable[int], seconds: float) -> list[int]:
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [pid for pid in pids if alive(pid)]
+
+
+def _proc(pid: int | str) -> tuple[int, str, str, str] | None:
+    """(parent pid, state, name, command line) of a process; None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[1]), fields[0], comm, cmd
+
+
+def workers_of(parent: int, kind: str) -> list[int]:
+    """Live worker processes of ``parent`` of ``kind`` ('on_cpu' or 'hostenv'): its children
+    started fresh (``python .../_worker.py FD``), and those forked by its template processes
+    (named ``on_cpu-worker`` / ``hostenv-worker``)."""
+    script = {"on_cpu": "rollout/_worker.py", "hostenv": "rollout/hostenv/_worker.py"}[kind]
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        info = _proc(pid)
+        if info is None or info[1] == "Z":
+            continue
+        ppid, _, comm, cmd = info
+        if ppid == parent and script in cmd:
+            found.append(int(pid))
+        elif comm == f"{kind}-worker" and (up := _proc(ppid)) is not None and up[0] == parent:
+            found.append(int(pid))
+    return found

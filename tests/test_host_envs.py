@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from subprocess_env import alive, alive_after, clean_env
+from subprocess_env import alive, alive_after, clean_env, workers_of
 
 import ensemble
 from rollout import envs
@@ -147,21 +147,9 @@ def no_leaked_workers():
     assert children() == []
 
 
-def children() -> list[tuple[int, str]]:
-    """Live host-env worker processes whose parent is this process."""
-    me, out = os.getpid(), []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == me and fields[0] != "Z" and "hostenv/_worker.py" in cmd:
-            out.append((int(pid), cmd))
-    return out
+def children() -> list[int]:
+    """Live host-env worker processes of this process."""
+    return workers_of(os.getpid(), "hostenv")
 
 
 # ---------------------------------------------------------------------- helpers

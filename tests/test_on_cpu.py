@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from subprocess_env import workers_of
 
 from rollout import on_cpu
 
@@ -58,29 +59,12 @@ def mesh8():
     return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def children() -> list[tuple[int, str]]:
-    """Live child processes of this process (pid, cmdline), without multiprocessing's tracker."""
-    me, out = os.getpid(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == me and fields[0] != "Z" and "resource_tracker" not in cmd:
-            out.append((int(pid), cmd))
-    return out
-
-
 @pytest.fixture(scope="module")
 def rollout_fn():
     f = on_cpu(synth, in_axes=(None, 0), workers=W)  # executor='auto'
     yield f
     f.close()
-    assert not [c for c in children() if "_worker.py" in c[1]]
+    assert workers_of(os.getpid(), "on_cpu") == []
 
 
 # ------------------------------------------------------------------------------ equality
@@ -340,7 +324,7 @@ def test_worker_killed_while_idle_is_replaced():
         started = set(f.pids)
     finally:
         f.close()
-    assert f.pids == [] and not started & {pid for pid, _ in children()}
+    assert f.pids == [] and not started & set(workers_of(os.getpid(), "on_cpu"))
 
 
 # ------------------------------------------------------------------------------ executors

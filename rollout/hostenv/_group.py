@@ -46,6 +46,7 @@ from rollout.hostenv._worker import (
 )
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+WORKER_NAME = "hostenv-worker"  # a forked worker's process name (its cmdline is the template's)
 _POLL_S = 0.2  # how often a waiting caller checks that every worker is still alive
 _live: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
@@ -64,9 +65,9 @@ def _exit_text(code: int | None) -> str:
 
 
 class _Worker:
-    def __init__(self, index: int, rows: range, env: dict[str, str], poll: float):
+    def __init__(self, index: int, rows: range, env: dict[str, str], poll: float, start: tuple):
         self.index, self.rows = index, rows
-        self.proc, sock = spawn(_WORKER, env)
+        self.proc, sock = spawn(_WORKER, env, WORKER_NAME, *start)
         self.wire = Wire(sock, timeout=poll)
 
     @property
@@ -140,12 +141,14 @@ class WorkerGroup:
         self._owner = os.getpid()
         self.control[_fast.C_SEQ] = 0
         starts = np.cumsum([0, *self.counts])
+        # Forked workers share one import of the env library (EnvPool's takes 3 s).
+        start = (("numpy", self.backend), self.startup_timeout)
         path = os.path.join(_shared_dir(), f"rollout-hostenv-{os.getpid()}-{secrets.token_hex(8)}")
         self._shared = SharedArrays(path, self.spec, create=True)
         try:
             for i in range(len(self.counts)):
                 rows = range(starts[i], starts[i + 1])
-                self._workers.append(_Worker(i, rows, env, self._poll))
+                self._workers.append(_Worker(i, rows, env, self._poll, start))
             init = (list(sys.path), self.backend, self.env_id, self.kwargs)
             for w in self._workers:
                 shared = (path, self.spec, w.rows.start, w.rows.stop)

@@ -1,8 +1,8 @@
 """One host-env worker process: a few environment instances stepped on request.
 
-Started by ``rollout.hostenv._group`` as ``python _worker.py FD`` (a fresh interpreter, never a
-fork: the parent holds a JAX runtime). It imports neither JAX nor ``rollout``: only NumPy and the
-env library, so it starts in well under a second and uses one core.
+Started by ``rollout.hostenv._group`` (``serve(FD)``: a fork of a template process,
+``rollout/_template.py``, or a fresh ``python _worker.py FD``; never a fork of the parent, which
+holds a JAX runtime). It imports nothing from ``rollout`` and uses one core.
 
 Protocol over the socket ``FD`` (``Wire``: a 16-byte header of kind, payload size and sequence
 number, then the payload pickled, if any):
@@ -381,19 +381,24 @@ def main(fd: int) -> None:
             pass
 
 
-if __name__ == "__main__":
+def serve(fd: int) -> None:
+    """The worker's whole life, in a fresh interpreter or in a fork of a template process."""
     # Stop signals are the parent's to handle: it finishes its step, writes its checkpoint and
     # then closes us. A terminal's Ctrl-C, or a scheduler's SIGTERM, reaches every process of
     # the job, and a worker dying of it first would fail that step. We still end with the
     # parent (our socket closes, or, during a step, `_watch_parent` sees it gone) and on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Drop this file's directory from the path: the worker must not shadow user modules.
-    sys.path.pop(0)
     try:
-        main(int(sys.argv[1]))
+        main(fd)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away while we answered it: nothing left to tell
+
+
+if __name__ == "__main__":
+    # Drop this file's directory from the path: the worker must not shadow user modules.
+    sys.path.pop(0)
+    serve(int(sys.argv[1]))
     # The parent waits for our exit: skip the interpreter's final collections of the objects
     # JAX (or an env's package) made, 0.1-0.2 s of CPU that only frees memory the OS takes back.
     gc.freeze()
