@@ -203,11 +203,12 @@ def _layer_program(learner):
     actions = jax.device_put(actions, NamedSharding(learner.mesh, P(None, "ensemble")))
 
     def layer(state, actions):
-        # Seeds are read only if the envs must restart, which they do not here.
-        keys = jax.random.split(jax.random.key(0), (n, e))
+        # Seeds are read only if the envs must restart, which they do not here; derived once,
+        # before the loop, as the learner's rollout does.
+        seeds = host.seeds(jax.random.split(jax.random.key(0), (n, e)))
 
         def one(env_state, action):
-            env_state, obs, reward, *_ = host.step(env_state, action, keys)
+            env_state, obs, reward, *_ = host.step(env_state, action, seeds=seeds)
             # Per member: a sum over members would be a collective across devices every step.
             return env_state, reward.sum(axis=1) + obs.reshape(n, -1).sum(axis=1)
 

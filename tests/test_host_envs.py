@@ -499,8 +499,18 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
         ref0, _ = reference(WALK_ID, seeds_of(restart_keys), np.zeros((0, 2, 2), np.int32))
         np.testing.assert_allclose(new_obs, ref0, rtol=1e-6, atol=1e-6)
         assert (new_state.t == 3).all() and host.restarts == 4  # 2 groups x 2 restarts
-        on = step(jax.tree.map(jnp.asarray, results[1][0]), action, keys)  # steps on normally
+        # The seeds derived beforehand (how the learner steps: once per rollout) restart alike.
+        host.close()
+        with jax.set_mesh(mesh):
+            by_seeds = jax.jit(lambda s, a, z: host.step(s, a, seeds=z))
+            out = jax.block_until_ready(by_seeds(state2, action, host.seeds(restart_keys)))
+        np.testing.assert_array_equal(np.asarray(out[1]), new_obs)
+        on = step(jax.tree.map(jnp.asarray, out[0]), action, keys)  # steps on normally
         assert not np.asarray(on[5]["restarted"]).any()
+        with pytest.raises(TypeError, match="keys or seeds, exactly one"):
+            host.step(state2, action)
+        with pytest.raises(ValueError, match=r"seeds must be uint32 \[2, 2\]"):
+            host.step(state2, action, seeds=jnp.zeros((2, 2), jnp.int32))
     finally:
         host.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,42 @@ def test_every_member_shaped_array_is_sharded_from_init_to_metrics(env, members,
     np.testing.assert_allclose(lr_state, lrs, rtol=1e-6)
     if env == "pendulum":
         _returns_are_those_of_each_updates_own_episodes(learner, new_state)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "env, env_on, num_devices",
+    [
+        ("pendulum", "device", 4),
+        ("cartpole", "cpu", 4),
+        ("gymnasium:CartPole-v1", "device", 2),
+        ("envpool:CartPole-v1", "device", 2),
+    ],
+)
+def test_the_update_program_moves_nothing_between_members(env, env_on, num_devices):
+    """Members on whole devices share nothing, so the compiled update holds no collective:
+    any would move one member's data to another's device, and one inside the rollout loop
+    would also make every device wait for the others at every env step. EnvPool's seeds
+    start from member 0's key (a pool of consecutive seeds, whatever the layout): one
+    all-reduce of the rollout's num_steps seed bases, before the loop."""
+    if env.startswith("envpool:"):
+        pytest.importorskip("envpool")
+    from rollout import envs
+
+    cfg = _tiny(env, 4, env_on=env_on, num_steps=8, updates_per_call=1)
+    made = envs.make(env) if ":" in env else None
+    learner = Learner(cfg, devices=jax.devices()[:num_devices], env=made)
+    try:
+        compiled = learner.lower(learner.state_shapes()).compile()
+    finally:
+        learner.close()
+    found = ensemble.debug.collectives(compiled)
+    if not env.startswith("envpool:"):
+        assert found == {}, found
+        return
+    assert found == {"all-reduce": 1}, found
+    (line,) = [x for x in compiled.as_text().splitlines() if re.search(r"\sall-reduce\(", x)]
+    assert re.search(rf"= u32\[{cfg.num_steps},1,1\]", line), line
 
 
 def _returns_are_those_of_each_updates_own_episodes(learner, state):

@@ -344,17 +344,45 @@ class HostEnvs:
 
     # ------------------------------------------------------------------ traced side
 
-    def _seeds(self, keys: jax.Array) -> jax.Array:
+    def seeds(self, keys: jax.Array) -> jax.Array:
+        """The uint32 seeds the envs get from ``keys`` ``[..., n, num_envs]`` (typed PRNG keys or
+        raw key data) at a reset or a restart, as ``reset`` and ``step`` derive them.
+
+        In a loop of steps, derive them once beforehand and pass each step's row as
+        ``step(..., seeds=row)``: inside the loop the derivation would run at every step, and
+        EnvPool's seeds read member 0's key (``reset``), which on a sharded ensemble is a
+        collective across the member axis, one per step.
+
+        Example:
+          >>> import jax
+          >>> from rollout import envs
+          >>> mesh = jax.make_mesh((1,), ("ensemble",), devices=jax.devices()[:1])
+          >>> host = envs.make("gymnasium:CartPole-v1").bind(mesh, members=2, num_envs=3)
+          >>> keys = jax.random.split(jax.random.key(0), (5, 2, 3))  # 5 steps of keys
+          >>> seeds = host.seeds(keys)
+          >>> seeds.shape, seeds.dtype
+          ((5, 2, 3), dtype('uint32'))
+          >>> bool((seeds[4] == host.seeds(keys[4])).all())  # a row is that step's seeds
+          True
+          >>> host.close()
+        """
         if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
             keys = jax.random.wrap_key_data(keys)
+        if keys.shape[-2:] != (self.members, self.num_envs):
+            raise ValueError(
+                f"host env {self.env.name}: keys of shape {keys.shape}; {self.members} members x "
+                f"{self.num_envs} envs take [..., {self.members}, {self.num_envs}]"
+            )
         bits = lambda k: jax.random.bits(k, (), jnp.uint32)
-        seeds = jax.vmap(jax.vmap(bits))(keys)
+        for _ in range(keys.ndim):  # vmapped axis by axis: a reshape would move members
+            bits = jax.vmap(bits)
+        seeds = bits(keys)
         if self.env.backend == "envpool":
             # EnvPool seeds a pool, not an env (env i of a pool seeded s gets s + i, an int32):
             # consecutive seeds over all members' envs make any worker's rows one pool, seeded
             # as one pool of all the envs would be, whichever devices and workers hold them.
-            n, e = seeds.shape
-            first = seeds[0, 0] % jnp.uint32(2**31 - n * e)
+            n, e = self.members, self.num_envs
+            first = seeds[..., :1, :1] % jnp.uint32(2**31 - n * e)
             seeds = first + jnp.arange(n * e, dtype=jnp.uint32).reshape(n, e)
         return seeds
 
@@ -415,11 +443,18 @@ class HostEnvs:
         workers, and each worker's envs one pool."""
         obs_shape = self.env.observation_space.shape
         types = self._types(((), jnp.uint32), (obs_shape, self._obs_dtype))
-        session, obs = self._sharded(self._host_reset, types, self._seeds(keys))
+        session, obs = self._sharded(self._host_reset, types, self.seeds(keys))
         t = jnp.zeros((self.members, self.num_envs), jnp.int32)
         return HostState(session, t, obs), obs
 
-    def step(self, state: HostState, action: jax.Array, keys: jax.Array) -> tuple:
+    def step(
+        self,
+        state: HostState,
+        action: jax.Array,
+        keys: jax.Array | None = None,
+        *,
+        seeds: jax.Array | None = None,
+    ) -> tuple:
         """One step of every env: ``(state, obs, reward, terminated, truncated, info)``.
 
         ``info``: ``final_obs`` (the observation the step reached, before an autoreset),
@@ -430,8 +465,18 @@ class HostEnvs:
         saved or rewound, so then the episodes running in ``state`` end at this step,
         reported as truncated with reward 0 and ``final_obs`` = their last observation (the
         learner bootstraps them like a time limit), and the envs restart from reset, seeded
-        by ``keys``.
+        by ``keys`` as ``reset`` seeds them. ``seeds``, instead of ``keys``: those seeds,
+        derived beforehand by :meth:`seeds` (once for a whole loop of steps).
         """
+        if (keys is None) == (seeds is None):
+            raise TypeError(f"host env {self.env.name}: step takes keys or seeds, exactly one")
+        if seeds is None:
+            seeds = self.seeds(keys)
+        elif tuple(seeds.shape) != (self.members, self.num_envs) or seeds.dtype != jnp.uint32:
+            raise ValueError(
+                f"host env {self.env.name}: seeds must be uint32 [{self.members}, "
+                f"{self.num_envs}] (from seeds(keys)), got {seeds.dtype} {tuple(seeds.shape)}"
+            )
         want = (self.members, self.num_envs, *self._action_shape)
         if tuple(action.shape) != want:  # NumPy would broadcast some shapes into the envs' rows
             raise ValueError(
@@ -458,7 +503,7 @@ class HostEnvs:
         )
         # As the handler and the callbacks read them, whatever a restored checkpoint made them.
         session, t = state.session.astype(jnp.uint32), state.t.astype(jnp.int32)
-        args = (session, t, state.obs.astype(self._obs_dtype), action, self._seeds(keys))
+        args = (session, t, state.obs.astype(self._obs_dtype), action, seeds)
         if self._slot is None:
             outs = self._sharded(self._host_step, types, *args)
         else:

@@ -213,7 +213,8 @@ class Learner:
         # Every member's envs behind one interface (reset / step on [n, num_envs, ...]).
         self.envs = envlib.member_envs(self.env, config, self.mesh)
         # A functional env on device steps inside each member's own program (no host trip).
-        self._envs_beside_members = config.env_on == "device" and not hasattr(self.env, "bind")
+        self._host_envs = hasattr(self.env, "bind")
+        self._envs_beside_members = config.env_on == "device" and not self._host_envs
         self._programs: dict[int, Callable[..., Any]] = {}
         self._state_shardings: Any = None
         self._pbt_step: Any = None
@@ -376,6 +377,8 @@ class Learner:
         carry = self._rollout_carry(ms, (self.config.members,))
         carry, draws = per_member(self._draw, carry)
         draws = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), draws)  # [num_steps, n, ...]
+        if self._host_envs:  # their restart seeds, derived once here rather than every step
+            draws = draws._replace(env_keys=self.envs.seeds(draws.env_keys))
 
         def step(carry: Rollout, draw: Draws):
             act = per_member(self._act, ms.params, carry, draw)
@@ -638,6 +641,8 @@ class Learner:
     # ------------------------------------------------------------------ environments
 
     def _step_envs(self, env_state: Any, action: jax.Array, keys: jax.Array) -> tuple:
+        if self._host_envs:  # `keys` are already their seeds (see _rollout)
+            return self.envs.step(env_state, action, seeds=keys)
         return self.envs.step(env_state, action, keys)
 
     def close(self) -> None:
