@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -198,32 +197,6 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
         devices=devices,
         device_stats=_device_stats(devices),
     )
-
-
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def collectives(compiled: Any) -> dict[str, int]:
-    """How many of each cross-device collective a compiled program holds: the places in its HLO,
-    not executions (one inside a loop counts once; what matters here is whether there are any).
-
-    An ensemble step whose members each have whole devices should have none: members share
-    nothing, so any collective there moves one member's data to another member's device.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> collectives(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())
-      {}
-    """
-    if isinstance(compiled, jax.stages.Lowered):
-        compiled = compiled.compile()
-    text = compiled.as_text()
-    counts = {}
-    for op in _COLLECTIVES:
-        found = len(re.findall(rf"\s{op}(?:-start)?\(", text))
-        if found:
-            counts[op] = found
-    return counts
 
 
 def _compiled_devices(compiled: Any) -> tuple[jax.Device, ...]:

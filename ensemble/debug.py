@@ -5,8 +5,10 @@
   :func:`assert_no_replicated_members`;
 - memory: :func:`live_memory` (bytes of live shards per device), :func:`compiled_memory`
   (per-device argument / output / temp / alias / peak of a compiled program),
-  :func:`print_memory`, and :func:`collectives` (cross-device collectives in a compiled
-  program: an ensemble step whose members have whole devices should have none).
+  :func:`print_memory`;
+- :func:`collectives`: cross-device collectives in a compiled program, or with
+  ``across_members=True`` only those that group devices of different members (an ensemble
+  program should have none; a member spread over several devices may need its own).
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, ensemble
@@ -23,9 +25,9 @@ from ensemble._checks import (
     assert_member_placement,
     assert_no_replicated_members,
 )
+from ensemble._collectives import collectives
 from ensemble._memory import (
     CompiledMemory,
-    collectives,
     compiled_memory,
     live_memory,
     print_memory,

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import ensemble
-from ensemble._memory import collectives
+from ensemble.debug import collectives
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import conv_models
@@ -98,8 +98,12 @@ def test_pmap_style_batchnorm_statistics_are_over_the_members_batch():
             per_member_batch=(True, False, False),
         )
         params = variables["params"]
+        lowered = step.lower(params, step.init(params), variables["batch_stats"], x, labels)
         _, _, losses, stats = step(params, step.init(params), variables["batch_stats"], x, labels)
         assert losses.shape == (n,) and bool(jnp.all(jnp.isfinite(losses)))
+        # On 2 devices a member's statistics and gradients are summed over its own two only.
+        assert collectives(lowered, across_members=True) == {}
+        assert (collectives(lowered) != {}) == (n < len(jax.devices()))
         assert jax.tree.structure(stats) == jax.tree.structure(variables["batch_stats"])
 
 

@@ -82,3 +82,7 @@ def test_member_split_equals_flax_resolution_and_outputs_match():
     np.testing.assert_allclose(
         tp.apply({"params": params}, x), whole.apply(v_whole, x), rtol=1e-5, atol=1e-6
     )
+    # The split member's two devices exchange its own activations, never another member's.
+    lowered = jax.jit(tp.apply).lower({"params": params}, x)
+    assert ensemble.debug.collectives(lowered) != {}
+    assert ensemble.debug.collectives(lowered, across_members=True) == {}

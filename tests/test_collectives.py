@@ -1,0 +1,67 @@
+"""``debug.collectives(..., across_members=True)``: which collectives group devices of different
+members, read from the device groups of every HLO form XLA writes, checked against programs
+whose data movement is known (a member's own reduction, a reduction over all members, a shift
+across members and one within a member)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ensemble
+from ensemble._collectives import _groups
+from ensemble.debug import collectives
+
+
+@pytest.mark.parametrize(
+    "text, groups",
+    [
+        ("replica_groups={{0,1},{2,3}}, to_apply", [[0, 1], [2, 3]]),
+        ("replica_groups=[2,2]<=[4], to_apply", [[0, 1], [2, 3]]),
+        ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply", [[0, 2], [1, 3]]),
+        ("replica_groups=mesh['a'=2,'b'=2] {'b'}, use_global", [[0, 1], [2, 3]]),
+        ("replica_groups=mesh['a'=2,'b'=2] {'a'}, use_global", [[0, 2], [1, 3]]),
+        ("source_target_pairs={{0,2},{2,0}}, metadata", [[0, 2], [2, 0]]),
+        # No groups, or a form this reader does not know: all devices, which crosses members.
+        ("replica_groups={}, to_apply", [[0, 1, 2, 3]]),
+        ("replica_groups=<some new form>, to_apply", [[0, 1, 2, 3]]),
+        ("replica_groups=[2,4]<=[8], to_apply", [[0, 1, 2, 3]]),  # not this program's devices
+    ],
+)
+def test_device_groups_are_read_from_every_form(text, groups):
+    assert _groups(f"  %x = f32[4] all-reduce(%y), {text}", 4) == groups
+
+
+def _on_members(shape, spec):
+    mesh = ensemble.make_mesh(4, devices=jax.devices()[:8])  # members x 2 'data' devices
+    assert dict(mesh.shape) == {"ensemble": 4, "data": 2, "model": 1}
+    return jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize(
+    "fn, within, across",
+    [
+        (lambda x: x.sum(axis=1), {"all-reduce": 1}, {}),  # each member's own rows
+        # Over all members: within each member, then across (only the second crosses).
+        (lambda x: x.sum(), {"all-reduce": 2}, {"all-reduce": 1}),
+        (lambda x: jnp.roll(x, 1, axis=1), {"collective-permute": 1}, {}),  # within a member
+        (lambda x: jnp.roll(x, 1, axis=0), {"collective-permute": 1}, {"collective-permute": 1}),
+    ],
+    ids=["member-sum", "global-sum", "shift-within", "shift-across"],
+)
+def test_collectives_across_members_are_those_that_move_data_between_members(fn, within, across):
+    x = _on_members((4, 8), P("ensemble", "data"))
+    compiled = jax.jit(fn).lower(x).compile()
+    assert collectives(compiled) == within
+    assert collectives(compiled, across_members=True) == across
+
+
+def test_across_members_needs_an_ensemble_mesh():
+    compiled = jax.jit(lambda x: x * 2).lower(np.ones(4)).compile()
+    assert collectives(compiled) == {}
+    with pytest.raises(ValueError, match="one ensemble mesh"):
+        collectives(compiled, across_members=True)
