@@ -5,7 +5,9 @@ For each layer (linen and NNX), at n = D/2 (a member spans two devices), D (one 
 
 - ``ens.apply`` / ``ens(x)`` row i equals the plain model run on member i's variables;
 - one donated train step's losses and updated parameters equal a plain per-member loop
-  (``jax.value_and_grad`` of the same loss and the same SGD update, one member at a time).
+  (``jax.value_and_grad`` of the same loss and the same SGD update, one member at a time);
+- the compiled step holds no collective across members (``debug.collectives(...,
+  across_members=True)``; a member on two devices may share its own work between them).
 
 Convolutions over small maps are the cases the compiler's partitioner once got wrong when the
 member axis was left to it (vmapped convs become grouped convs); they are here on purpose.
@@ -175,12 +177,19 @@ def test_linen_member_equals_plain_model(name, n):
     params = variables["params"]
     rest = {k: c for k, c in variables.items() if k != "params"}
     step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
+    _moves_nothing_between_members(step.lower(params, step.init(params), rest, member_keys))
     params, _, losses = step(params, step.init(params), rest, member_keys)
     params, losses = jax.device_get((params, losses))
     for i, (loss, new_params) in enumerate(refs):
         np.testing.assert_allclose(losses[i], loss, **TOL)
         got = jax.tree.map(lambda a, i=i: a[i], params)
         jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, **TOL), got, new_params)
+
+
+def _moves_nothing_between_members(lowered):
+    """The compiled step's collectives stay within members (a member on two devices may share
+    its own work between them)."""
+    assert ensemble.debug.collectives(lowered, across_members=True) == {}
 
 
 def _rngs(streams, key):
@@ -325,6 +334,7 @@ def test_nnx_member_equals_plain_model(name, n):
         new = jax.tree.map(lambda p, g: p - LR * g, nnx.state(m, nnx.Param), grads)
         refs.append((loss, new))
     step = ens.train_step(loss_fn, optax.sgd(LR), per_member_batch=True)
+    _moves_nothing_between_members(step.lower(ens, step.init(), member_keys))
     losses = np.asarray(step(ens, step.init(), member_keys))
     for i, (loss, new) in enumerate(refs):
         np.testing.assert_allclose(losses[i], loss, **TOL)
