@@ -12,6 +12,7 @@ from pathlib import Path
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -91,6 +92,48 @@ def test_recent_returns_ignores_missing_episodes():
     np.testing.assert_array_equal(np.isnan(got), [True, False, False])
     np.testing.assert_allclose(got[1:], [4.0, 7.0])
     assert np.isnan(pbt.recent_returns([], 3, 2)).all()
+
+
+@pytest.mark.parametrize("n, d", [(8, 8), (4, 8), (16, 8), (6, 3), (5, 1)])
+def test_gather_members_takes_the_parent_rows_on_any_layout(n, d):
+    """One member per device, a member on 2 devices, 2 per device, 3 blocks, one device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:d])
+    rng = np.random.default_rng(n * 10 + d)
+    host = {
+        "w": rng.normal(size=(n, 3, 2)).astype(np.float32),
+        "count": rng.integers(0, 9, (n,)).astype(np.int32),
+    }
+    gather = jax.jit(lambda x, p: pbt.gather_members(x, p, mesh))
+    for parent in (rng.integers(0, n, n), np.arange(n)[::-1], np.zeros(n)):
+        x = jax.device_put(host, NamedSharding(mesh, P("ensemble")))
+        got = gather(x, jnp.asarray(parent, jnp.int32))
+        for name, leaf in host.items():
+            np.testing.assert_array_equal(np.asarray(got[name]), leaf[parent.astype(int)])
+        ensemble.debug.assert_member_placement(got, mesh, n)
+
+
+def test_the_pbt_step_never_holds_the_population_on_one_device():
+    """jnp.take along the sharded member axis all-gathers every leaf: each device would hold
+    all 8 members' parameters and Adam state for the step. The ring holds about two blocks."""
+    cfg = _tiny("pendulum", 8, pbt_fraction=0.5)
+    learner = Learner(cfg)
+    shapes = learner.state_shapes()
+    one_device = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) // 8
+    compiled = pbt.make_step(learner).lower(shapes).compile()
+    temp = ensemble.compiled_memory(compiled).temp
+    assert temp <= 2.5 * one_device, (temp, one_device)
+    assert "collective-permute" in ensemble.debug.collectives(compiled)  # the ring
+    # The reference: the same copy written as a take, in a program of the same state.
+    take = jax.jit(
+        lambda ms: jax.tree.map(lambda x: jnp.take(x, jnp.arange(8)[::-1], axis=0), ms),
+        in_shardings=(learner.state_shardings().members,),
+        out_shardings=learner.state_shardings().members,
+    )
+    taken = ensemble.compiled_memory(take.lower(shapes.members).compile()).temp
+    assert taken >= 6 * one_device, (taken, one_device)
 
 
 # Pendulum: observation and return normalisation are on, so their statistics are copied too.

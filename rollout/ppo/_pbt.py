@@ -8,9 +8,10 @@ the result to :data:`BOUNDS` (explore). A member keeps its own envs, episode boo
 random key, so parent and child go on to collect different experience.
 
 The copy is a gather along the member axis of the sharded train state inside one jitted,
-donated program whose output shardings equal its input shardings: the members move between
-devices (a collective XLA inserts), never through one host, and it works unchanged when the
-members live on several processes.
+donated program whose output shardings equal its input shardings (:func:`gather_members`): the
+members move between devices by collective permutes around a ring of the devices, one device's
+block of members at a time, never through one host and never the whole population on one
+device; it works unchanged when the members live on several processes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ensemble import MEMBER_AXIS
 
 #: Clip ranges of the perturbed hyperparameters (keep a perturbed member trainable).
 BOUNDS = {
@@ -70,15 +73,56 @@ def plan(
     return parent.astype(jnp.int32), factor
 
 
-def exploit_explore(members: Any, parent: jax.Array, factor: jax.Array) -> Any:
+def gather_members(tree: Any, parent: jax.Array, mesh: Mesh) -> Any:
+    """Every leaf's row ``i`` (member axis first) replaced by its row ``parent[i]``.
+
+    ``jnp.take`` along a sharded member axis with indices known only at run time makes XLA
+    all-gather every leaf: each device would hold the whole population for the step. Here the
+    devices pass their blocks of members around a ring instead (a collective permute per hop,
+    each hop's block the previous one's, so they run one after another), and each keeps the
+    rows its own members want from each block as it goes by. Every block still reaches every
+    device, but a device holds its own block, the one passing by and the result: about three
+    blocks, whatever the number of devices.
+    """
+    blocks = mesh.shape[MEMBER_AXIS]
+    ring = [(b, (b + 1) % blocks) for b in range(blocks)]
+
+    def local(tree: Any, parent: jax.Array) -> Any:
+        per = jax.tree_util.tree_leaves(tree)[0].shape[0]
+        me = jax.lax.axis_index(MEMBER_AXIS)
+        want = jax.lax.dynamic_slice_in_dim(parent, me * per, per)
+        src_block, src_row = want // per, want % per
+
+        def keep(held: Any, out: Any, block: jax.Array) -> Any:
+            def one(h: jax.Array, o: jax.Array) -> jax.Array:
+                here = (src_block == block).reshape((per,) + (1,) * (h.ndim - 1))
+                return jnp.where(here, jnp.take(h, src_row, axis=0), o)
+
+            return jax.tree_util.tree_map(one, held, out)
+
+        def hop(k: jax.Array, carry: tuple) -> tuple:
+            held, out = carry
+            held = jax.lax.ppermute(held, MEMBER_AXIS, ring)
+            return held, keep(held, out, (me - k) % blocks)
+
+        # A loop, not unrolled hops: unrolled, XLA fuses every hop's selection into one at
+        # the end, and every block that passed by is live at once.
+        return jax.lax.fori_loop(1, blocks, hop, (tree, keep(tree, tree, me)))[1]
+
+    spec = PartitionSpec(MEMBER_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(
+        tree, parent
+    )
+
+
+def exploit_explore(members: Any, parent: jax.Array, factor: jax.Array, mesh: Mesh) -> Any:
     """The new member state: learnt fields gathered from ``parent``, hyperparameters perturbed.
 
     ``members`` is a ``MemberState`` (member axis first on every leaf). The optimizer's
     injected ``learning_rate`` keeps its ratio to ``hparams['learning_rate']`` (the annealing
     fraction of the last update), so the optimizer and the hyperparameters agree afterwards.
     """
-    take = lambda x: jnp.take(x, parent, axis=0)
-    new = {f: jax.tree_util.tree_map(take, getattr(members, f)) for f in COPIED}
+    new = gather_members({f: getattr(members, f) for f in COPIED}, parent, mesh)
     old_lr = new["hparams"]["learning_rate"]
     hparams = {}
     for j, name in enumerate(HPARAMS):
@@ -111,7 +155,7 @@ def make_step(learner: Any):
     def step(state, recent_returns, key_data):
         key = jax.random.wrap_key_data(key_data)
         parent, factor = plan(recent_returns, key, cfg.pbt_fraction, factors)
-        members = exploit_explore(state.members, parent, factor)
+        members = exploit_explore(state.members, parent, factor, learner.mesh)
         return state.replace(members=members), (parent, members.hparams)
 
     program = jax.jit(
@@ -124,10 +168,17 @@ def make_step(learner: Any):
     def global_array(x: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(x.shape, replicated, lambda index: x[index])
 
-    def run(state, recent_returns, key):
+    def inputs(recent_returns, key) -> tuple[jax.Array, jax.Array]:
         returns = global_array(np.asarray(recent_returns, np.float32))
-        return program(state, returns, global_array(np.asarray(jax.random.key_data(key))))
+        return returns, global_array(np.asarray(jax.random.key_data(key)))
 
+    def run(state, recent_returns, key):
+        return program(state, *inputs(recent_returns, key))
+
+    # The compiled program, for its memory and collectives (state: arrays or shapes).
+    run.lower = lambda state: program.lower(
+        state, *inputs(np.zeros(cfg.members), jax.random.key(0))
+    )
     return run
 
 
