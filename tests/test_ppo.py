@@ -262,6 +262,28 @@ def test_the_update_program_moves_nothing_between_members(env, env_on, num_devic
     assert re.search(rf"= u32\[{cfg.num_steps},1,1\]", line), line
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("env", ["pendulum", "gymnasium:CartPole-v1"])
+def test_the_update_programs_peak_per_device_falls_as_one_over_devices(env):
+    """8 members on 1 and on 8 devices: the compiled update's per-device peak (arguments,
+    outputs and temporaries, less what is donated) on 8 is at most 1.05x the 1-device peak / 8:
+    each device holds its own member's state, rollout and gradients, and nothing else."""
+    from rollout import envs
+
+    peaks = {}
+    for d in (1, 8):
+        cfg = _tiny(env, 8, num_envs=4, num_steps=64, updates_per_call=1, total_steps=256)
+        learner = Learner(
+            cfg, devices=jax.devices()[:d], env=envs.make(env) if ":" in env else None
+        )
+        try:
+            compiled = learner.lower(learner.state_shapes()).compile()
+        finally:
+            learner.close()
+        peaks[d] = ensemble.compiled_memory(compiled).peak
+    assert peaks[8] <= 1.05 * peaks[1] / 8, peaks
+
+
 def _returns_are_those_of_each_updates_own_episodes(learner, state):
     """Pendulum's episodes are 200 steps: with 16 steps per update, updates 0-11 end none,
     update 12 ends every env's first (steps 192-207), update 13 none again. An update without
