@@ -25,6 +25,10 @@ this machine's cores:
   actor-critic, vmapped over the n members); rollout only, no learning.
 - Every mode is timed ``--repeats`` times in interleaved rounds (shuffled order per round);
   the table shows medians. One sample on a shared 2-core machine varies by 20-30%.
+- Where the time goes (a second table): the learner process's CPU per host step (all its
+  threads; medians) for the PPO modes and the layer, and the share of the machine's cores idle
+  while each mode ran. On a machine whose cores step the envs, the learner's CPU is taken from
+  them; idle cores would instead mean the envs wait for the learner.
 - Ratios (of the medians): ``layer/alone`` (the env layer's ceiling for any rollout),
   ``rollout/alone`` and ``full/alone`` (goal >= 0.8),
   ``rollout/cleanrl`` (goal >= 2; both rollouts without learning). The CleanRL loop steps its
@@ -147,13 +151,34 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, mode="u
         raise
 
     def timed() -> float:
-        start = time.perf_counter()
+        cpu, start = _process_cpu(), time.perf_counter()
         for _ in range(calls):
             box["state"], out = run(box["state"])
         jax.block_until_ready(out)
-        return calls * cfg.batch_size * members / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        timed.cpu_us_per_step.append((_process_cpu() - cpu) / (calls * num_steps) * 1e6)
+        return calls * cfg.batch_size * members / seconds
 
+    timed.cpu_us_per_step = []  # the learner process's CPU per host step, per sample
     return timed, learner.close
+
+
+def _process_cpu() -> float:
+    """CPU seconds of this process, all its threads (the learner, XLA, the env callbacks)."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(all, idle) CPU ticks of the machine since boot (Linux), or (0, 0) elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
 
 
 def _rollout_program(learner):
@@ -358,10 +383,14 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
         samples: dict[str, list[float]] = {m: [] for m in timers}
         order = list(timers)
         rng = random.Random(0)
+        idle: dict[str, list[float]] = {m: [] for m in timers}
         for _ in range(repeats):
             rng.shuffle(order)
             for mode in order:
+                before = _machine_ticks()
                 samples[mode].append(timers[mode]())
+                (all_, idle_) = (a - b for a, b in zip(_machine_ticks(), before))
+                idle[mode].append(idle_ / all_ if all_ else float("nan"))
     finally:
         for close in closers:
             close()
@@ -371,6 +400,14 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
     r["rollout/alone"] = r["ppo-rollout"] / r["alone"]
     r["full/alone"] = r["ppo-full"] / r["alone"]
     r["rollout/cleanrl"] = r["ppo-rollout"] / r["cleanrl"]
+    # Where the time goes: the learner process's CPU per host step (PPO modes and the layer),
+    # and the share of the machine's cores left idle while each mode ran.
+    r["learner_cpu_us_per_step"] = {
+        m: statistics.median(t.cpu_us_per_step)
+        for m, t in timers.items()
+        if getattr(t, "cpu_us_per_step", None)
+    }
+    r["idle"] = {m: statistics.median(v) for m, v in idle.items()}
     r["samples"] = samples
     return r
 
@@ -386,6 +423,13 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     for r in rows:
         lines.append(f"{label(r):34s} " + " ".join(f"{r[m]:13,.0f}" for m in modes)
                      + " " + " ".join(f"{r[m]:13.2f}" for m in ratios))  # fmt: skip
+    cpu_modes = ("env-layer", "ppo-rollout", "ppo-full", "ppo-other-place")
+    lines += ["", f"{'env, members x envs':34s} " + " ".join(f"{m:>15s}" for m in cpu_modes)
+              + "   (learner CPU us per host step / machine idle %)"]  # fmt: skip
+    for r in rows:
+        cpu, idle = r["learner_cpu_us_per_step"], r["idle"]
+        cells = [f"{cpu[m]:8.0f} / {100 * idle[m]:3.0f}%" for m in cpu_modes]
+        lines.append(f"{label(r):34s} " + " ".join(f"{c:>15s}" for c in cells))
     text = "\n".join(lines)
     print(text)
     meta = {

@@ -511,6 +511,8 @@ def test_replayed_step_is_an_error_and_restart_reseeds_reproducibly():
             host.step(state2, action)
         with pytest.raises(ValueError, match=r"seeds must be uint32 \[2, 2\]"):
             host.step(state2, action, seeds=jnp.zeros((2, 2), jnp.int32))
+        with pytest.raises(ValueError, match=r"2 members x 2 envs take \[\.\.\., 2, 2\]"):
+            host.seeds(jax.random.split(jax.random.key(0), (2, 3)))
     finally:
         host.close()
 
