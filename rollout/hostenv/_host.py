@@ -468,6 +468,32 @@ class HostEnvs:
         by ``keys`` as ``reset`` seeds them. ``seeds``, instead of ``keys``: those seeds,
         derived beforehand by :meth:`seeds` (once for a whole loop of steps).
         """
+        action, seeds = self._step_inputs(action, keys, seeds)
+        obs_shape = self.env.observation_space.shape
+        # As few arrays as will do: each one of a callback's costs about 2 us of the main
+        # process's time per call, on the cores the envs step on. The counter advances here.
+        types = self._types(
+            ((), jnp.uint32),
+            (obs_shape, self._obs_dtype),
+            ((), jnp.float32),
+            ((), jnp.uint8),
+            (obs_shape, self._obs_dtype),
+        )
+        # As the handler and the callbacks read them, whatever a restored checkpoint made them.
+        session, t = state.session.astype(jnp.uint32), state.t.astype(jnp.int32)
+        args = (session, t, state.obs.astype(self._obs_dtype), action, seeds)
+        if self._slot is None:
+            outs = self._sharded(self._host_step, types, *args)
+        else:
+            outs = self._sharded(self._host_finish, types, *args, fast=True)
+        session, obs, reward, flags, final = outs
+        term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
+        info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
+        return HostState(session, t + 1, obs), obs, reward, term, trunc, info
+
+    def _step_inputs(self, action: Any, keys: Any, seeds: Any) -> tuple[jax.Array, jax.Array]:
+        """``step``'s actions (as the workers read them) and seeds, refused where they would be
+        broadcast or truncated into the envs' rows."""
         if (keys is None) == (seeds is None):
             raise TypeError(f"host env {self.env.name}: step takes keys or seeds, exactly one")
         if seeds is None:
@@ -490,28 +516,7 @@ class HostEnvs:
                 f"host env {self.env.name}: a Discrete action space takes integer actions, not "
                 f"{action.dtype}; cast them yourself (e.g. jnp.round(a).astype(jnp.int32))"
             )
-        action = action.astype(self._action_dtype)  # as the workers read them
-        obs_shape = self.env.observation_space.shape
-        # As few arrays as will do: each one of a callback's costs about 2 us of the main
-        # process's time per call, on the cores the envs step on. The counter advances here.
-        types = self._types(
-            ((), jnp.uint32),
-            (obs_shape, self._obs_dtype),
-            ((), jnp.float32),
-            ((), jnp.uint8),
-            (obs_shape, self._obs_dtype),
-        )
-        # As the handler and the callbacks read them, whatever a restored checkpoint made them.
-        session, t = state.session.astype(jnp.uint32), state.t.astype(jnp.int32)
-        args = (session, t, state.obs.astype(self._obs_dtype), action, seeds)
-        if self._slot is None:
-            outs = self._sharded(self._host_step, types, *args)
-        else:
-            outs = self._sharded(self._host_finish, types, *args, fast=True)
-        session, obs, reward, flags, final = outs
-        term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
-        info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
-        return HostState(session, t + 1, obs), obs, reward, term, trunc, info
+        return action.astype(self._action_dtype), seeds
 
     # ------------------------------------------------------------------ host side
 
