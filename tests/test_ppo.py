@@ -451,6 +451,22 @@ def test_env_on_cpu_learns_exactly_like_env_on_device():
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("env", ["pendulum", "cartpole"])
+def test_values_batched_after_the_rollout_equal_values_computed_at_each_step(env, monkeypatch):
+    """An MLP's critic is apart from its actor, so the rollout runs the actor alone and V comes
+    in one call afterwards; the update must be the one that computes V at every step."""
+    from rollout.ppo import _networks as nets
+
+    results = []
+    for apart in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(nets.ActorCritic, "critic_apart", apart)
+            learner = Learner(_tiny(env, 2), devices=jax.devices()[:2])
+            state, metrics = learner.update(learner.init(), 2)  # compiled under the patch
+            results.append(jax.device_get((state.members, metrics)))
+    chex.assert_trees_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
 def test_updates_past_the_end_of_an_annealed_schedule_run_at_learning_rate_zero():
     cfg = _tiny("cartpole", 2, total_steps=2 * 32, learning_rate=(1e-3, 4e-3))  # 2 updates
     learner = Learner(cfg, devices=jax.devices()[:2])

@@ -104,7 +104,7 @@ class Act(NamedTuple):
     obs: jax.Array  # normalised observation the policy saw
     action: jax.Array
     log_prob: jax.Array
-    value: jax.Array
+    value: jax.Array | None  # None: computed after the rollout (``critic_apart`` networks)
     env_action: jax.Array  # the action as the env takes it (clipped into the box)
     env_keys: jax.Array  # one key per env
 
@@ -131,7 +131,7 @@ class Transition(NamedTuple):
     obs: jax.Array
     action: jax.Array
     log_prob: jax.Array
-    value: jax.Array
+    value: jax.Array | None  # None until _advantages for ``critic_apart`` networks
     reward: jax.Array  # the (scaled, truncation-bootstrapped) reward the learner trains on
     done: jax.Array
 
@@ -438,7 +438,10 @@ class Learner:
     def _act(self, params: Any, carry: Rollout, draw: Draws) -> Act:
         """Sample actions for this member's envs from the current policy."""
         obs = self._normalize(carry.obs, carry.obs_stats)
-        pi, value = self.network.apply({"params": params}, obs)
+        if self.network.critic_apart:  # V comes after the rollout, batched (_advantages)
+            pi, value = self.network.apply({"params": params}, obs, method="policy"), None
+        else:
+            pi, value = self.network.apply({"params": params}, obs)
         action = nets.sample(pi, draw.noise, self.spec.discrete)
         return Act(
             obs=obs,
@@ -552,6 +555,8 @@ class Learner:
         """``(trajectory, advantages, value targets)``, ``[num_steps, num_envs, ...]`` each."""
         cfg, apply = self.config, self.network.apply
         traj, cuts = steps
+        if traj.value is None:  # the rollout ran the actor alone (critic_apart)
+            traj = traj._replace(value=apply({"params": ms.params}, traj.obs, method="value"))
         if cfg.bootstrap_truncation:  # reward += gamma * V(final obs) where time ran out
             final_value = apply({"params": ms.params}, cuts.final_obs, method="value")
             traj = traj._replace(reward=traj.reward + cuts.cut * cfg.gamma * final_value)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -39,6 +39,10 @@ class ActorCritic(nn.Module):
     action_dim: int
     discrete: bool = True
     hidden: Sequence[int] = (64, 64)
+    #: The critic shares no layer with the actor, so a rollout runs :meth:`policy` alone and
+    #: the learner computes V for the whole trajectory afterwards, in one batched call: the
+    #: same numbers, and half the small per-step programs.
+    critic_apart: ClassVar[bool] = True
 
     def setup(self) -> None:
         zeros = nn.initializers.zeros
@@ -52,14 +56,14 @@ class ActorCritic(nn.Module):
             self.log_std = self.param("log_std", zeros, (self.action_dim,))
 
     def __call__(self, obs: jax.Array):
+        return self.policy(obs), self.value(obs)
+
+    def policy(self, obs: jax.Array):
+        """The actor alone: ``logits``, or ``(mean, log_std)``."""
         x = obs
         for layer in self.actor:
             x = nn.tanh(layer(x))
-        head = self.actor_out(x)
-        value = self.value(obs)
-        if self.discrete:
-            return head, value
-        return (head, jnp.broadcast_to(self.log_std, head.shape)), value
+        return _policy_head(self.actor_out(x), self.discrete, getattr(self, "log_std", None))
 
     def value(self, obs: jax.Array) -> jax.Array:
         """The critic alone (cheaper when only V is needed, e.g. to bootstrap a truncation)."""
@@ -119,6 +123,8 @@ class ImageActorCritic(nn.Module):
     torso: str = "nature"
     channels_first: bool = False
     obs_scale: float = 1.0
+    #: Actor and critic share the torso: a rollout computes both heads at once.
+    critic_apart: ClassVar[bool] = False
 
     def setup(self) -> None:
         zeros, relu_gain = nn.initializers.zeros, math.sqrt(2.0)
@@ -146,13 +152,19 @@ class ImageActorCritic(nn.Module):
 
     def __call__(self, obs: jax.Array):
         x = self.features(obs)
-        head, value = self.actor_out(x), self.critic_out(x)[..., 0]
-        if self.discrete:
-            return head, value
-        return (head, jnp.broadcast_to(self.log_std, head.shape)), value
+        log_std = getattr(self, "log_std", None)
+        return _policy_head(self.actor_out(x), self.discrete, log_std), self.critic_out(x)[..., 0]
+
+    def policy(self, obs: jax.Array):
+        return self(obs)[0]
 
     def value(self, obs: jax.Array) -> jax.Array:
         return self.critic_out(self.features(obs))[..., 0]
+
+
+def _policy_head(head: jax.Array, discrete: bool, log_std: jax.Array | None):
+    """``logits``, or ``(mean, log_std)`` with the state-independent ``log_std`` broadcast."""
+    return head if discrete else (head, jnp.broadcast_to(log_std, head.shape))
 
 
 def make_network(spec: Any, hidden: Sequence[int]) -> nn.Module:
