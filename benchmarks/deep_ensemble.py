@@ -29,6 +29,7 @@ Not a test: it times things. Run it on a quiet machine::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -80,9 +81,17 @@ class Workload:
     def member_steps(self) -> int:
         return self.order.shape[0] * self.order.shape[1]
 
+    def calls(self, scan: bool):
+        """The batch order as the calls of a run: ``[steps, n, batch]``, one step per call, or
+        ``[epochs, steps per epoch, n, batch]``, one epoch per call (``scan``)."""
+        if not scan:
+            return self.order
+        return self.order.reshape(self.cfg.epochs, -1, *self.order.shape[1:])
 
-def time_loop(w: Workload, device) -> tuple[float, list]:
-    """Members one after another, a plain jitted single-model step each; (seconds, params)."""
+
+def time_loop(w: Workload, device, scan: bool = False) -> tuple[float, list]:
+    """Members one after another, a plain jitted single-model step each (``scan``: one call
+    per epoch, a ``lax.scan`` over its steps); (seconds, params)."""
     import jax
     import optax
 
@@ -94,26 +103,36 @@ def time_loop(w: Workload, device) -> tuple[float, list]:
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    step = jax.jit(step, donate_argnums=(0, 1))
+    def one(carry, idx):
+        p, s, loss = step(*carry, idx)
+        return (p, s), loss
+
+    def epoch(p, s, idxs):
+        (p, s), losses = jax.lax.scan(one, (p, s), idxs)
+        return p, s, losses
+
+    run = jax.jit(epoch if scan else step, donate_argnums=(0, 1))
     # The state goes to the device at once: an uncommitted Adam count would compile the step again.
     member = lambda i: jax.device_put(jax.tree.map(lambda a: a[i], w.init), device)
     init = lambda p: jax.device_put(tx.init(p), device)
+    calls = w.calls(scan)  # [calls, (steps per call,) n, batch]
     warm = member(0)
-    jax.block_until_ready(step(warm, init(warm), w.order[0, 0]))  # compile outside the clock
+    jax.block_until_ready(run(warm, init(warm), calls[0][..., 0, :]))  # compile outside the clock
     out = []
     t0 = time.perf_counter()
     for i in range(w.cfg.members):
         p = member(i)
         s = init(p)
-        for idx in w.order[:, i]:
-            p, s, _ = step(p, s, idx)
+        for idx in calls:
+            p, s, _ = run(p, s, idx[..., i, :])
         out.append(p)
     jax.block_until_ready(out)
     return time.perf_counter() - t0, jax.device_get(out)
 
 
-def time_ensemble(w: Workload, devices) -> tuple[float, list]:
-    """Every member at once with ensemble.train_step over ``devices``; (seconds, params)."""
+def time_ensemble(w: Workload, devices, scan: bool = False) -> tuple[float, list]:
+    """Every member at once with ensemble.train_step over ``devices`` (``scan``: one
+    ``step.scan`` call per epoch); (seconds, params)."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -121,23 +140,25 @@ def time_ensemble(w: Workload, devices) -> tuple[float, list]:
     import ensemble
 
     ens = ensemble.build(w.model, w.cfg.members, devices=devices)
-    step = ensemble.train_step(
+    train = ensemble.train_step(
         w.loss_fn,
         optax.adam(w.cfg.lr),
         n=ens.n,
         mesh=ens.mesh,
         per_member_batch=(True, False, False),
     )
+    step = functools.partial(train.scan, stacked=(True, False, False)) if scan else train
     x, y = jax.device_put(
         (w.data.x_train, w.data.y_train), NamedSharding(ens.mesh, PartitionSpec())
     )
     place = lambda: ensemble.shard_members(w.init, ens.mesh, ens.n)
+    calls = w.calls(scan)
     warm = place()
-    jax.block_until_ready(step(warm, step.init(warm), w.order[0], x, y))  # compile
+    jax.block_until_ready(step(warm, train.init(warm), calls[0], x, y))  # compile
     t0 = time.perf_counter()
     p = place()
-    s = step.init(p)
-    for idx in w.order:
+    s = train.init(p)
+    for idx in calls:
         p, s, _ = step(p, s, idx, x, y)
     jax.block_until_ready(p)
     seconds = time.perf_counter() - t0
@@ -186,10 +207,14 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
     times: dict[str, list[float]] = {}
     params: dict[str, list] = {}
     for _ in range(repeats):
-        runs = {"loop": lambda: time_loop(w, devices[0])}
+        runs = {
+            "loop": lambda: time_loop(w, devices[0]),
+            "loop, scan": lambda: time_loop(w, devices[0], scan=True),
+        }
         for d in layouts:
             if members % d == 0 or d % members == 0:
                 runs[f"ensemble D={d}"] = lambda d=d: time_ensemble(w, devices[:d])
+                runs[f"ensemble D={d}, scan"] = lambda d=d: time_ensemble(w, devices[:d], True)
         runs["loop, all cores"] = lambda: (loop_all_cores(members, hidden, epochs), None)
         for name, fn in runs.items():
             seconds, p = fn()
@@ -202,7 +227,7 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
     loop = rate["loop"]
     ways = []
     for name, r in rate.items():
-        d = int(name.split("D=")[1]) if "D=" in name else None
+        d = int(name.split("D=")[1].split(",")[0]) if "D=" in name else None
         ways.append(
             {
                 "way": name,
@@ -215,7 +240,9 @@ def bench_one(de, members: int, hidden: int, epochs: int, repeats: int) -> dict:
                 "x_loop": r / loop,
                 "goal_x_loop": 0.9 * d if d else None,
                 "goal_met": (r >= 0.9 * d * loop) if d else None,
-                "max_abs_param_diff_vs_loop": max_diff(params[name], params["loop"]) if d else None,
+                "max_abs_param_diff_vs_loop": (
+                    max_diff(params[name], params["loop"]) if name in params else None
+                ),
             }
         )
     return {"members": members, "hidden": hidden, "epochs": epochs,
@@ -242,7 +269,7 @@ def machine() -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'n':>3} {'hidden':>6} {'epochs':>6} {'way':>16} {'member-steps/s':>15} {'x loop':>7} "
+        f"{'n':>3} {'hidden':>6} {'epochs':>6} {'way':>19} {'member-steps/s':>15} {'x loop':>7} "
         f"{'goal':>7} {'max|diff|':>9} {'spread':>6}"
     )
     lines = [head]
@@ -251,7 +278,7 @@ def format_table(rows: list[dict]) -> str:
             goal = f">={way['goal_x_loop']:.1f}" if way["goal_x_loop"] else ""
             diff = way["max_abs_param_diff_vs_loop"]
             lines.append(
-                f"{row['members']:>3} {row['hidden']:>6} {row['epochs']:>6} {way['way']:>16} "
+                f"{row['members']:>3} {row['hidden']:>6} {row['epochs']:>6} {way['way']:>19} "
                 f"{way['member_steps_per_s']:>15,.0f} {way['x_loop']:>6.2f}x {goal:>7} "
                 f"{'' if diff is None else f'{diff:.1e}':>9} {way['spread']:>5.2f}x"
             )

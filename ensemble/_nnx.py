@@ -59,6 +59,7 @@ from ensemble._mesh import (
     take_member,
 )
 from ensemble._optim import per_member
+from ensemble._steps import one_step_of, scan_steps, stacked_flags
 
 __all__ = ["NNXEnsemble", "build_nnx", "lower_build_nnx", "nnx_optimizer", "nnx_train_step"]
 
@@ -728,8 +729,10 @@ class NNXTrainStep:
         self.donate = donate
         self.make_optimizer: Callable[[], nnx.Optimizer] | None = None
         functools.update_wrapper(self, loss_fn, updated=())
-        self._jitted = jax.jit(
-            self._step, static_argnums=(0, 1), donate_argnums=(2, 3) if donate else ()
+        donated = (2, 3) if donate else ()
+        self._jitted = jax.jit(self._step, static_argnums=(0, 1), donate_argnums=donated)
+        self._scanned = jax.jit(
+            self._steps, static_argnums=(0, 1), static_argnames="stacked", donate_argnums=donated
         )
 
     def init(self) -> nnx.Optimizer:
@@ -743,26 +746,63 @@ class NNXTrainStep:
 
     def __call__(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
         """Updates ``ens`` and ``optimizer`` in place; returns per-member losses ``[n]``."""
+        return self._run(self._jitted, ens, optimizer, batch, batch)
+
+    def scan(
+        self,
+        ens: NNXEnsemble,
+        optimizer: nnx.Optimizer,
+        *batches: Any,
+        stacked: bool | Sequence[bool] = True,
+    ) -> Any:
+        """K steps in one compiled call, the batches of the K steps stacked on a leading axis
+        (per-member ones ``[K, n, ...]``; ``stacked=False`` for an argument that is the same at
+        every step); returns losses ``[n, K]`` (aux ``[n, K, ...]``). As
+        :meth:`TrainStep.scan <ensemble.TrainStep.scan>`: the numbers of K calls, one dispatch.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, ensemble
+          >>> from flax import nnx
+          >>> ens = ensemble.build(lambda rngs: nnx.Linear(3, 1, rngs=rngs), n=4)
+          >>> step = ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+          >>> step.scan(ens, step.init(), jnp.ones((10, 2, 3))).shape  # 10 steps
+          (4, 10)
+        """
+        flags = stacked_flags(stacked, len(batches))
+        program = functools.partial(self._scanned, stacked=flags)
+        return self._run(program, ens, optimizer, batches, one_step_of(batches, flags))
+
+    def _run(self, program: Any, ens: Any, optimizer: Any, batch: tuple, one: tuple) -> Any:
         _check_pair(ens, optimizer)
         axes = self._batch_axes(len(batch), ens.in_axes)
-        check_inputs(batch, axes, ens.n, "batch argument", *BATCH_FIXES)
+        check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
-        out, new_ens, new_opt = self._jitted(ens_def, opt_def, ens_state, opt_state, batch)
+        out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
         nnx.update(optimizer, new_opt)
         return out
 
-    def lower(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
-        """``jax.stages.Lowered`` of the step, e.g. for ``.compile().memory_analysis()``."""
+    def lower(
+        self,
+        ens: NNXEnsemble,
+        optimizer: nnx.Optimizer,
+        *batch: Any,
+        stacked: bool | Sequence[bool] | None = None,
+    ) -> Any:
+        """``jax.stages.Lowered`` of the step, e.g. for ``.compile().memory_analysis()``; with
+        ``stacked`` (as for :meth:`scan`), of :meth:`scan`."""
         _check_pair(ens, optimizer)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
-        return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
+        if stacked is None:
+            return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
+        flags = stacked_flags(stacked, len(batch))
+        return self._scanned.lower(ens_def, opt_def, ens_state, opt_state, batch, stacked=flags)
 
     def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch
@@ -793,6 +833,15 @@ class NNXTrainStep:
             ) from None
         out = (losses, aux) if self.has_aux else losses
         return out, nnx.state(ens), nnx.state(optimizer)
+
+    def _steps(self, ens_def, opt_def, ens_state, opt_state, batches, *, stacked):
+        def one(carry, batch):
+            out, ens_state, opt_state = self._step(ens_def, opt_def, *carry, batch)
+            return (ens_state, opt_state), out
+
+        carry = (ens_state, opt_state)
+        (ens_state, opt_state), out = scan_steps(one, carry, batches, stacked)
+        return out, ens_state, opt_state
 
 
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:

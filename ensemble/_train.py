@@ -44,6 +44,7 @@ from ensemble._core import (
 )
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
+from ensemble._steps import one_step_of, scan_steps, stacked_flags
 
 
 class TrainStep:
@@ -51,8 +52,10 @@ class TrainStep:
 
     ``step(params, opt_state, *batch) -> (params, opt_state, losses[n])`` (``+ (aux,)`` with
     ``has_aux``); ``step.init(params)`` makes the per-member optimizer state on the member axis;
-    ``step.tx`` is the per-member optax transformation; ``step.lower(...)`` gives the lowered
-    program (``.compile().memory_analysis()`` shows per-device bytes and donated aliases).
+    ``step.scan(params, opt_state, *batches)`` runs K steps in one call (batches stacked on a
+    leading axis of K); ``step.tx`` is the per-member optax transformation; ``step.lower(...)``
+    gives the lowered program (``.compile().memory_analysis()`` shows per-device bytes and
+    donated aliases).
     """
 
     def __init__(
@@ -135,9 +138,43 @@ class TrainStep:
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
         return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
-    def lower(self, params: Any, opt_state: Any, *batch: Any) -> jax.stages.Lowered:
-        """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``."""
-        return self._program(params, opt_state, batch).lower(params, opt_state, *batch)
+    def scan(
+        self, params: Any, opt_state: Any, *batches: Any, stacked: bool | Sequence[bool] = True
+    ) -> tuple[Any, ...]:
+        """K steps in one compiled call, the batches of the K steps stacked on a leading axis.
+
+        Stacked per-member arguments are ``[K, n, ...]``, stacked shared ones ``[K, ...]``;
+        ``stacked`` (one flag per batch argument, or one for all) marks those that are the same
+        at every step instead (a dataset the steps index into), passed once. Returns what K
+        calls of the step would, with losses ``[n, K]`` (and aux ``[n, K, ...]``): the same
+        numbers, but the dispatch (which costs more than a small step, and more on a mesh of
+        several devices) is paid once. Aux is stacked per step, so state that a loss updates
+        (BatchNorm's ``batch_stats``, passed as a batch argument) needs the single step.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble
+          >>> model = nn.Dense(1)
+          >>> ens = ensemble.build(model, n=4)
+          >>> params = ens.init(jax.random.key(0), jnp.ones((2, 3)))["params"]
+          >>> def loss_fn(p, idx, x):  # the rows idx of a dataset x
+          ...     return jnp.mean(model.apply({"params": p}, x[idx]) ** 2)
+          >>> step = ensemble.train_step(loss_fn, optax.sgd(0.1), n=4, mesh=ens.mesh)
+          >>> idx = jnp.arange(20).reshape(10, 2) % 5  # 10 steps of 2 rows
+          >>> x = jnp.ones((5, 3))
+          >>> out = step.scan(params, step.init(params), idx, x, stacked=(True, False))
+          >>> out[2].shape  # losses: member, step
+          (4, 10)
+        """
+        flags = stacked_flags(stacked, len(batches))
+        return self._program(params, opt_state, batches, flags)(params, opt_state, *batches)
+
+    def lower(
+        self, params: Any, opt_state: Any, *batch: Any, stacked: bool | Sequence[bool] | None = None
+    ) -> jax.stages.Lowered:
+        """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``; with
+        ``stacked`` (as for :meth:`scan`), the lowered :meth:`scan`."""
+        flags = None if stacked is None else stacked_flags(stacked, len(batch))
+        return self._program(params, opt_state, batch, flags).lower(params, opt_state, *batch)
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
         pmb = self._per_member_batch
@@ -151,7 +188,14 @@ class TrainStep:
             )
         return tuple(0 if b else None for b in pmb)
 
-    def _program(self, params: Any, opt_state: Any, batch: tuple[Any, ...]) -> Callable[..., Any]:
+    def _program(
+        self,
+        params: Any,
+        opt_state: Any,
+        batch: tuple[Any, ...],
+        stacked: tuple[bool, ...] | None = None,
+    ) -> Callable[..., Any]:
+        """The jitted step for these inputs (``stacked``: the :meth:`scan` of that layout)."""
         if isinstance(params, optax.LookaheadParams):
             raise ValueError(
                 "params are optax.LookaheadParams: this step differentiates the loss with "
@@ -164,7 +208,8 @@ class TrainStep:
         check_live(params, "params")
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
-        check_inputs(batch, axes, self.n, "batch argument", *BATCH_FIXES)
+        one = batch if stacked is None else one_step_of(batch, stacked)
+        check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES)
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
@@ -173,12 +218,15 @@ class TrainStep:
             jax.tree.structure((params, opt_state)),
             tuple(jax.tree.leaves((p_sh, s_sh))),
             axes,
+            stacked,
         )
         if key not in self._cache:
-            self._cache[key] = self._compile(axes, p_sh, s_sh)
+            self._cache[key] = self._compile(axes, p_sh, s_sh, stacked)
         return self._cache[key]
 
-    def _compile(self, axes: tuple[int | None, ...], p_sh: Any, s_sh: Any) -> Callable[..., Any]:
+    def _compile(
+        self, axes: tuple[int | None, ...], p_sh: Any, s_sh: Any, stacked: tuple[bool, ...] | None
+    ) -> Callable[..., Any]:
         members, has_aux = self._members, self._has_aux
         member_update = _member_update(self._loss_fn, self._member_tx, has_aux)
 
@@ -191,12 +239,23 @@ class TrainStep:
             )
             return out if has_aux else out[:3]
 
-        loss_sharding = member_sharding(self.mesh, 1, None, members.rules)
+        def one(carry, batch):
+            out = step(*carry, *batch)
+            return out[:2], out[2:]  # (params, opt_state), (losses[, aux])
+
+        def steps(params, opt_state, *batches):
+            (params, opt_state), rest = scan_steps(one, (params, opt_state), batches, stacked)
+            return (params, opt_state, *rest)
+
+        scan = stacked is not None
+        loss_sharding = member_sharding(self.mesh, 1 + scan, None, members.rules)
         out_shardings: tuple[Any, ...] = (p_sh, s_sh, loss_sharding)
         if has_aux:
             out_shardings = (*out_shardings, None)
         return jax.jit(
-            step, out_shardings=out_shardings, donate_argnums=(0, 1) if self._donate else ()
+            steps if scan else step,
+            out_shardings=out_shardings,
+            donate_argnums=(0, 1) if self._donate else (),
         )
 
     def _sharding_of(self, x: Any, abstract: Any) -> NamedSharding:

@@ -303,17 +303,21 @@ def train(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) -> 
     opt_state, best = step.init(params), None
     losses, val_nll = [], np.empty((cfg.epochs if len(data.x_val) else 0, n))
     best_epoch = np.full(n, cfg.epochs)
-    for epoch, steps in enumerate(np.split(order, cfg.epochs)):
-        for idx in steps:
-            params, opt_state, loss = step(params, opt_state, idx, x, y)
-            losses.append(loss)
+    for epoch, idx in enumerate(np.split(order, cfg.epochs)):
+        # One call per epoch: its steps run in one compiled scan (the batches' indices stacked
+        # per step, the training set passed once), not one dispatch per step.
+        params, opt_state, loss = step.scan(
+            params, opt_state, idx, x, y, stacked=(True, False, False)
+        )
+        losses.append(loss.T)  # [steps, n]
         if len(val_nll):
             val_nll[epoch] = np.asarray(validate(params))
             better = val_nll[epoch] < np.min(val_nll[:epoch], 0, initial=np.inf)
             best_epoch[better] = epoch + 1
             best = keep_better(params if best is None else best, params, better)
     params = params if best is None else best
-    return Trained(params, np.asarray(jax.device_get(losses)), order, val_nll, best_epoch)
+    losses = np.concatenate(jax.device_get(losses))
+    return Trained(params, losses, order, val_nll, best_epoch)
 
 
 # ---------------------------------------------------------------------------------- metrics

@@ -342,6 +342,36 @@ def test_train_step_lowers_loss_and_donates():
     assert not kept.is_deleted()
 
 
+@pytest.mark.parametrize("n", [D, 2 * D])
+def test_scan_equals_the_step_called_once_per_batch(n):
+    """K steps in one call, per-member targets [K, n, ...]: the numbers of K calls, losses
+    [n, K], the state donated and left on the member axis."""
+    k = 4
+    xs = jax.random.normal(jax.random.key(5), (k, 6, 3))
+    ys = jax.random.normal(jax.random.key(6), (k, n, 6, 1))
+    ens = build_nnx(linear, n, rngs=4)
+    opt = nnx_optimizer(ens, optax.adam(0.1))
+    step = nnx_train_step(mse, per_member_batch=(False, True))
+    ref = nnx_train_step(mse, per_member_batch=(False, True), donate=False)  # clones share
+    want_ens, want_opt = nnx.clone(ens), nnx.clone(opt)
+    want = [ref(want_ens, want_opt, xs[i], ys[i]) for i in range(k)]
+    old = ens.members.kernel[...]
+    losses = step.scan(ens, opt, xs, ys)
+    assert old.is_deleted()
+    assert losses.shape == (n, k) and losses.sharding.spec[0] == "ensemble"
+    np.testing.assert_allclose(losses, np.stack(want, axis=1), rtol=1e-5, atol=1e-7)
+    for got, ref in zip(jax.tree.leaves(nnx.state((ens, opt))),
+                        jax.tree.leaves(nnx.state((want_ens, want_opt)))):  # fmt: skip
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    assert_on_member_axis(nnx.state(ens), ens.mesh, n)
+    memory = step.lower(ens, opt, xs, ys, stacked=True).compile().memory_analysis()
+    # Per device: every state buffer aliased; not the batches (xs whole, ys one slice of D).
+    batches = xs.nbytes + ys.nbytes // ens.mesh.devices.size
+    assert memory.alias_size_in_bytes == memory.argument_size_in_bytes - batches
+    with pytest.raises(ValueError, match=rf"batch argument 1 has shape \(3, {n}, 6, 1\); scan"):
+        step.scan(ens, opt, xs, ys[:3])
+
+
 def test_per_member_clip_and_batches_are_independent():
     """A huge gradient on member 0 must not change the other members' (clipped) updates."""
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))

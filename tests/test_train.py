@@ -420,3 +420,95 @@ def test_per_member_hyperparameters_keep_optaxs_dtype_under_x64():
         assert lr.dtype == jnp.float64 and float(lr[0]) == 0.1 / 3
     state = ensemble.per_member(tx, 4, learning_rate=[0.1 / 3] * 4).init({"w": jnp.ones((4, 3))})
     assert optax.tree_utils.tree_get(state, "learning_rate").dtype == jnp.float32
+
+
+@pytest.mark.parametrize(("n", "mp"), [(D, 1), (2 * D, 1), (D // 4, 2)])
+def test_scan_equals_the_step_called_once_per_batch(n, mp):
+    """K steps in one call: the numbers of K calls, per-member and shared batches, aux
+    member-major over the steps, donated, and nothing crossing members."""
+    k = 5
+    xs = jax.random.normal(jax.random.key(1), (k, 8, 3))  # shared: [K, batch, ...]
+    ys = jnp.sin(xs[..., :1])
+    scale = 1.0 + jax.random.uniform(jax.random.key(2), (k, n))  # per member: [K, n]
+
+    def loss_fn(p, s, x, y):
+        err = MODEL.apply({"params": p}, x) - y
+        return s * jnp.mean(err**2), jnp.max(jnp.abs(err))
+
+    ens, params = setup(n, xs[0], model_parallel=mp)
+    step = ensemble.train_step(loss_fn, optax.adam(1e-2), n=n, mesh=ens.mesh, rules=ens.rules,
+                               has_aux=True, per_member_batch=(True, False, False))  # fmt: skip
+    want_p, want_s = params, step.init(params)
+    want_losses, want_aux = [], []
+    for i in range(k):
+        want_p, want_s, loss, aux = step(want_p, want_s, scale[i], xs[i], ys[i])
+        want_losses.append(loss)
+        want_aux.append(aux)
+    _, params = setup(n, xs[0], model_parallel=mp)
+    opt_state = step.init(params)
+    compiled = step.lower(params, opt_state, scale, xs, ys, stacked=True).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes > 0
+    assert ensemble.debug.collectives(compiled, across_members=True) == {}
+    old = jax.tree_util.tree_leaves((params, opt_state))
+    param_specs = specs(params)
+    params, opt_state, losses, aux = step.scan(params, opt_state, scale, xs, ys)
+    assert all(leaf.is_deleted() for leaf in old)
+    assert specs(params) == param_specs
+    assert losses.shape == (n, k) and losses.sharding.spec[0] == "ensemble"
+    np.testing.assert_allclose(losses, np.stack(want_losses, axis=1), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(aux, np.stack(want_aux, axis=1), rtol=1e-5, atol=1e-7)
+    for got, want in zip(jax.tree_util.tree_leaves((params, opt_state)),
+                         jax.tree_util.tree_leaves((want_p, want_s))):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_scan_refuses_batches_that_are_not_stacked_alike():
+    n = D
+    x = jnp.ones((8, 3))
+    ens, params = setup(n, x)
+    step = ensemble.train_step(mse, optax.sgd(0.1), n=n, mesh=ens.mesh, rules=ens.rules,
+                               donate=False)  # fmt: skip
+    opt_state = step.init(params)
+    alike = "scan takes every stacked batch argument"
+    with pytest.raises(ValueError, match=r"batch argument 1 has shape \(4, 8, 1\); " + alike):
+        step.scan(params, opt_state, jnp.ones((5, 8, 3)), jnp.ones((4, 8, 1)))
+    with pytest.raises(ValueError, match=r"batch argument 0 has shape \(\); " + alike):
+        step.scan(params, opt_state, jnp.float32(1.0), jnp.ones((4, 8, 1)))
+    with pytest.raises(ValueError, match=r"same length \(0 from the first\), at least 1"):
+        step.scan(params, opt_state, jnp.ones((0, 8, 3)), jnp.ones((0, 8, 1)))
+    with pytest.raises(ValueError, match="scan needs at least one batch argument"):
+        step.scan(params, opt_state)
+    with pytest.raises(ValueError, match="scan needs at least one batch argument"):
+        step.scan(params, opt_state, x, x[:, :1], stacked=False)
+    with pytest.raises(ValueError, match=r"stacked=\(True,\) gives one flag per batch argument"):
+        step.scan(params, opt_state, x, x[:, :1], stacked=(True,))
+    # A per-member argument keeps the per-step check: [K, n, ...], not [n, K, ...].
+    per = ensemble.train_step(mse, optax.sgd(0.1), n=n, mesh=ens.mesh, rules=ens.rules,
+                              per_member_batch=(True, False), donate=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"leading member axis of size n=8"):
+        per.scan(params, opt_state, jnp.ones((n, 3, 8, 3)), jnp.ones((n, 8, 1)))
+
+
+def test_scan_over_indices_into_a_dataset_passed_once():
+    """The deep-ensemble pattern: per-member row indices stacked per step, the dataset itself
+    the same at every step (stacked=False), passed once."""
+    n, k = D, 6
+    x = jax.random.normal(jax.random.key(1), (32, 3))
+    y = jnp.sin(x[:, :1])
+    idx = jax.random.randint(jax.random.key(2), (k, n, 8), 0, 32)
+
+    def loss_fn(p, rows, x, y):
+        return mse(p, x[rows], y[rows])
+
+    ens, params = setup(n, x)
+    step = ensemble.train_step(loss_fn, optax.adam(1e-2), n=n, mesh=ens.mesh, rules=ens.rules,
+                               per_member_batch=(True, False, False), donate=False)  # fmt: skip
+    want_p, want_s = params, step.init(params)
+    want = []
+    for i in range(k):
+        want_p, want_s, loss = step(want_p, want_s, idx[i], x, y)
+        want.append(loss)
+    got_p, _, losses = step.scan(params, step.init(params), idx, x, y, stacked=(True, False, False))
+    np.testing.assert_allclose(losses, np.stack(want, axis=1), rtol=1e-5, atol=1e-7)
+    for got, ref in zip(jax.tree_util.tree_leaves(got_p), jax.tree_util.tree_leaves(want_p)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
