@@ -4,9 +4,10 @@ Every per-member computation of the library (linen init and apply, the train ste
 module call, the PPO update) goes through :meth:`Members.map`. It runs the plain single-member
 function under ``jax.shard_map`` with the member axis ``'ensemble'`` *manual*:
 
-- each device receives only its own members' slices: one member per device runs the plain
-  function itself; several members on one device are vmapped (or, for initialisation, run one
-  after another) inside that device's program;
+- each device receives only its own members' slices: several members on one device are vmapped
+  (or, for initialisation, run one after another) inside that device's program; one member per
+  device is vmapped over an axis of 1 (which keeps donated buffers in place), except for
+  gradients, which run the plain function on the member's slices (see ``_device_program``);
 - the within-member axes ``'data'`` and ``'model'`` stay automatic: constraints inside a member
   (Flax logical annotations, ``with_sharding_constraint``) resolve through Flax's own functions
   against the mesh that ``shard_map`` puts in context, so the compiler splits a member over its
@@ -344,6 +345,7 @@ class Members:
         *,
         batched: Sequence[bool] | None = None,
         sequential: bool = False,
+        squeeze: bool = False,
     ) -> Any:
         """``fn(*member_args)`` for every member; outputs stacked member-major, on the member axis.
 
@@ -353,13 +355,15 @@ class Members:
         member's ``'data'`` devices. ``sequential`` runs the members sharing a device one after
         another instead of vmapping them, on meshes of several devices (initialisation: a
         batched LAPACK call per CPU device next to the RNG can hang XLA's CPU runtime).
+        ``squeeze``: with one member per device, run ``fn`` on the member's own slices, not
+        vmapped over an axis of 1 (for gradients; see :meth:`_device_program`).
         """
         args, axes = tuple(args), tuple(axes)
         batched = tuple(batched) if batched is not None else (False,) * len(args)
         for j, (arg, ax) in enumerate(zip(args, axes)):
             if ax == 0:
                 check_member_major(arg, self.n, f"per-member input {j}")
-        program = self._device_program(fn, axes, batched, sequential)
+        program = self._device_program(fn, axes, batched, sequential, squeeze)
         in_specs = tuple(PartitionSpec(MEMBER_AXIS) if ax == 0 else PartitionSpec() for ax in axes)
         run = jax.shard_map(
             program,
@@ -375,25 +379,40 @@ class Members:
             return jax.jit(run)(*args)
 
     def _device_program(
-        self, fn: Callable[..., Any], axes: Axes, batched: tuple[bool, ...], sequential: bool
+        self,
+        fn: Callable[..., Any],
+        axes: Axes,
+        batched: tuple[bool, ...],
+        sequential: bool,
+        squeeze: bool,
     ) -> Callable[..., Any]:
+        """One device's program: its ``local`` members, vmapped (or one by one).
+
+        With one member per device, a vmap over an axis of 1 keeps donated buffers in place
+        (slicing the member out and back in made XLA copy every one that the outputs
+        overwrite), but it batches the gradient's dots: JAX's transpose rule for a batched
+        ``dot_general`` gives a weight's gradient as ``[out, in]``, and XLA:CPU then reads it
+        transposed in every optimizer fusion (a 2-member, 1024-unit MLP step: 18 ms on 2
+        devices against 6 ms for the plain model). ``squeeze`` runs ``fn`` on the member's own
+        slices instead: for functions whose outputs overwrite no input (gradients).
+        """
         member = self._bind_axis_name(self._split_batches(fn, batched))
         local = self.local
 
         # A lax.map only where it matters: several members per device on a multi-device mesh.
         one_by_one = sequential and local > 1 and self.mesh.shape[MEMBER_AXIS] > 1
 
-        def one_at_a_time(args: tuple[Any, ...]) -> Any:
-            def pick(j: Any) -> list[Any]:
-                return [
-                    jax.tree.map(lambda x: x[j], a) if ax == 0 else a for a, ax in zip(args, axes)
-                ]
+        def pick(args: tuple[Any, ...], j: Any) -> list[Any]:
+            return [jax.tree.map(lambda x: x[j], a) if ax == 0 else a for a, ax in zip(args, axes)]
 
-            return jax.lax.map(lambda j: member(*pick(j)), jnp.arange(local))
+        def one_at_a_time(args: tuple[Any, ...]) -> Any:
+            return jax.lax.map(lambda j: member(*pick(args, j)), jnp.arange(local))
 
         def program(*args: Any) -> Any:
             if one_by_one:
                 return one_at_a_time(args)
+            if squeeze and local == 1:
+                return jax.tree.map(lambda y: jnp.expand_dims(y, 0), member(*pick(args, 0)))
             try:
                 # Also with one member per device (axis size 1): XLA then keeps donated buffers
                 # in place, where slicing the member out and back in made it copy them.

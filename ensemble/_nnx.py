@@ -239,6 +239,7 @@ class NNXEnsemble(nnx.Module):
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         in_axes: InAxes,
+        squeeze: bool = False,
     ) -> Any:
         axes = arg_axes(in_axes, len(args))
         kw_names = sorted(kwargs)
@@ -268,6 +269,7 @@ class NNXEnsemble(nnx.Module):
             (jax.tree.leaves(state), *traced),
             (0, *traced_axes),
             batched=(False, *(not isinstance(t, _MemberKeys) for t in traced)),
+            squeeze=squeeze,
         )
         _write_back(self.members, state, changed, new_leaves)
         return out
@@ -818,7 +820,8 @@ class NNXTrainStep:
         in_axes = self._batch_axes(len(batch), ens.in_axes)
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
-        losses, aux, grads = ens._map(_member_grads(self, optimizer.wrt), batch, {}, in_axes)
+        grads_of = _member_grads(self, optimizer.wrt)  # squeezed: see Members._device_program
+        losses, aux, grads = ens._map(grads_of, batch, {}, in_axes, squeeze=True)
         # value=: each member's loss, for optax transforms that read it (reduce_on_plateau).
         try:
             optimizer.update(ens, nnx.State({"members": grads}), value=losses)

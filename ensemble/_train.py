@@ -228,16 +228,23 @@ class TrainStep:
         self, axes: tuple[int | None, ...], p_sh: Any, s_sh: Any, stacked: tuple[bool, ...] | None
     ) -> Callable[..., Any]:
         members, has_aux = self._members, self._has_aux
+        member_grads = _member_grads(self._loss_fn, has_aux)
         member_update = _member_update(self._loss_fn, self._member_tx, has_aux)
 
         def step(params, opt_state, *batch):
-            out = members.map(
-                member_update,
-                (params, opt_state, *batch),
-                (0, 0, *axes),
-                batched=(False, False, *([True] * len(batch))),
+            # Two member calls in one program: the gradient (fresh outputs: squeezed, see
+            # Members._device_program), then the optimizer, which overwrites the donated state.
+            batched = (*([True] * len(batch)),)
+            loss, aux, grads = members.map(
+                member_grads, (params, *batch), (0, *axes), batched=(False, *batched), squeeze=True
             )
-            return out if has_aux else out[:3]
+            params, opt_state = members.map(
+                member_update,
+                (params, opt_state, grads, loss, *batch),
+                (0, 0, 0, 0, *axes),
+                batched=(False, False, False, False, *batched),
+            )
+            return (params, opt_state, loss, aux) if has_aux else (params, opt_state, loss)
 
         def one(carry, batch):
             out = step(*carry, *batch)
@@ -271,21 +278,35 @@ class TrainStep:
         check_member_major(tree, self.n, f"{what} leaf ", hint)
 
 
-def _member_update(
-    loss_fn: Callable[..., Any], tx: optax.GradientTransformation, has_aux: bool
-) -> Callable[..., Any]:
-    """One member's update: loss, gradient, ``tx`` (one member's state), new parameters."""
-
+def _member_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
     def member_loss(params, *batch):
         out = loss_fn(params, *batch)
         split_loss(out, has_aux)  # checked: a scalar loss, (loss, aux) with has_aux
         return out
 
-    member_tx = optax.with_extra_args_support(tx)
+    return member_loss
 
-    def update(params, opt_state, *batch):
+
+def _member_grads(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """One member's ``(loss, aux, gradient)``."""
+    member_loss = _member_loss(loss_fn, has_aux)
+
+    def grads(params, *batch):
         out, grads = jax.value_and_grad(member_loss, has_aux=has_aux)(params, *batch)
         loss, aux = out if has_aux else (out, None)
+        return loss, aux, grads
+
+    return grads
+
+
+def _member_update(
+    loss_fn: Callable[..., Any], tx: optax.GradientTransformation, has_aux: bool
+) -> Callable[..., Any]:
+    """One member's ``tx`` update (one member's state) and new parameters."""
+    member_loss = _member_loss(loss_fn, has_aux)
+    member_tx = optax.with_extra_args_support(tx)
+
+    def update(params, opt_state, grads, loss, *batch):
         # optax's extra arguments, for the transforms that read them (reduce_on_plateau,
         # polyak_sgd: value; lbfgs: value, grad, value_fn); the others ignore them.
         value_fn = lambda p: member_loss(p, *batch)[0] if has_aux else member_loss(p, *batch)
@@ -293,7 +314,7 @@ def _member_update(
         updates, opt_state = member_tx.update(
             grads, opt_state, params, **accepted_extra_args(member_tx, extra)
         )
-        return optax.apply_updates(params, updates), opt_state, loss, aux
+        return optax.apply_updates(params, updates), opt_state
 
     return update
 

@@ -609,3 +609,37 @@ def test_per_member_data_marked_shared_is_refused(ens8):
         step(ens8, step.init(), xs)
     ens8.in_axes = 0
     assert ens8(xs).shape[0] == D
+
+
+def test_one_member_per_device_steps_like_the_plain_model():
+    """As for linen (tests/test_train.py): with one member per device the gradient is not
+    vmapped over an axis of 1, so the compiled step moves no more data (copies, transposes)
+    than the plain model's own donated step."""
+
+    class Wide(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.a = nnx.Linear(8, 256, rngs=rngs)
+            self.b = nnx.Linear(256, 256, rngs=rngs)
+            self.c = nnx.Linear(256, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.c(nnx.relu(self.b(nnx.relu(self.a(x)))))
+
+    from test_train import _layout_moves as moves
+
+    x, y = jnp.ones((16, 8)), jnp.ones((16, 3))
+    tx = optax.adam(1e-3)
+    graphdef, plain = nnx.split(Wide(nnx.Rngs(0)), nnx.Param)
+
+    def plain_step(p, s, x, y):
+        grads = jax.grad(lambda p: mse(nnx.merge(graphdef, p), x, y))(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    want = moves(
+        jax.jit(plain_step, donate_argnums=(0, 1)).lower(plain, tx.init(plain), x, y).compile()
+    )
+    ens = build_nnx(Wide, D, rngs=0)
+    step = nnx_train_step(mse)
+    got = moves(step.lower(ens, nnx_optimizer(ens, tx), x, y).compile())
+    assert got <= want, (got, want)

@@ -1,5 +1,8 @@
 """train_step: donation, placement kept, per-member optimizer state and hyperparameters."""
 
+import math
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -512,3 +515,39 @@ def test_scan_over_indices_into_a_dataset_passed_once():
     np.testing.assert_allclose(losses, np.stack(want, axis=1), rtol=1e-5, atol=1e-7)
     for got, ref in zip(jax.tree_util.tree_leaves(got_p), jax.tree_util.tree_leaves(want_p)):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def _layout_moves(compiled) -> int:
+    """Copies and transposes of arrays of 256 elements or more anywhere in a compiled program
+    (fusions included; the scalar counters' copies do not matter)."""
+    dims = re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* (?:copy|transpose)\(", compiled.as_text())
+    return sum(math.prod(int(d) for d in ds.split(",") if d) >= 256 for ds in dims)
+
+
+def test_one_member_per_device_steps_like_the_plain_model():
+    """With one member per device the member's gradient is not vmapped over an axis of 1: a
+    batched dot_general's gradient comes out [out, in], and XLA:CPU then read it transposed in
+    every optimizer fusion (3x slower for 1024-unit layers). The compiled step moves no more
+    data than the plain model's own donated step."""
+    model = nn.Sequential([nn.Dense(256), nn.relu, nn.Dense(256), nn.relu, nn.Dense(3)])
+    x, y = jnp.ones((16, 8)), jnp.ones((16, 3))
+
+    def loss_fn(p, x, y):
+        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+    tx = optax.adam(1e-3)
+    plain = model.init(jax.random.key(0), x)["params"]
+
+    def plain_step(p, s, x, y):
+        grads = jax.grad(loss_fn)(p, x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    want = _layout_moves(
+        jax.jit(plain_step, donate_argnums=(0, 1)).lower(plain, tx.init(plain), x, y).compile()
+    )
+    ens = ensemble.build(model, D)
+    params = ens.init(jax.random.key(0), x)["params"]
+    step = ensemble.train_step(loss_fn, tx, n=D, mesh=ens.mesh)
+    compiled = step.lower(params, step.init(params), x, y).compile()
+    assert _layout_moves(compiled) <= want, (_layout_moves(compiled), want)
