@@ -13,7 +13,7 @@ rest still run):
 - ``ensemble memory``: the device's ``memory_stats()`` peak of that donated step against
   ``ensemble.compiled_memory``'s estimate (ratio; "warn" outside 0.75-1.25).
 - ``on_cpu executor`` / ``result`` / ``speed-up``: ``rollout.on_cpu(render, executor='auto')``
-  (the GRU synthesiser of ``benchmarks/rollout.py``) called from a step jitted on the accelerator,
+  (the GRU synthesiser of ``benchmarks/on_cpu_speed.py``) called from a step jitted on the accelerator,
   on all host cores: which executor it picked ('inprocess' expected for an accelerator caller,
   'process' for a CPU one), its output against the function run directly on one CPU device, and
   its speed-up over that one core.
@@ -58,11 +58,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python benchmarks/accelerator_check.py` puts benchmarks/ first on sys.path, where
-# benchmarks/rollout.py would shadow the rollout package: drop it, put the repository root first.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
 
 MB = 1e6
 OK, WARN, SKIPPED, FAILED = "ok", "warn", "skipped", "FAILED"
@@ -87,7 +82,7 @@ class Sizes:
     hidden: int = 5000  # the MLP's hidden units
     input_dim: int = 20  # the MLP's input features
     batch: int = 1024  # shared batch of the train step
-    rollout_batch: int = 256  # on_cpu rows (benchmarks/rollout.py's batch 256)
+    rollout_batch: int = 256  # on_cpu rows (benchmarks/on_cpu_speed.py's batch 256)
     samples: int = 2048  # audio samples per row
     synth_hidden: int = 32  # GRU units of the synthesiser
     reps: int = 5  # timed rounds of on_cpu (best kept)
@@ -419,10 +414,10 @@ def check_on_cpu(ctx: Context) -> list[Row]:
     import rollout
     from rollout.envs import init_synth_params
 
-    bench = _load("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
+    bench = _load("rollout_benchmark", ROOT / "benchmarks" / "on_cpu_speed.py")
     s = ctx.sizes
     render = bench.make_render(s.samples, s.synth_hidden)
-    rng = np.random.default_rng(0)  # gain and frequency per row, as in benchmarks/rollout.py
+    rng = np.random.default_rng(0)  # gain and frequency per row, as in benchmarks/on_cpu_speed.py
     b = s.rollout_batch
     gf = np.stack([rng.uniform(0, 2, b), np.exp(rng.uniform(np.log(110), np.log(880), b))], -1)
     gf = gf.astype(np.float32)

@@ -58,11 +58,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python benchmarks/envs.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py would
-# shadow the rollout package: drop it, and put the repository root first.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 

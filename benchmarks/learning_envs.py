@@ -28,10 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python benchmarks/learning_envs.py` puts benchmarks/ first on sys.path, where benchmarks/
-# rollout.py would shadow the rollout package: drop it.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: env -> (total steps per member, CleanRL mean, CleanRL std, goal text)

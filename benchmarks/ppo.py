@@ -22,16 +22,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python benchmarks/ppo.py` puts benchmarks/ first on sys.path, where benchmarks/rollout.py would
-# shadow the rollout package: drop it, and put the repository root first.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 

@@ -22,11 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_HERE = Path(__file__).resolve().parent
-# `python benchmarks/worker_start.py` puts benchmarks/ first on sys.path, where
-# benchmarks/rollout.py would shadow the rollout package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
 OUT = ROOT / "benchmarks" / "results"
 KINDS = ("on_cpu", "gymnasium", "envpool")
 WAYS = {"fork": "1", "fresh": "0"}

@@ -33,3 +33,19 @@ def test_a_mistake_is_one_line_and_exit_code_2(script, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert lines[0].endswith("--help)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_starts_as_the_readme_runs_it(script):
+    """`python benchmarks/<script> --help` from the repository root: each imports the project's
+    packages, not a file of benchmarks/ that shares a package's name."""
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=clean_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]

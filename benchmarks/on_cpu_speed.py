@@ -14,10 +14,10 @@ speed-up = samples/s over one core (the faster of naive and direct at k=1); over
 direct time at the same k, minus 1; both from the best of ``--reps`` rounds (medians printed too).
 Goals: speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
 
-    python benchmarks/rollout.py                 # ~2 min on 2 cores
-    python benchmarks/rollout.py --batches 64 256 1024 --samples 4096 --reps 7
+    python benchmarks/on_cpu_speed.py                 # ~2 min on 2 cores
+    python benchmarks/on_cpu_speed.py --batches 64 256 1024 --samples 4096 --reps 7
 
-Writes benchmarks/results/rollout.json and benchmarks/results/rollout.png. Figures on a machine
+Writes benchmarks/results/on_cpu_speed.json and benchmarks/results/on_cpu_speed.png. Figures on a machine
 shared with other work are noisy: the JSON records the load average before and after.
 """
 
@@ -179,10 +179,10 @@ def main(argv=None) -> None:
         load_average_before=load_before,
         load_average_after=load_after,
     )
-    with open(os.path.join(args.out, "rollout.json"), "w") as fh:
+    with open(os.path.join(args.out, "on_cpu_speed.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    plot(rows, cores, os.path.join(args.out, "rollout.png"))
-    print(f"wrote {args.out}/rollout.json and rollout.png")
+    plot(rows, cores, os.path.join(args.out, "on_cpu_speed.png"))
+    print(f"wrote {args.out}/on_cpu_speed.json and on_cpu_speed.png")
 
 
 def plot(rows, cores, path) -> None:
