@@ -13,10 +13,10 @@ rest still run):
 - ``ensemble memory``: the device's ``memory_stats()`` peak of that donated step against
   ``ensemble.compiled_memory``'s estimate (ratio; "warn" outside 0.75-1.25).
 - ``on_cpu executor`` / ``result`` / ``speed-up``: ``rollout.on_cpu(render, executor='auto')``
-  (the GRU synthesiser of ``benchmarks/on_cpu_speed.py``) called from a step jitted on the accelerator,
-  on all host cores: which executor it picked ('inprocess' expected for an accelerator caller,
-  'process' for a CPU one), its output against the function run directly on one CPU device, and
-  its speed-up over that one core.
+  (the GRU synthesiser of ``benchmarks/on_cpu_speed.py``) called from a step jitted on the
+  accelerator, on all host cores: which executor it picked ('inprocess' expected for an
+  accelerator caller, 'process' for a CPU one), its output against the function run directly on
+  one CPU device, and its speed-up over that one core.
 - ``ppo steps/s`` / ``ppo first call``: ensemble PPO on CartPole (``rollout.ppo.Learner``,
   4 members, ``benchmarks/ppo.py``'s timing) on the accelerator against the same run on the host's
   CPU devices (one member per device, as ``python -m rollout.ppo`` sets them up), and the first

@@ -17,8 +17,8 @@ Goals: speed-up >= 0.85 x cores, overhead <= 10 % at batch >= 64.
     python benchmarks/on_cpu_speed.py                 # ~2 min on 2 cores
     python benchmarks/on_cpu_speed.py --batches 64 256 1024 --samples 4096 --reps 7
 
-Writes benchmarks/results/on_cpu_speed.json and benchmarks/results/on_cpu_speed.png. Figures on a machine
-shared with other work are noisy: the JSON records the load average before and after.
+Writes benchmarks/results/on_cpu_speed.json and benchmarks/results/on_cpu_speed.png. Figures on a
+machine shared with other work are noisy: the JSON records the load average before and after.
 """
 
 from __future__ import annotations
