@@ -309,14 +309,14 @@ def train(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) -> 
         params, opt_state, loss = step.scan(
             params, opt_state, idx, x, y, stacked=(True, False, False)
         )
-        losses.append(loss.T)  # [steps, n]
+        losses.append(loss)  # [n, steps]
         if len(val_nll):
             val_nll[epoch] = np.asarray(validate(params))
             better = val_nll[epoch] < np.min(val_nll[:epoch], 0, initial=np.inf)
             best_epoch[better] = epoch + 1
             best = keep_better(params if best is None else best, params, better)
     params = params if best is None else best
-    losses = np.concatenate(jax.device_get(losses))
+    losses = np.concatenate([e.T for e in jax.device_get(losses)])  # [steps, n], on the host
     return Trained(params, losses, order, val_nll, best_epoch)
 
 
