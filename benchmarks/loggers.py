@@ -195,18 +195,7 @@ def main() -> None:
         flush=True,
     )
     summary = summarize(throughput(cfg, devices, args.rounds, ARMS, args.settle))
-    head = f"{'loggers':<30} {'env steps/s':>12} {'vs none':>8} {'rows':>6} {'close s':>8}"
-    print(f"\n{head} {'writer CPU':>11}")
-    for arm, s in summary.items():
-        print(
-            f"{arm:<30} {s['median_env_steps_per_s']:>12,.0f} "
-            f"{s['median_ratio_to_none']:>8.3f} {s['rows_logged']:>6.0f} "
-            f"{s['median_close_s']:>8.3f} {100 * s['writer_cpu_per_train_s']:>10.2f}%"
-        )
-    print(
-        f"(median over rounds; rows: metric rows the loggers got of {cfg.num_updates}; writer "
-        "CPU: the logger thread's CPU time / training wall time)"
-    )
+    print_throughput(summary, cfg.num_updates)
     cost = row_cost(cfg.members)
     print(
         f"\n(b) CPU per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "
@@ -227,6 +216,21 @@ def main() -> None:
     }
     (RESULTS / "loggers.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {RESULTS / 'loggers.json'}")
+
+
+def print_throughput(summary: dict, num_updates: int) -> None:
+    head = f"{'loggers':<30} {'env steps/s':>12} {'vs none':>8} {'rows':>6} {'close s':>8}"
+    print(f"\n{head} {'writer CPU':>11}")
+    for arm, s in summary.items():
+        print(
+            f"{arm:<30} {s['median_env_steps_per_s']:>12,.0f} "
+            f"{s['median_ratio_to_none']:>8.3f} {s['rows_logged']:>6.0f} "
+            f"{s['median_close_s']:>8.3f} {100 * s['writer_cpu_per_train_s']:>10.2f}%"
+        )
+    print(
+        f"(median over rounds; rows: metric rows the loggers got of {num_updates}; writer "
+        "CPU: the logger thread's CPU time / training wall time)"
+    )
 
 
 def _versions() -> dict[str, str]:

@@ -378,7 +378,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parser() -> OneLineParser:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument(
@@ -394,6 +394,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--conv-batch", type=int, default=16, help="shared batch of conv nets")
     parser.add_argument("--resnet-width", type=int, default=16, help="64 is the real ResNet-18")
     parser.add_argument("--resnet-image", type=int, default=32, help="ResNet input side")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = _parser()
     args = parser.parse_args(argv)
     _simulate_cpu_devices(max(args.devices))
     available = jax.devices()

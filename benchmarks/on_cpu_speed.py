@@ -88,81 +88,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     cpus = jax.devices("cpu")
-    cores = len(cpus)
     render = make_render(args.samples, args.hidden)
-    dev0 = cpus[0]
-    params = jax.device_put(init_synth_params(jax.random.key(0), args.hidden), dev0)
+    params = jax.device_put(init_synth_params(jax.random.key(0), args.hidden), cpus[0])
     load_before = os.getloadavg()
     rows = []
-
-    def record(batch, mode, k, times):
-        seconds, median = times
-        rows.append(
-            dict(
-                batch=batch,
-                mode=mode,
-                cores=k,
-                seconds=seconds,
-                median_seconds=median,
-                samples_per_s=batch * args.samples / seconds,
-            )
-        )
-        print(f"  {mode:9s} k={k}  {seconds * 1e3:8.1f} ms/call (median {median * 1e3:.1f})")
-
     for batch in args.batches:
-        rng = np.random.default_rng(batch)
-        gf = np.stack(
-            [rng.uniform(0, 2, batch), np.exp(rng.uniform(np.log(110), np.log(880), batch))], -1
-        ).astype(np.float32)
-        x = jax.device_put(gf, dev0)
-        print(f"batch {batch}:", flush=True)
-        ref = np.asarray(jax.jit(render)(params, x))
-        configs = [("naive", 1, jax.jit(render), (params, x))]
-        wrappers = []
-        for k in range(1, cores + 1):
-            mesh = jax.sharding.Mesh(np.array(cpus[:k]), ("w",))
-            direct = jax.jit(
-                jax.shard_map(
-                    render, mesh=mesh, in_specs=(P(), P("w")), out_specs=P("w"), check_vma=False
-                )
-            )
-            pad = -(-batch // k) * k
-            xk = np.concatenate([gf, gf[: pad - batch]])
-            xk = jax.device_put(xk, NamedSharding(mesh, P("w")))
-            pk = jax.device_put(params, NamedSharding(mesh, P()))
-            configs.append(("direct", k, direct, (pk, xk)))
-            for executor in ("inprocess", "process"):
-                f = rollout.on_cpu(render, in_axes=(None, 0), executor=executor, workers=k)
-                step = jax.jit(f)
-                np.testing.assert_allclose(np.asarray(step(params, x)), ref, atol=1e-5)
-                configs.append((executor, k, step, (params, x)))
-                wrappers.append(f)
-        seconds = timeit([(fn, a) for _, _, fn, a in configs], args.reps)
-        for (mode, k, _, _), sec in zip(configs, seconds):
-            record(batch, mode, k, sec)
-        for f in wrappers:
-            f.close()
-
-    # One core's throughput: the faster of naive and direct at k=1 (so no speed-up is flattered).
-    base = {}
-    for r in rows:
-        if r["cores"] == 1 and r["mode"] in ("naive", "direct"):
-            base[r["batch"]] = min(base.get(r["batch"], np.inf), r["seconds"])
-    direct = {(r["batch"], r["cores"]): r["seconds"] for r in rows if r["mode"] == "direct"}
-    for r in rows:
-        r["speedup"] = base[r["batch"]] / r["seconds"]
-        r["overhead"] = r["seconds"] / direct[r["batch"], r["cores"]] - 1.0
+        rows += measure_batch(render, params, batch, args.samples, args.reps, cpus)
+    add_ratios(rows)
     load_after = os.getloadavg()
-
-    header = f"{'batch':>6} {'mode':>10} {'cores':>5} {'ms/call':>9} {'median':>8} "
-    header += f"{'Msamples/s':>11} {'speed-up':>9} {'overhead':>9}"
-    print("\n" + header)
-    for r in rows:
-        print(
-            f"{r['batch']:>6} {r['mode']:>10} {r['cores']:>5} {r['seconds'] * 1e3:>9.1f} "
-            f"{r['median_seconds'] * 1e3:>8.1f} {r['samples_per_s'] / 1e6:>11.2f} "
-            f"{r['speedup']:>8.2f}x {100 * r['overhead']:>8.1f}%"
-        )
+    print_table(rows)
     print(f"load average before {load_before}, after {load_after} on {os.cpu_count()} cores")
 
     os.makedirs(args.out, exist_ok=True)
@@ -171,7 +105,7 @@ def main(argv=None) -> None:
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         jax=jax.__version__,
         python=platform.python_version(),
-        cpu_devices=cores,
+        cpu_devices=len(cpus),
         cpu_count=os.cpu_count(),
         samples=args.samples,
         hidden=args.hidden,
@@ -181,8 +115,83 @@ def main(argv=None) -> None:
     )
     with open(os.path.join(args.out, "on_cpu_speed.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    plot(rows, cores, os.path.join(args.out, "on_cpu_speed.png"))
+    plot(rows, len(cpus), os.path.join(args.out, "on_cpu_speed.png"))
     print(f"wrote {args.out}/on_cpu_speed.json and on_cpu_speed.png")
+
+
+def measure_batch(render, params, batch: int, samples: int, reps: int, cpus) -> list[dict]:
+    """One batch of rows rendered every way (naive, direct, both ``on_cpu`` executors) on 1..all
+    cores, timed interleaved; each way's output is checked against the naive one first."""
+    rng = np.random.default_rng(batch)
+    gf = np.stack(
+        [rng.uniform(0, 2, batch), np.exp(rng.uniform(np.log(110), np.log(880), batch))], -1
+    ).astype(np.float32)
+    x = jax.device_put(gf, cpus[0])
+    print(f"batch {batch}:", flush=True)
+    ref = np.asarray(jax.jit(render)(params, x))
+    configs = [("naive", 1, jax.jit(render), (params, x))]
+    wrappers = []
+    for k in range(1, len(cpus) + 1):
+        mesh = jax.sharding.Mesh(np.array(cpus[:k]), ("w",))
+        direct = jax.jit(
+            jax.shard_map(
+                render, mesh=mesh, in_specs=(P(), P("w")), out_specs=P("w"), check_vma=False
+            )
+        )
+        pad = -(-batch // k) * k
+        xk = np.concatenate([gf, gf[: pad - batch]])
+        xk = jax.device_put(xk, NamedSharding(mesh, P("w")))
+        pk = jax.device_put(params, NamedSharding(mesh, P()))
+        configs.append(("direct", k, direct, (pk, xk)))
+        for executor in ("inprocess", "process"):
+            f = rollout.on_cpu(render, in_axes=(None, 0), executor=executor, workers=k)
+            step = jax.jit(f)
+            np.testing.assert_allclose(np.asarray(step(params, x)), ref, atol=1e-5)
+            configs.append((executor, k, step, (params, x)))
+            wrappers.append(f)
+    rows = []
+    for (mode, k, _, _), (seconds, median) in zip(
+        configs, timeit([(fn, a) for _, _, fn, a in configs], reps)
+    ):
+        rows.append(
+            dict(
+                batch=batch,
+                mode=mode,
+                cores=k,
+                seconds=seconds,
+                median_seconds=median,
+                samples_per_s=batch * samples / seconds,
+            )
+        )
+        print(f"  {mode:9s} k={k}  {seconds * 1e3:8.1f} ms/call (median {median * 1e3:.1f})")
+    for f in wrappers:
+        f.close()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``speedup`` over one core and ``overhead`` over ``direct`` at the same cores, per row."""
+    # One core's throughput: the faster of naive and direct at k=1 (so no speed-up is flattered).
+    base = {}
+    for r in rows:
+        if r["cores"] == 1 and r["mode"] in ("naive", "direct"):
+            base[r["batch"]] = min(base.get(r["batch"], np.inf), r["seconds"])
+    direct = {(r["batch"], r["cores"]): r["seconds"] for r in rows if r["mode"] == "direct"}
+    for r in rows:
+        r["speedup"] = base[r["batch"]] / r["seconds"]
+        r["overhead"] = r["seconds"] / direct[r["batch"], r["cores"]] - 1.0
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'batch':>6} {'mode':>10} {'cores':>5} {'ms/call':>9} {'median':>8} "
+    header += f"{'Msamples/s':>11} {'speed-up':>9} {'overhead':>9}"
+    print("\n" + header)
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {r['mode']:>10} {r['cores']:>5} {r['seconds'] * 1e3:>9.1f} "
+            f"{r['median_seconds'] * 1e3:>8.1f} {r['samples_per_s'] / 1e6:>11.2f} "
+            f"{r['speedup']:>8.2f}x {100 * r['overhead']:>8.1f}%"
+        )
 
 
 def plot(rows, cores, path) -> None:

@@ -72,7 +72,9 @@ def mlp(params, x):
     return (x @ w + b)[..., 0]
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> tuple[argparse.Namespace, rollout.OnCpu]:
+    """The flags, checked against each other and the devices (one ``error:`` line, exit 2), and
+    the ``on_cpu`` rollout they ask for."""
     ap = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64, help="rollouts per step (all devices)")
@@ -84,7 +86,6 @@ def main(argv=None) -> None:
     for name in ("steps", "batch", "samples", "hidden", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-
     devices = jax.devices()
     if args.batch % len(devices):
         ap.error(
@@ -96,13 +97,6 @@ def main(argv=None) -> None:
             f"--executor inprocess cannot serve a step over {len(devices)} CPU devices (it "
             "would deadlock); use --executor process (or auto)"
         )
-    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    print(
-        f"train step on {len(devices)} {devices[0].platform} device(s); "
-        f"{len(jax.devices('cpu'))} CPU device(s); {os.cpu_count()} cores"
-    )
-
     try:
         rollout_fn = rollout.on_cpu(
             lambda sp, gf: render(sp, gf, samples=args.samples, hidden=args.hidden),
@@ -112,7 +106,11 @@ def main(argv=None) -> None:
         )
     except ValueError as e:  # e.g. far more workers than cores
         ap.error(f"--workers: {e}")
-    tx = optax.adam(3e-3)
+    return args, rollout_fn
+
+
+def make_train_step(rollout_fn, tx: optax.GradientTransformation):
+    """The jitted step: audio rendered on the CPU cores, then one Adam step of the MLP."""
 
     @jax.jit
     def train_step(model, opt_state, synth_params, gain_freq):
@@ -126,11 +124,13 @@ def main(argv=None) -> None:
         updates, opt_state = tx.update(grads, opt_state, model)
         return optax.apply_updates(model, updates), opt_state, loss
 
-    key = jax.random.key(0)
-    model = jax.device_put(init_mlp(key), replicated)
-    opt_state = jax.device_put(tx.init(model), replicated)
-    base = init_synth_params(jax.random.key(1), args.hidden)
-    drift = init_synth_params(jax.random.key(2), args.hidden)
+    return train_step
+
+
+def make_batches(batch_size: int, hidden: int, data: NamedSharding, replicated: NamedSharding):
+    """``batch(step)``: the synthesiser's weights at that step and a fresh batch of rows."""
+    base = init_synth_params(jax.random.key(1), hidden)
+    drift = init_synth_params(jax.random.key(2), hidden)
     rng = np.random.default_rng(0)
 
     def batch(step):
@@ -138,12 +138,30 @@ def main(argv=None) -> None:
         sp = jax.tree.map(lambda b, d: b + 0.01 * step * d, base, drift)
         gf = np.stack(
             [
-                rng.uniform(0.0, 2.0, args.batch),
-                np.exp(rng.uniform(np.log(110), np.log(880), args.batch)),
+                rng.uniform(0.0, 2.0, batch_size),
+                np.exp(rng.uniform(np.log(110), np.log(880), batch_size)),
             ],
             axis=-1,
         ).astype(np.float32)
         return jax.device_put(sp, replicated), jax.device_put(gf, data)
+
+    return batch
+
+
+def main(argv=None) -> None:
+    args, rollout_fn = parse(argv)
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    print(
+        f"train step on {len(devices)} {devices[0].platform} device(s); "
+        f"{len(jax.devices('cpu'))} CPU device(s); {os.cpu_count()} cores"
+    )
+    tx = optax.adam(3e-3)
+    train_step = make_train_step(rollout_fn, tx)
+    model = jax.device_put(init_mlp(jax.random.key(0)), replicated)
+    opt_state = jax.device_put(tx.init(model), replicated)
+    batch = make_batches(args.batch, args.hidden, data, replicated)
 
     t0 = time.perf_counter()
     model, opt_state, loss = train_step(model, opt_state, *batch(0))  # compile + start workers
@@ -151,15 +169,18 @@ def main(argv=None) -> None:
         f"first step (compile, start workers): {time.perf_counter() - t0:.1f} s, "
         f"executor={rollout_fn.last_executor}, loss={float(loss):.4f}"
     )
-
     cpu0, wall0 = cpu_seconds(rollout_fn.pids), time.perf_counter()
     for step in range(1, args.steps + 1):
         model, opt_state, loss = train_step(model, opt_state, *batch(step))
         if step % max(1, args.steps // 5) == 0:
             print(f"step {step:4d}  loss {float(loss):.5f}")
     jax.block_until_ready(loss)
-    wall = time.perf_counter() - wall0
-    cpu = cpu_seconds(rollout_fn.pids) - cpu0
+    report(args, time.perf_counter() - wall0, cpu_seconds(rollout_fn.pids) - cpu0, rollout_fn)
+    rollout_fn.close()
+
+
+def report(args: argparse.Namespace, wall: float, cpu: float, rollout_fn: rollout.OnCpu) -> None:
+    """Steps/s, rollout samples/s and how many of the cores were busy."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(
         f"{args.steps / wall:.2f} steps/s, "
@@ -169,7 +190,6 @@ def main(argv=None) -> None:
         f"CPU utilisation: {cpu / wall:.2f} cores busy of {cores} "
         f"({100 * cpu / wall / cores:.0f}%; this process + {len(rollout_fn.pids)} workers)"
     )
-    rollout_fn.close()
 
 
 def cpu_seconds(pids) -> float:
