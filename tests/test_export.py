@@ -463,3 +463,16 @@ def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+
+
+@pytest.mark.parametrize("env", ["gymnax:Catch-bsuite", "envpool:HalfCheetah-v5", "audio"])
+def test_video_of_an_env_gymnasium_cannot_make_is_skipped_with_the_reason(env, tmp_path):
+    # Not gymnasium.make's NameNotFound for an id it never had (nor another library's env
+    # rendered under the same name): one line naming the env and what videos cover.
+    meta = {"env": env, "gymnasium_id": None}
+    note = evaluate.record_video(None, meta, str(tmp_path / "run.gif"), seed=0)
+    assert note == (
+        f"video skipped: {env} has no gymnasium renderer (videos cover gymnasium:<id> envs and "
+        "the CartPole / Pendulum ports)"
+    )
+    assert not (tmp_path / "run.gif").exists()

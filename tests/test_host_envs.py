@@ -1071,7 +1071,7 @@ def test_cli_trains_a_gymnasium_id_and_resume_restarts_its_envs_reproducibly(tmp
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     a, b = tmp_path / "a", tmp_path / "b"
-    cli(a, 256)
+    assert " envs_on=cpu-workers " in cli(a, 256).splitlines()[0]  # not --env-on's default
     config = json.loads((a / "run.json").read_text())["config"]
     assert config["env_kwargs"] == '{"tuple_obs": true}'  # one text: spacing is not identity
     first = rows(a)

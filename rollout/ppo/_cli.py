@@ -691,22 +691,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
     before = _logger_files(args.out)  # (None: no --out yet) to undo a failed logger's files
     config, info, devices, n_dev = _set_up(args, found, signals)
-    import jax
-
-    print(
-        f"ensemble PPO: env={config.env} members={config.members} processes={info.num_processes} "
-        f"devices={n_dev}x{jax.default_backend()} env_on={config.env_on} "
-        f"total_steps/member={config.num_updates * config.batch_size} out={args.out}"
-        f"{' (resumed)' if args.resume else ''}",
-        file=sys.stderr,
-    )
-    if config.total_steps % config.batch_size and info.is_main:
-        print(
-            f"note: --total-steps {config.total_steps} is not a multiple of one update's batch "
-            f"(num_envs x num_steps = {config.batch_size}): the run takes {config.num_updates} "
-            f"updates, {config.num_updates * config.batch_size} env steps per member.",
-            file=sys.stderr,
-        )
+    _print_header(args, config, info, n_dev)
     names = log_names if info.is_main else ()  # only the main process logs (it alone writes
     try:  # metrics.jsonl)
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
@@ -732,6 +717,30 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
     return 0
+
+
+def _print_header(args: argparse.Namespace, config: Any, info: Any, n_dev: int) -> None:
+    """What the run is and where it runs, on stderr (and a note on a cut-short last batch)."""
+    import jax
+
+    from rollout.envs import HOST_PREFIXES
+
+    # Host envs always step in CPU worker processes; env_on only places functional envs.
+    where = "cpu-workers" if config.env.startswith(HOST_PREFIXES) else config.env_on
+    print(
+        f"ensemble PPO: env={config.env} members={config.members} processes={info.num_processes} "
+        f"devices={n_dev}x{jax.default_backend()} envs_on={where} "
+        f"total_steps/member={config.num_updates * config.batch_size} out={args.out}"
+        f"{' (resumed)' if args.resume else ''}",
+        file=sys.stderr,
+    )
+    if config.total_steps % config.batch_size and info.is_main:
+        print(
+            f"note: --total-steps {config.total_steps} is not a multiple of one update's batch "
+            f"(num_envs x num_steps = {config.batch_size}): the run takes {config.num_updates} "
+            f"updates, {config.num_updates * config.batch_size} env steps per member.",
+            file=sys.stderr,
+        )
 
 
 _LOGGER_FILES = ("tensorboard", "wandb", "wandb_run_id")  # what open_loggers may create

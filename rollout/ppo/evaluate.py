@@ -263,6 +263,13 @@ def record_video(
     policy: Policy, meta: dict[str, Any], path: str, seed: int, max_steps: int | None = None
 ) -> str:
     """Records one gymnasium episode to ``path``; returns a one-line note of what happened."""
+    from rollout.ppo.export import gymnasium_id
+
+    if not (meta.get("gymnasium_id") or gymnasium_id(meta["env"])):
+        return (
+            f"video skipped: {meta['env']} has no gymnasium renderer (videos cover gymnasium:<id> "
+            "envs and the CartPole / Pendulum ports)"
+        )
     gym_id = _gymnasium_id(meta)
     # gymnasium's classic-control renderer is pygame: no audio and no window needed here.
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
