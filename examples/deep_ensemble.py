@@ -89,6 +89,13 @@ class Config:
         },
     )
     bins: int = dataclasses.field(default=15, metadata={"help": "calibration bins (ECE)"})
+    test_resamples: int = dataclasses.field(
+        default=2000,
+        metadata={
+            "help": "bootstrap resamples of the test set for the 95%% intervals of ensemble "
+            "minus best member (0: none)"
+        },
+    )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of init, split, order"})
     devices: int = dataclasses.field(
         default=0, metadata={"help": "devices to spread the members over (0: as many as fit)"}
@@ -103,6 +110,8 @@ class Config:
         for name in ("members", "hidden", "epochs", "batch_size", "bins"):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.test_resamples != 0 and not 100 <= self.test_resamples <= 100_000:
+            out.append(f"--test-resamples must be 0 or in [100, 100000], got {self.test_resamples}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             out.append(f"--lr must be a positive number, got {self.lr}")
         if not 0.05 <= self.test_fraction <= 0.5:
@@ -340,15 +349,20 @@ def brier(probs: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.sum((np.asarray(probs, np.float64) - onehot) ** 2, -1)))
 
 
+def _confidence_bins(probs: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each example's confidence (top class probability), the bin edges and its bin."""
+    conf = np.max(probs, -1).astype(np.float64)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    return conf, edges, np.clip(np.searchsorted(edges[1:-1], conf, side="left"), 0, bins - 1)
+
+
 def calibration_bins(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> dict[str, np.ndarray]:
     """Per equal-width confidence bin ``(k/bins, (k+1)/bins]``: count, accuracy, mean confidence.
 
     Confidence is the top class's probability; empty bins have count 0 and NaN means.
     """
-    conf = np.max(probs, -1).astype(np.float64)
+    conf, edges, which = _confidence_bins(probs, bins)
     correct = (np.argmax(probs, -1) == y).astype(np.float64)
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.searchsorted(edges[1:-1], conf, side="left"), 0, bins - 1)
     count = np.bincount(which, minlength=bins).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         acc = np.bincount(which, correct, bins) / count
@@ -362,6 +376,41 @@ def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     full = b["count"] > 0
     gaps = np.abs(b["accuracy"][full] - b["confidence"][full])
     return float(np.sum(b["count"][full] * gaps) / np.sum(b["count"]))
+
+
+def resampled_nll_ece(probs: np.ndarray, y: np.ndarray, bins: int, counts: np.ndarray):
+    """NLL and ECE ``[R]`` of ``probs`` on R resamples of the examples at once: resample r
+    holds example i ``counts[r, i]`` times (``counts`` ``[R, N]``, rows summing to N)."""
+    p = np.take_along_axis(np.asarray(probs, np.float64), y[:, None], -1)[:, 0]
+    losses = -np.log(np.maximum(p, np.finfo(np.float64).tiny))
+    n = counts.sum(1)
+    conf, _, which = _confidence_bins(probs, bins)
+    gap = (np.argmax(probs, -1) == y) - conf  # ECE = sum over bins of |sum of gaps| / N
+    per_bin = np.zeros((len(y), bins))
+    per_bin[np.arange(len(y)), which] = gap
+    return counts @ losses / n, np.abs(counts @ per_bin).sum(1) / n
+
+
+def paired_bootstrap(
+    members: np.ndarray, mixture: np.ndarray, y: np.ndarray, bins: int, resamples: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    """Ensemble minus best member, NLL and ECE, over ``resamples`` bootstrap resamples of the
+    test examples (the same resamples for every policy; the best member picked again on each
+    one, as on the real test set): the observed difference, a 95% percentile interval and the
+    share of resamples where the ensemble is below. An interval that holds 0 means the test set
+    is too small to tell the two apart."""
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(len(y), np.full(len(y), 1.0 / len(y)), size=resamples)
+    ens_nll, ens_ece = resampled_nll_ece(mixture, y, bins, counts)
+    per_member = [resampled_nll_ece(m, y, bins, counts) for m in members]
+    out = {}
+    for k, (name, ens) in enumerate((("nll", ens_nll), ("ece", ens_ece))):
+        diff = ens - np.min([m[k] for m in per_member], axis=0)
+        out[name] = {
+            "ci95": [float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))],
+            "share_below": float(np.mean(diff < 0)),
+        }
+    return out
 
 
 def entropy(probs: np.ndarray) -> np.ndarray:
@@ -439,6 +488,11 @@ def evaluate(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) 
         name: predict(ens, params, x) for name, x in shifted_inputs(data.x_test, cfg.seed).items()
     }
     best_nll = int(np.argmin([m["nll"] for m in members]))
+    intervals = {}
+    if cfg.test_resamples:
+        intervals = paired_bootstrap(
+            inside["members"], inside["mean"], y, cfg.bins, cfg.test_resamples, cfg.seed
+        )
     return {
         "members": members,
         "ensemble": mixture,
@@ -448,6 +502,7 @@ def evaluate(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) 
             "ensemble_nll_below_best_member": mixture["nll"] < best["nll"],
             "ensemble_ece_below_best_member": mixture["ece"] < best["ece"],
         },
+        "ensemble_minus_best_member": intervals,
         "ood_auroc": ood_table(inside, shifted),
         "bins": {
             "best member": calibration_bins(inside["members"][best_nll], y, cfg.bins),
@@ -472,6 +527,13 @@ def format_tables(result: dict[str, Any]) -> str:
     lines = [head] + [row(f"member {i}", m) for i, m in enumerate(result["members"])]
     lines += [row("mean member", result["mean_member"]), row("best member", result["best_member"])]
     lines += [row("ensemble", result["ensemble"])]
+    for name, d in result["ensemble_minus_best_member"].items():
+        lo, hi = d["ci95"]
+        diff = result["ensemble"][name] - result["best_member"][name]
+        lines.append(
+            f"ensemble - best member, {name.upper()}: {diff:+.4f}, 95% bootstrap interval "
+            f"[{lo:+.4f}, {hi:+.4f}], below in {100 * d['share_below']:.0f}% of resamples"
+        )
     lines += ["", f"{'OOD AUROC':>14} " + " ".join(f"{s:>9}" for s in SHIFTS)]
     for score, per_shift in result["ood_auroc"].items():
         lines.append(f"{score:>14} " + " ".join(f"{per_shift[s]:9.4f}" for s in SHIFTS))

@@ -84,6 +84,35 @@ def test_ece_hand_computed(de):
     assert de.ece(np.tile([0.5, 0.5], (4, 1)), np.array([0, 0, 1, 1]), 15) == pytest.approx(0.0)
 
 
+def test_resampled_metrics_equal_the_metrics_on_the_repeated_examples(de):
+    # Resample r repeats example i counts[r, i] times: its NLL and ECE must be nll() and ece()
+    # of the examples repeated that way (and of the examples themselves for counts of ones).
+    rng = np.random.default_rng(3)
+    probs, y = _random_probs(rng, n=200)
+    counts = np.vstack([np.ones(200, int), rng.multinomial(200, np.full(200, 1 / 200), size=5)])
+    got_nll, got_ece = de.resampled_nll_ece(probs, y, 15, counts)
+    for r, c in enumerate(counts):
+        rep_probs, rep_y = np.repeat(probs, c, axis=0), np.repeat(y, c)
+        assert got_nll[r] == pytest.approx(de.nll(rep_probs, rep_y), rel=1e-12)
+        assert got_ece[r] == pytest.approx(de.ece(rep_probs, rep_y, 15), rel=1e-12, abs=1e-15)
+
+
+def test_paired_bootstrap_tells_a_clear_difference_from_none(de):
+    rng = np.random.default_rng(4)
+    probs, y = _random_probs(rng, n=400)
+    sharper = 0.5 * probs + 0.5 * np.eye(10)[y]  # better NLL and calibration on every example
+    clear = de.paired_bootstrap(probs[None], sharper, y, 15, 500, seed=0)
+    assert clear["nll"]["ci95"][1] < 0 and clear["nll"]["share_below"] == 1.0
+    # The ensemble against itself as its only member: never below, interval exactly [0, 0].
+    same = de.paired_bootstrap(probs[None], probs, y, 15, 500, seed=0)
+    for name in ("nll", "ece"):
+        assert same[name] == {"ci95": [0.0, 0.0], "share_below": 0.0}
+    # Two members: the best is picked again on every resample, so an ensemble equal to the
+    # worse one is never below the best, and above it in NLL on every resample.
+    two = de.paired_bootstrap(np.stack([probs, sharper]), probs, y, 15, 500, seed=0)
+    assert two["nll"]["ci95"][0] > 0 and two["ece"]["share_below"] == 0.0
+
+
 def test_batch_order_per_member(de):
     order = de.batch_order(3, 100, 16, 2, seed=0, bootstrap=False)
     assert order.shape == (2 * 6, 3, 16)
@@ -184,6 +213,7 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
         (["--test-fraction", "0.9"], "--test-fraction must be in"),
         (["--model", "resnet"], "invalid choice"),
         (["--val-fraction", "0.9"], "--val-fraction must be 0 or in"),
+        (["--test-resamples", "10"], "--test-resamples must be 0 or in [100, 100000], got 10"),
     ]:
         with pytest.raises(SystemExit) as e:
             de.main(argv)
@@ -229,6 +259,10 @@ def test_example_runs_end_to_end(tmp_path):
     assert set(report["ood_auroc"]["entropy"]) == {"rotated", "inverted", "shuffled", "noise"}
     assert 0.5 < report["ensemble"]["accuracy"] <= 1
     assert "ensemble" in (tmp_path / "deep_ensemble.txt").read_text()
+    for name in ("nll", "ece"):  # the default 2000 resamples
+        lo, hi = report["ensemble_minus_best_member"][name]["ci95"]
+        assert lo <= hi and 0 <= report["ensemble_minus_best_member"][name]["share_below"] <= 1
+        assert f"ensemble - best member, {name.upper()}: " in proc.stdout
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
 
 
