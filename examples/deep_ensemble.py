@@ -16,7 +16,10 @@ that ships inside scikit-learn (1797 images, 10 classes; no download):
   the default trains every member for all ``--epochs`` on every training digit;
 - each member and the ensemble's mean prediction (the mixture ``mean_i softmax(logits_i)``) are
   scored on held-out test digits: accuracy, negative log-likelihood, expected calibration error
-  (15 equal-width confidence bins) and Brier score (summed over classes, in [0, 2]);
+  (15 equal-width confidence bins) and Brier score (summed over classes, in [0, 2]); the
+  ensemble's NLL and ECE minus the best member's get a 95% interval from a paired bootstrap
+  over the test digits (``--test-resamples``; the best member picked again on each resample),
+  which says whether the test set can tell the two apart at all;
 - out-of-distribution detection: AUROC for telling test digits (negatives) from shifted inputs
   (positives) by predictive entropy of the mean prediction, by the members' mutual information
   (entropy of the mean minus the mean of the members' entropies), by the variance of the members'
