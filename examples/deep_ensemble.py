@@ -381,7 +381,9 @@ def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     return float(np.sum(b["count"][full] * gaps) / np.sum(b["count"]))
 
 
-def resampled_nll_ece(probs: np.ndarray, y: np.ndarray, bins: int, counts: np.ndarray):
+def resampled_nll_ece(
+    probs: np.ndarray, y: np.ndarray, bins: int, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """NLL and ECE ``[R]`` of ``probs`` on R resamples of the examples at once: resample r
     holds example i ``counts[r, i]`` times (``counts`` ``[R, N]``, rows summing to N)."""
     p = np.take_along_axis(np.asarray(probs, np.float64), y[:, None], -1)[:, 0]
@@ -398,10 +400,10 @@ def paired_bootstrap(
     members: np.ndarray, mixture: np.ndarray, y: np.ndarray, bins: int, resamples: int, seed: int
 ) -> dict[str, dict[str, Any]]:
     """Ensemble minus best member, NLL and ECE, over ``resamples`` bootstrap resamples of the
-    test examples (the same resamples for every policy; the best member picked again on each
-    one, as on the real test set): the observed difference, a 95% percentile interval and the
-    share of resamples where the ensemble is below. An interval that holds 0 means the test set
-    is too small to tell the two apart."""
+    test examples (the same resamples for the ensemble and every member; the best member
+    picked again on each one, as on the real test set): the difference's 95% percentile
+    interval and the share of resamples where the ensemble is below. An interval that holds 0
+    means the test set is too small to tell the two apart."""
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(len(y), np.full(len(y), 1.0 / len(y)), size=resamples)
     ens_nll, ens_ece = resampled_nll_ece(mixture, y, bins, counts)
