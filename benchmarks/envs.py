@@ -24,7 +24,10 @@ this machine's cores:
   over the n*E envs in this process, one jitted policy call per step from Python (the same
   actor-critic, vmapped over the n members); rollout only, no learning.
 - Every mode is timed ``--repeats`` times in interleaved rounds (shuffled order per round);
-  the table shows medians. One sample on a shared 2-core machine varies by 20-30%.
+  the table shows medians. A sample is ``--calls`` rollouts or updates, more where that would be
+  under ``--sample-steps`` env steps (4 envs per member take 25 calls of 4,096 steps: a
+  fraction of a second per sample would be as much scheduling noise as measurement). One
+  sample on a shared 2-core machine varies by 20-30%.
 - Where the time goes (a second table): the learner process's CPU per host step (all its
   threads; medians) for the PPO modes and the layer, and the share of the machine's cores idle
   while each mode ran. On a machine whose cores step the envs, the learner's CPU is taken from
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -334,7 +338,16 @@ def main() -> None:
         "--num-envs", type=positive_int, nargs="+", default=[4, 16, 64], help="envs per member"
     )
     p.add_argument("--num-steps", type=positive_int, default=256, help="rollout length per update")
-    p.add_argument("--calls", type=positive_int, default=3, help="timed PPO updates per sample")
+    p.add_argument(
+        "--calls", type=positive_int, default=3, help="timed PPO updates per sample (at least)"
+    )
+    p.add_argument(
+        "--sample-steps",
+        type=positive_int,
+        default=100_000,
+        help="env steps of all members per sample (at least): small settings take more calls, "
+        "so no sample is a fraction of a second",
+    )
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="interleaved rounds (medians reported)"
     )
@@ -347,9 +360,9 @@ def main() -> None:
     rows = []
     for name in args.envs:
         for e in args.num_envs:
-            rows.append(
-                measure(name, args.members, e, args.num_steps, args.calls, cores, args.repeats)
-            )
+            per_call = args.members * e * args.num_steps
+            calls = max(args.calls, math.ceil(args.sample_steps / per_call))
+            rows.append(measure(name, args.members, e, args.num_steps, calls, cores, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
     report(rows, args)
 
@@ -389,7 +402,8 @@ def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, r
     finally:
         for close in closers:
             close()
-    r = {"env": name, "members": n, "envs_per_member": e, "cores": cores, "repeats": repeats}
+    r = {"env": name, "members": n, "envs_per_member": e, "cores": cores, "repeats": repeats,
+         "calls": calls}  # fmt: skip
     r.update({m: statistics.median(v) for m, v in samples.items()})
     r["layer/alone"] = r["env-layer"] / r["alone"]
     r["rollout/alone"] = r["ppo-rollout"] / r["alone"]
