@@ -4,7 +4,9 @@ Both arms start from the same 8 learning rates drawn log-uniform in [1e-5, 1e-2]
 run the same env steps per member through the real command line (``python -m rollout.ppo``):
 one plain ensemble, one with ``--pbt``. A member's final score is its mean return over the last
 ``--tail`` updates. The question: is PBT's best member at least as good as the best member
-without PBT, and is the population's median clearly higher?
+without PBT, and is the population's median clearly higher? The gap between the two bests also
+gets a 95% interval from resampling each arm's last ``--tail`` updates (``best_gap``), the
+noise of the scores themselves.
 
 The two arms run at the same time as two processes (each gets the same share of the machine).
 Not a test: it trains for minutes. Run::
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +70,33 @@ def summarise(rows: list[dict], tail: int) -> dict:
         "best": round(float(np.max(final)), 1),
         "median": round(float(np.median(final)), 1),
         "worst": round(float(np.min(final)), 1),
+    }
+
+
+def best_gap_interval(
+    runs: dict[str, list[dict]], tail: int, resamples: int = 2000, seed: int = 0
+) -> dict[str, object]:
+    """PBT's best score minus the plain arm's, over bootstrap resamples of each arm's last
+    ``tail`` updates (a member's score is the mean of its resampled updates; each arm's best
+    picked again on every resample): the observed gap, its 95% interval and the share of
+    resamples where PBT's best is at or above. An interval that holds 0 means the scores'
+    own update-to-update noise cannot tell the two bests apart."""
+    rng = np.random.default_rng(seed)
+
+    def bests(rows: list[dict]) -> np.ndarray:
+        last = returns_matrix(rows)[-tail:]  # [tail, members]
+        picks = rng.integers(0, len(last), (resamples, len(last)))
+        return np.nanmax(np.nanmean(last[picks], axis=1), axis=1)
+
+    with warnings.catch_warnings():  # a member without episodes: NaN, left out by nanmax
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gap = bests(runs["PBT"]) - bests(runs["no PBT"])
+        observed = np.nanmax(np.nanmean(returns_matrix(runs["PBT"])[-tail:], axis=0))
+        observed -= np.nanmax(np.nanmean(returns_matrix(runs["no PBT"])[-tail:], axis=0))
+    return {
+        "gap": round(float(observed), 1),
+        "ci95": [round(float(np.quantile(gap, q)), 1) for q in (0.025, 0.975)],
+        "share_at_or_above": round(float(np.mean(gap >= 0)), 3),
     }
 
 
@@ -155,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_score": f"mean return over the last {args.tail} updates, per member",
         "arms": summary,
         "pbt_best_ge_plain_best": pbt["best"] >= plain["best"],
+        "best_gap": best_gap_interval(runs, args.tail, seed=args.seed),
         "median_gain": round(pbt["median"] - plain["median"], 1),
         "wall_s": walls,
         "command": "python benchmarks/pbt.py " + " ".join(argv or sys.argv[1:]),
@@ -176,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in summary.items():
         finals = s["final_per_member"]
         print(f"{name:8} {s['best']:8.1f} {s['median']:8.1f} {s['worst']:8.1f}  {finals}")
+    gap = result["best_gap"]
     print(
-        f"PBT best >= no-PBT best: {result['pbt_best_ge_plain_best']}; median gain "
-        f"{result['median_gain']:+.1f}; wall {walls}"
+        f"PBT best >= no-PBT best: {result['pbt_best_ge_plain_best']} (gap {gap['gap']:+.1f}, "
+        f"95% interval over the last {args.tail} updates [{gap['ci95'][0]:+.1f}, "
+        f"{gap['ci95'][1]:+.1f}]); median gain {result['median_gain']:+.1f}; wall {walls}"
     )
     return 0
 

@@ -352,3 +352,38 @@ def test_cli_pbt_on_two_processes_learns_exactly_like_one(tmp_path):
                 rows[j + 1]["hparams"]["clip_coef"][i] / rows[j]["hparams"]["clip_coef"][parent[i]]
             )
             assert min(abs(ratio - 0.5), abs(ratio - 2.0)) < 1e-5
+
+
+def _benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pbt_benchmark", ROOT / "benchmarks" / "pbt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_best_gap_interval_separates_only_what_the_noise_allows():
+    bench, rng = _benchmark(), np.random.default_rng(0)
+
+    def rows(means, noise, nan_member=None):
+        out = []
+        for _ in range(20):
+            r = [float(m + rng.normal(0, noise)) for m in means]
+            if nan_member is not None:
+                r[nan_member] = None  # a member that finished no episode in that update
+            out.append({"returns": r})
+        return out
+
+    # Noise-free scores: the gap is exact and every resample agrees.
+    flat = {"PBT": rows([-150, -140], 0), "no PBT": rows([-145, -900], 0)}
+    assert bench.best_gap_interval(flat, 10) == {
+        "gap": 5.0, "ci95": [5.0, 5.0], "share_at_or_above": 1.0,
+    }  # fmt: skip
+    # Bests 1 apart under noise of 20 per update: the interval holds 0.
+    noisy = bench.best_gap_interval({"PBT": rows([-149], 20), "no PBT": rows([-150], 20)}, 10)
+    assert noisy["ci95"][0] < 0 < noisy["ci95"][1]
+    # 50 apart under noise of 2: excluded; a member without episodes is left out, not NaN.
+    clear = {"PBT": rows([-100, -300], 2, nan_member=1), "no PBT": rows([-150], 2)}
+    gap = bench.best_gap_interval(clear, 10)
+    assert 40 < gap["ci95"][0] <= gap["ci95"][1] < 60 and gap["share_at_or_above"] == 1.0
