@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "load_avg_before": [round(v, 2) for v in load],
-            "note": "both arms ran at once as two processes on a shared, busy machine",
+            "note": "both arms ran at once as two processes (load average before: load_avg_before)",
         },
         "final_hparams_pbt": runs["PBT"][-1]["hparams"],
     }
