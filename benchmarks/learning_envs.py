@@ -37,19 +37,24 @@ RUNS = {
 }
 
 
-def run(env: str, steps: int, out: Path, members: int) -> float:
-    """Trains (unless ``out`` already holds a finished run); returns wall seconds (0: reused)."""
+def run(env: str, steps: int, out: Path, members: int) -> tuple[float, int]:
+    """Trains (unless ``out`` already holds a finished run) and resumes an unfinished one.
+
+    Returns the wall seconds of this call and the env steps per member it started from (so a
+    resumed or reused run's seconds are not read as the whole run's).
+    """
     rows = _rows(out)
+    start_steps = rows[-1]["env_steps"] if rows else 0
     if rows:
         cfg = json.loads((out / "run.json").read_text())["config"]
-        if steps - rows[-1]["env_steps"] < cfg["num_envs"] * cfg["num_steps"]:
-            return 0.0  # finished: total steps are whole updates
+        if steps - start_steps < cfg["num_envs"] * cfg["num_steps"]:
+            return 0.0, start_steps  # finished: total steps are whole updates
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", env, "--members", str(members),
            "--total-steps", str(steps), "--out", str(out), "--no-progress"]  # fmt: skip
     cmd += ["--resume"] if rows else []
     start = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, start_steps
 
 
 def _rows(out: Path) -> list[dict]:
@@ -71,7 +76,7 @@ def final_returns(rows: list[dict], tail: float = 0.05) -> list[float]:
     return out
 
 
-def summarise(env: str, out: Path, seconds: float) -> dict:
+def summarise(env: str, out: Path, seconds: float, started_at: int = 0) -> dict:
     _, ref, ref_std, goal = RUNS[env]
     rows = _rows(out)
     final = final_returns(rows)
@@ -79,6 +84,7 @@ def summarise(env: str, out: Path, seconds: float) -> dict:
     met = (mean >= ref and min(final) >= ref / 2) if ref > 0 else min(final) >= -100
     return dict(env=env, env_steps=rows[-1]["env_steps"], final=final, mean=mean, min=min(final),
                 cleanrl=f"{ref} +- {ref_std}", goal=goal, met=bool(met), seconds=seconds,
+                started_at=started_at,
                 curve=[(r["env_steps"], r["returns"]) for r in rows])  # fmt: skip
 
 
@@ -93,8 +99,8 @@ def main() -> None:
     results = []
     for env in args.envs:
         out = Path(args.runs) / env.replace(":", "_")
-        seconds = run(env, RUNS[env][0], out, args.members)
-        results.append(summarise(env, out, seconds))
+        seconds, started_at = run(env, RUNS[env][0], out, args.members)
+        results.append(summarise(env, out, seconds, started_at))
     report(results)
 
 

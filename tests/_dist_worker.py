@@ -147,7 +147,7 @@ def train_other_layouts(steps: int) -> tuple[dict, dict]:
     return flat, members
 
 
-def main() -> int:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
@@ -160,87 +160,32 @@ def main() -> int:
         "--idle-rank", type=int, default=None, help="this rank sleeps (no collective) after"
     )
     parser.add_argument("--heartbeat", type=int, default=10, help="heartbeat timeout, seconds")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    info = distributed.initialize(
-        heartbeat_timeout_seconds=args.heartbeat, shutdown_timeout_seconds=30
-    )
 
-    import flax.linen as nn
+def _fail_on_purpose(args: argparse.Namespace, rank: int, t: int, idle_flag: str) -> None:
+    """The failure tests' faults: a rank that dies (SIGKILL or raise) or goes idle after step t."""
+    if args.die_rank == rank and t == args.die_after:
+        if args.idle_rank is not None:  # die only once the idle rank is out of collectives
+            deadline = time.time() + 60
+            while not os.path.exists(idle_flag) and time.time() < deadline:
+                time.sleep(0.05)
+        print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
+        if args.die_how == "raise":
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.idle_rank == rank and t == args.die_after:
+        # Far from any collective: only JAX's heartbeat check can notice a dead peer.
+        print(f"rank {rank} idle from {time.time():.3f}", flush=True)
+        open(idle_flag, "w").close()
+        time.sleep(120)
+
+
+def _checkpoint_checks(args: argparse.Namespace, params) -> tuple[bool, float | None]:
+    """Own round trip equal shard by shard; max |diff| to a checkpoint of another process count."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
-
-    import ensemble
-
-    rank = info.process_id
-    os.makedirs(args.out, exist_ok=True)
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.tanh(nn.Dense(32)(x))
-            return nn.Dense(1)(x)
-
-    model = MLP()
-    ens = ensemble.build(model, N_MEMBERS)
-    mesh = ens.mesh
-    variables = ens.init(jax.random.key(0), jnp.zeros((BATCH, FEATURES)))
-    params = variables["params"]
-    local = distributed.process_local_members(mesh, N_MEMBERS)
-    # The library's own placement checks read this process's shards only.
-    ensemble.assert_member_placement(params, mesh)
-    ensemble.assert_no_replicated_members(params, N_MEMBERS, mesh)
-
-    def loss_fn(p, x, y):
-        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-
-    step = ensemble.train_step(
-        loss_fn, optax.adam(1e-2), n=N_MEMBERS, mesh=mesh, per_member_batch=True
-    )
-    opt_state = step.init(params)
-
-    def batch_at(t):
-        xs, ys = zip(*(member_data(i, t) for i in local))
-        return distributed.member_batch_from_local((np.stack(xs), np.stack(ys)), mesh, N_MEMBERS)
-
-    x, y = batch_at(0)
-    memory = {
-        "live": {str(d): b for d, b in ensemble.live_memory((params, opt_state)).items()},
-        "compiled_peak": ensemble.compiled_memory(step, params, opt_state, x, y).peak,
-        "table": ensemble.print_memory(
-            (params, opt_state), title=f"process {rank}", file=sys.stderr
-        ),
-    }
-    t = 0
-    losses = None
-    idle_flag = os.path.join(args.out, "idle-rank-is-idle")  # the idle rank left collectives
-    while args.forever or t < args.steps:
-        x, y = batch_at(t % 8)
-        old = params
-        params, opt_state, losses = step(params, opt_state, x, y)
-        donated = all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
-        host_losses = distributed.gather_metrics_to_host(losses)
-        if info.is_main:
-            print(f"step {t} losses {np.round(host_losses, 4).tolist()}", flush=True)
-        t += 1
-        if args.die_rank == rank and t == args.die_after:
-            if args.idle_rank is not None:  # die only once the idle rank is out of collectives
-                deadline = time.time() + 60
-                while not os.path.exists(idle_flag) and time.time() < deadline:
-                    time.sleep(0.05)
-            print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
-            if args.die_how == "raise":
-                raise RuntimeError(f"rank {rank} fails on purpose")
-            os.kill(os.getpid(), signal.SIGKILL)
-        if args.idle_rank == rank and t == args.die_after:
-            # Far from any collective: only JAX's heartbeat check can notice a dead peer.
-            print(f"rank {rank} idle from {time.time():.3f}", flush=True)
-            open(idle_flag, "w").close()
-            time.sleep(120)
-        if args.forever:
-            time.sleep(0.2)
 
     ckpt = distributed.save_checkpoint(os.path.join(args.out, "ckpt"), params, force=True)
     restored = distributed.restore_checkpoint(ckpt, params)
@@ -254,29 +199,137 @@ def main() -> int:
         theirs = distributed.restore_checkpoint(args.restore, params)
         diff = jax.tree_util.tree_map(lambda a, b: jnp.max(jnp.abs(a - b)), theirs, params)
         other = float(max(distributed.gather_metrics_to_host(jax.tree_util.tree_leaves(diff))))
+    return same, other
 
+
+def _shard_table(params) -> dict:
+    """Per leaf: [device, first member, end member, shard shape] of this process's shards."""
+    import jax
+
+    return {
+        jax.tree_util.keystr(path): [
+            [s.device.id, s.index[0].start, s.index[0].stop, list(s.data.shape)]
+            for s in leaf.addressable_shards
+        ]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+def _placement_report(info, local: list[int], params) -> dict:
+    import jax
+
+    return {
+        "rank": info.process_id,
+        "num_processes": info.num_processes,
+        "device_count": info.device_count,
+        "local_devices": [d.id for d in jax.local_devices()],
+        "local_members": local,
+        "shards": _shard_table(params),
+        "fully_addressable": [
+            leaf.is_fully_addressable for leaf in jax.tree_util.tree_leaves(params)
+        ],
+    }
+
+
+def _save_params(out: str, host_params, nnx_params: dict, other_params: dict) -> None:
+    import jax
+    import numpy as np
+
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host_params)}
+    flat.update({f"nnx{k}": v for k, v in nnx_params.items()})
+    flat.update(other_params)
+    np.savez(os.path.join(out, "params.npz"), **flat)
+
+
+def _mlp_ensemble():
+    """The 4-member MLP ensemble over all processes' devices, its train step and Adam state."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import ensemble
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.tanh(nn.Dense(32)(x))
+            return nn.Dense(1)(x)
+
+    model = MLP()
+    ens = ensemble.build(model, N_MEMBERS)
+    params = ens.init(jax.random.key(0), jnp.zeros((BATCH, FEATURES)))["params"]
+    # The library's own placement checks read this process's shards only.
+    ensemble.assert_member_placement(params, ens.mesh)
+    ensemble.assert_no_replicated_members(params, N_MEMBERS, ens.mesh)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+    step = ensemble.train_step(
+        loss_fn, optax.adam(1e-2), n=N_MEMBERS, mesh=ens.mesh, per_member_batch=True
+    )
+    return ens.mesh, params, step, step.init(params)
+
+
+def _memory_report(step, params, opt_state, batch, rank: int) -> dict:
+    import ensemble
+
+    return {
+        "live": {str(d): b for d, b in ensemble.live_memory((params, opt_state)).items()},
+        "compiled_peak": ensemble.compiled_memory(step, params, opt_state, *batch).peak,
+        "table": ensemble.print_memory(
+            (params, opt_state), title=f"process {rank}", file=sys.stderr
+        ),
+    }
+
+
+def main() -> int:
+    args = _parse()
+    info = distributed.initialize(
+        heartbeat_timeout_seconds=args.heartbeat, shutdown_timeout_seconds=30
+    )
+
+    import jax
+    import numpy as np
+
+    import ensemble
+
+    rank = info.process_id
+    os.makedirs(args.out, exist_ok=True)
+    mesh, params, step, opt_state = _mlp_ensemble()
+    local = distributed.process_local_members(mesh, N_MEMBERS)
+
+    def batch_at(t):
+        xs, ys = zip(*(member_data(i, t) for i in local))
+        return distributed.member_batch_from_local((np.stack(xs), np.stack(ys)), mesh, N_MEMBERS)
+
+    memory = _memory_report(step, params, opt_state, batch_at(0), rank)
+    t = 0
+    losses = None
+    idle_flag = os.path.join(args.out, "idle-rank-is-idle")  # the idle rank left collectives
+    while args.forever or t < args.steps:
+        x, y = batch_at(t % 8)
+        old = params
+        params, opt_state, losses = step(params, opt_state, x, y)
+        donated = all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+        host_losses = distributed.gather_metrics_to_host(losses)
+        if info.is_main:
+            print(f"step {t} losses {np.round(host_losses, 4).tolist()}", flush=True)
+        t += 1
+        _fail_on_purpose(args, rank, t, idle_flag)
+        if args.forever:
+            time.sleep(0.2)
+
+    same, other = _checkpoint_checks(args, params)
     ensemble.assert_member_placement((params, opt_state), mesh, N_MEMBERS)
     nnx_params, nnx_shards = train_nnx(args.steps, local)
     other_params, other_members = train_other_layouts(args.steps)
     host_params = distributed.gather_metrics_to_host(params)
     report = {
-        "rank": rank,
-        "num_processes": info.num_processes,
-        "device_count": info.device_count,
-        "local_devices": [d.id for d in jax.local_devices()],
-        "local_members": local,
-        "shards": {
-            jax.tree_util.keystr(path): [
-                [s.device.id, s.index[0].start, s.index[0].stop, list(s.data.shape)]
-                for s in leaf.addressable_shards
-            ]
-            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-        },
+        **_placement_report(info, local, params),
         "nnx_shards": nnx_shards,
         "other_layout_members": {str(k): v for k, v in other_members.items()},
-        "fully_addressable": [
-            leaf.is_fully_addressable for leaf in jax.tree_util.tree_leaves(params)
-        ],
         "donated": donated,
         "losses": np.asarray(distributed.gather_metrics_to_host(losses)).tolist(),
         "checkpoint_roundtrip": same,
@@ -287,12 +340,7 @@ def main() -> int:
     with open(os.path.join(args.out, f"report_{rank}.json"), "w") as f:
         json.dump(report, f, indent=1)
     if info.is_main:
-        flat = {
-            jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(host_params)
-        }
-        flat.update({f"nnx{k}": v for k, v in nnx_params.items()})
-        flat.update(other_params)
-        np.savez(os.path.join(args.out, "params.npz"), **flat)
+        _save_params(args.out, host_params, nnx_params, other_params)
         print("done", flush=True)
     return 0
 

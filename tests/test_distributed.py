@@ -208,15 +208,8 @@ def test_loopback_detection():
 # -------------------------------------------------------------------- 2 processes x 2 devices
 
 
-@pytest.mark.timeout(300)
-def test_two_processes_train_like_one(tmp_path):
-    """4 members on 2 processes x 2 CPU devices == the same 4 members on 1 process x 4 devices.
-
-    Linen and NNX, and the other layouts too (n = 2: a member spans 2 devices; n = 8: 2 members
-    per device).
-    """
-    two, one = tmp_path / "two", tmp_path / "one"
-    # Both runs at once: they share nothing but the seeds.
+def _run_on_one_and_two_processes(one, two) -> subprocess.CompletedProcess:
+    """The worker on 1 process x 4 devices and under the launcher on 2 x 2, both at once."""
     ref = subprocess.Popen(
         [sys.executable, WORKER, "--out", str(one)],
         cwd=ROOT,
@@ -237,52 +230,41 @@ def test_two_processes_train_like_one(tmp_path):
             ref.wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert ref.returncode == 0, ref_out[-3000:] + ref_err[-3000:]
+    return res
 
-    # Same seeds, same data: the same parameters (per-member math is the same program).
-    a, b = np.load(two / "params.npz"), np.load(one / "params.npz")
-    assert sorted(a) == sorted(b)
-    assert {k[:3] for k in a} >= {"nnx", "n2[", "n8["}, sorted(a)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
-    reports = [json.loads((two / f"report_{r}.json").read_text()) for r in range(2)]
-    single = json.loads((one / "report_0.json").read_text())
-    assert single["num_processes"] == 1
-    for r, rep in enumerate(reports):
-        assert rep["num_processes"] == 2 and rep["device_count"] == 4
-        assert len(rep["local_devices"]) == 2
-        # Each process holds its own members' shards, and only those.
-        assert rep["local_members"] == [2 * r, 2 * r + 1]
-        assert not any(rep["fully_addressable"])
-        for leaf, shards in rep["shards"].items():
-            assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
-            assert sorted((s[1], s[2]) for s in shards) == [
-                (2 * r, 2 * r + 1),
-                (2 * r + 1, 2 * r + 2),
-            ]
-            assert all(s[3][0] == 1 for s in shards), leaf
-        for leaf, shards in rep["nnx_shards"].items():  # the NNX ensemble: the same placement
-            assert [s[1:] for s in shards] == [[2 * r, 2 * r + 1], [2 * r + 1, 2 * r + 2]], leaf
-            assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
-        # n = 2: one member per process (over its 2 devices); n = 8: four per process.
-        assert rep["other_layout_members"] == {"2": [r], "8": list(range(4 * r, 4 * r + 4))}
-        assert rep["donated"] and rep["checkpoint_roundtrip"]
-        np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
-        # The memory report: each device holds one member, as in the 1-process run.
-        assert set(rep["memory"]["live"].values()) == set(single["memory"]["live"].values())
-        assert rep["memory"]["compiled_peak"] == single["memory"]["compiled_peak"]
-        rows = [line.split()[0] for line in rep["memory"]["table"].splitlines()]
-        assert sorted(r for r in rows if r.startswith("cpu:")) == [  # its own devices only
-            f"cpu:{d}" for d in sorted(rep["local_devices"])
-        ]
-        # Nothing listens beyond loopback (coordinator on rank 0, gloo on both).
-        if sys.platform.startswith("linux"):  # read off /proc/net/tcp*
-            assert rep["listening"], "found no listening socket to check"
-        assert all(is_loopback(a) for a in rep["listening"]), rep["listening"]
-    assert "[rank 0] done" in res.stdout
+def _check_process_report(r: int, rep: dict, single: dict) -> None:
+    """Process r of 2 holds its own members' shards only, and trained as the 1-process run."""
+    assert rep["num_processes"] == 2 and rep["device_count"] == 4
+    assert len(rep["local_devices"]) == 2
+    assert rep["local_members"] == [2 * r, 2 * r + 1]
+    assert not any(rep["fully_addressable"])
+    for leaf, shards in rep["shards"].items():
+        assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
+        assert sorted((s[1], s[2]) for s in shards) == [(2 * r, 2 * r + 1), (2 * r + 1, 2 * r + 2)]
+        assert all(s[3][0] == 1 for s in shards), leaf
+    for leaf, shards in rep["nnx_shards"].items():  # the NNX ensemble: the same placement
+        assert [s[1:] for s in shards] == [[2 * r, 2 * r + 1], [2 * r + 1, 2 * r + 2]], leaf
+        assert sorted(s[0] for s in shards) == sorted(rep["local_devices"]), leaf
+    # n = 2: one member per process (over its 2 devices); n = 8: four per process.
+    assert rep["other_layout_members"] == {"2": [r], "8": list(range(4 * r, 4 * r + 4))}
+    assert rep["donated"] and rep["checkpoint_roundtrip"]
+    np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
+    # The memory report: each device holds one member, as in the 1-process run.
+    assert set(rep["memory"]["live"].values()) == set(single["memory"]["live"].values())
+    assert rep["memory"]["compiled_peak"] == single["memory"]["compiled_peak"]
+    rows = [line.split()[0] for line in rep["memory"]["table"].splitlines()]
+    assert sorted(r for r in rows if r.startswith("cpu:")) == [  # its own devices only
+        f"cpu:{d}" for d in sorted(rep["local_devices"])
+    ]
+    # Nothing listens beyond loopback (coordinator on rank 0, gloo on both).
+    if sys.platform.startswith("linux"):  # read off /proc/net/tcp*
+        assert rep["listening"], "found no listening socket to check"
+    assert all(is_loopback(a) for a in rep["listening"]), rep["listening"]
 
-    # The checkpoint the 2 processes wrote together restores on another topology: here, 4 of
-    # this process's 8 devices, straight into member shards.
+
+def _check_restores_on_four_local_devices(ckpt, saved) -> None:
+    """The 2 processes' checkpoint restores on another topology: 4 of this process's devices."""
     mesh = make_mesh(4, devices=jax.devices()[:4])
     like = {
         "Dense_0": {"kernel": (4, 3, 32), "bias": (4, 32)},
@@ -295,11 +277,36 @@ def test_two_processes_train_like_one(tmp_path):
         like,
         is_leaf=lambda x: isinstance(x, tuple),
     )
-    restored = distributed.restore_checkpoint(two / "ckpt", like)
+    restored = distributed.restore_checkpoint(ckpt, like)
     for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
         key = jax.tree_util.keystr(path)
         assert leaf.sharding == member_sharding(mesh, leaf.ndim), key
-        np.testing.assert_array_equal(np.asarray(leaf), a[key], err_msg=key)
+        np.testing.assert_array_equal(np.asarray(leaf), saved[key], err_msg=key)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_train_like_one(tmp_path):
+    """4 members on 2 processes x 2 CPU devices == the same 4 members on 1 process x 4 devices.
+
+    Linen and NNX, and the other layouts too (n = 2: a member spans 2 devices; n = 8: 2 members
+    per device).
+    """
+    two, one = tmp_path / "two", tmp_path / "one"
+    res = _run_on_one_and_two_processes(one, two)  # they share nothing but the seeds
+
+    # Same seeds, same data: the same parameters (per-member math is the same program).
+    a, b = np.load(two / "params.npz"), np.load(one / "params.npz")
+    assert sorted(a) == sorted(b)
+    assert {k[:3] for k in a} >= {"nnx", "n2[", "n8["}, sorted(a)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+    single = json.loads((one / "report_0.json").read_text())
+    assert single["num_processes"] == 1
+    for r in range(2):
+        _check_process_report(r, json.loads((two / f"report_{r}.json").read_text()), single)
+    assert "[rank 0] done" in res.stdout
+    _check_restores_on_four_local_devices(two / "ckpt", a)
 
 
 @pytest.mark.timeout(200)

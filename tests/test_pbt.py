@@ -176,19 +176,7 @@ def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env="pend
         "rng",
     ):
         chex.assert_trees_all_equal(getattr(after.members, field), getattr(before.members, field))
-    # Hyperparameters: the parent's times 0.8 or 1.2 (clipped to the bounds); donors unchanged.
-    for name in pbt.HPARAMS:
-        old, got = before.members.hparams[name], after.members.hparams[name]
-        np.testing.assert_array_equal(np.asarray(hparams[name]), got)
-        lo, hi = pbt.BOUNDS[name]
-        for i in range(members):
-            if i not in bottom:
-                assert got[i] == old[i]
-            else:
-                options = [
-                    np.clip(np.float32(old[parent[i]]) * np.float32(f), lo, hi) for f in FACTORS
-                ]
-                assert np.any(np.isclose(got[i], options, rtol=1e-6, atol=0)), (name, i)
+    _check_perturbed_hparams(before.members.hparams, after.members.hparams, hparams, parent, bottom)
     # The optimizer's injected learning rate still equals hparams * the annealing fraction of
     # the last update (update 2 of num_updates).
     frac = 1.0 - 1.0 / cfg.num_updates
@@ -202,6 +190,22 @@ def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env="pend
     cont, metrics = learner.update(new, 2)  # the compiled program
     assert np.isfinite(np.asarray(metrics["policy_loss"])).all()
     ensemble.debug.assert_member_placement(cont.members, learner.mesh, members)
+
+
+def _check_perturbed_hparams(old_h, new_h, returned, parent, bottom) -> None:
+    """Hyperparameters: the parent's times 0.8 or 1.2 (clipped to the bounds); donors unchanged."""
+    for name in pbt.HPARAMS:
+        old, got = old_h[name], new_h[name]
+        np.testing.assert_array_equal(np.asarray(returned[name]), got)
+        lo, hi = pbt.BOUNDS[name]
+        for i in range(len(parent)):
+            if i not in bottom:
+                assert got[i] == old[i]
+            else:
+                options = [
+                    np.clip(np.float32(old[parent[i]]) * np.float32(f), lo, hi) for f in FACTORS
+                ]
+                assert np.any(np.isclose(got[i], options, rtol=1e-6, atol=0)), (name, i)
 
 
 def _without_lr(tree):
