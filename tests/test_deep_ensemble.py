@@ -128,7 +128,7 @@ def test_batch_order_per_member(de):
 def _train_alone(de, cfg, params, data, order_i):
     """Member i the way a single model is trained: plain jitted step, plain optax.adam.
     Returns the parameters after each epoch."""
-    loss_fn = de.make_loss(de.make_model(cfg))
+    loss_fn = de.make_loss(de.make_model(cfg), cfg.adversarial)
     tx = optax.adam(cfg.lr)
     x, y = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
 
@@ -146,6 +146,40 @@ def _train_alone(de, cfg, params, data, order_i):
     return per_epoch
 
 
+def _softmax_ce(x, w, b, y):
+    """Mean cross-entropy of a linear softmax model and its gradients in x and in (w, b), numpy."""
+    logits = x @ w + b
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    delta = (p - np.eye(w.shape[1])[y]) / len(x)  # d loss / d logits
+    loss = -np.log(p[np.arange(len(x)), y]).mean()
+    return loss, delta @ w.T, (x.T @ delta, delta.sum(0))
+
+
+def test_adversarial_loss_equals_numpy_for_a_linear_model(de):
+    """Loss and parameter gradient of adversarial training, against the closed form: the batch
+    moved by eps * sign(d loss / d x), the moved inputs held fixed in the gradient."""
+    import flax.linen as nn
+
+    rng = np.random.default_rng(0)
+    x, y = rng.uniform(0, 1, (12, 64)).astype(np.float32), rng.integers(0, 10, 12)
+    model = nn.Dense(10)
+    params = model.init(jax.random.key(1), x[:1])["params"]
+    w, b = (np.asarray(params[k], np.float64) for k in ("kernel", "bias"))
+    idx = jnp.arange(12)
+    for eps in (0.0, 0.05):
+        loss_fn = de.make_loss(model, eps)
+        got, grads = jax.value_and_grad(loss_fn)(params, idx, jnp.asarray(x), jnp.asarray(y))
+        want, gx, (gw, gb) = _softmax_ce(x.astype(np.float64), w, b, y)
+        if eps:
+            moved = x + eps * np.sign(gx)
+            extra, _, (mw, mb) = _softmax_ce(moved, w, b, y)
+            want, gw, gb = want + extra, gw + mw, gb + mb
+        np.testing.assert_allclose(float(got), want, rtol=1e-5)
+        np.testing.assert_allclose(grads["kernel"], gw, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(grads["bias"], gb, rtol=1e-4, atol=1e-6)
+
+
 def _close(a, b, i, atol=1e-5):
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(u), v[i], atol=atol, rtol=0)
@@ -153,8 +187,11 @@ def _close(a, b, i, atol=1e-5):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("members,devices", [(4, 2)])  # 2 members per device, 2 devices
-def test_member_equals_training_alone(de, members, devices):
-    cfg = de.Config(members=members, devices=devices, hidden=32, epochs=2, seed=3)
+@pytest.mark.parametrize("adversarial", [0.0, 0.02])
+def test_member_equals_training_alone(de, members, devices, adversarial):
+    cfg = de.Config(
+        members=members, devices=devices, hidden=32, epochs=2, seed=3, adversarial=adversarial
+    )
     data = de.load_digits(cfg.test_fraction, cfg.seed)
     ens, params = de.build(cfg, data.x_train)
     init = jax.device_get(params)  # the step donates params
@@ -214,6 +251,7 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
         (["--model", "resnet"], "invalid choice"),
         (["--val-fraction", "0.9"], "--val-fraction must be 0 or in"),
         (["--test-resamples", "10"], "--test-resamples must be 0 or in [100, 100000], got 10"),
+        (["--adversarial", "-0.01"], "--adversarial must be in [0, 0.5], got -0.01"),
     ]:
         with pytest.raises(SystemExit) as e:
             de.main(argv)
