@@ -8,6 +8,13 @@ without PBT, and is the population's median clearly higher? The gap between the 
 gets a 95% interval from resampling each arm's last ``--tail`` updates (``best_gap``), the
 noise of the scores themselves.
 
+A best-of-8 training score is biased upwards by the members' own noise (the winner's curse),
+more for 8 independent members than for a PBT population of near-copies. So each arm's final
+checkpoint is also exported and every member runs ``--eval-episodes`` fresh deterministic
+episodes (mean action, the same initial states for every policy; ``rollout.ppo.evaluate``): the
+member its training score ranks first is scored there, as a user would deploy it, and the two
+arms' picks are compared episode by episode (``held_out``).
+
 The two arms run at the same time as two processes (each gets the same share of the machine).
 Not a test: it trains for minutes. Run::
 
@@ -100,6 +107,38 @@ def best_gap_interval(
     }
 
 
+def evaluate_arm(run: Path, episodes: int, seed: int) -> np.ndarray:
+    """[members, episodes] returns of the arm's final checkpoint, exported to ``run/export``."""
+    from rollout.ppo import evaluate, export
+
+    shutil.rmtree(run / "export", ignore_errors=True)
+    cmd = [sys.executable, "-m", "rollout.ppo.export", str(run), "--to", str(run / "export")]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    members = [export.read_member(d) for d in export.member_dirs(run / "export")]
+    returns = evaluate.evaluate(members, episodes, seed)
+    return np.stack([returns[f"member_{i}"] for i in range(len(members))])
+
+
+def held_out(scores: dict[str, list[float]], returns: dict[str, np.ndarray]) -> dict[str, object]:
+    """Each arm's pick (its best member by training score) scored on the held-out episodes,
+    and PBT's pick minus the plain arm's: the mean over the same episodes and its standard
+    error (paired: every policy saw the same initial states)."""
+    out: dict[str, object] = {}
+    for arm in ("no PBT", "PBT"):
+        pick = int(np.nanargmax(scores[arm]))
+        means = returns[arm].mean(axis=1)
+        out[arm] = {
+            "pick": pick,
+            "pick_mean": round(float(means[pick]), 1),
+            "best_mean": round(float(means.max()), 1),
+            "median_mean": round(float(np.median(means)), 1),
+        }
+    diff = returns["PBT"][out["PBT"]["pick"]] - returns["no PBT"][out["no PBT"]["pick"]]
+    out["pick_gap"] = round(float(diff.mean()), 1)
+    out["pick_gap_se"] = round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 1)
+    return out
+
+
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
@@ -154,7 +193,7 @@ def run_arms(args: argparse.Namespace, work: Path) -> dict[str, float]:
     return walls
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     from rollout.ppo._parser import OneLineParser
 
     p = OneLineParser(description=__doc__.splitlines()[0])
@@ -162,21 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=10, help="PPO updates between PBT steps")
     p.add_argument("--tail", type=int, default=10, help="updates averaged for the final score")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-episodes", type=int, default=500, help="held-out episodes per member")
     p.add_argument("--work", default=str(ROOT / "runs" / "pbt_bench"), help="arm output dirs")
     p.add_argument("--name", default="pbt", help="result files: benchmarks/results/NAME.*")
     p.add_argument("--report-only", action="store_true", help="re-read finished arms")
-    args = p.parse_args(argv)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()
-    walls = {} if args.report_only else run_arms(args, work)
-    runs = {
-        "no PBT": read_rows(work / "plain" / "metrics.jsonl"),
-        "PBT": read_rows(work / "pbt" / "metrics.jsonl"),
-    }
+    return p
+
+
+def build_result(args: argparse.Namespace, work: Path, runs: dict, walls: dict, load) -> dict:
     summary = {name: summarise(rows, args.tail) for name, rows in runs.items()}
     pbt, plain = summary["PBT"], summary["no PBT"]
-    result = {
+    evaluated = {
+        name: evaluate_arm(work / d, args.eval_episodes, 10_000 + args.seed)
+        for name, d in (("no PBT", "plain"), ("PBT", "pbt"))
+    }
+    return {
         "env": "pendulum",
         "members": MEMBERS,
         "env_steps_per_member": runs["PBT"][-1]["env_steps"],
@@ -187,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         "pbt_best_ge_plain_best": pbt["best"] >= plain["best"],
         "best_gap": best_gap_interval(runs, args.tail, seed=args.seed),
         "median_gain": round(pbt["median"] - plain["median"], 1),
+        "held_out": held_out({k: v["final_per_member"] for k, v in summary.items()}, evaluated),
+        "held_out_episodes": args.eval_episodes,
         "wall_s": walls,
-        "command": "python benchmarks/pbt.py " + " ".join(argv or sys.argv[1:]),
         "machine": {
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
@@ -197,22 +237,50 @@ def main(argv: list[str] | None = None) -> int:
         },
         "final_hparams_pbt": runs["PBT"][-1]["hparams"],
     }
+
+
+def print_report(result: dict, tail: int) -> None:
+    print(f"Pendulum-v1, {MEMBERS} members, {result['env_steps_per_member']} env steps each")
+    print(f"{'arm':8} {'best':>8} {'median':>8} {'worst':>8}  final per member")
+    for name, s in result["arms"].items():
+        finals = s["final_per_member"]
+        print(f"{name:8} {s['best']:8.1f} {s['median']:8.1f} {s['worst']:8.1f}  {finals}")
+    gap, ho = result["best_gap"], result["held_out"]
+    print(
+        f"PBT best >= no-PBT best: {result['pbt_best_ge_plain_best']} (gap {gap['gap']:+.1f}, "
+        f"95% interval over the last {tail} updates [{gap['ci95'][0]:+.1f}, "
+        f"{gap['ci95'][1]:+.1f}]); median gain {result['median_gain']:+.1f}; "
+        f"wall {result['wall_s']}"
+    )
+    print(
+        f"held out ({result['held_out_episodes']} episodes each): no-PBT pick member "
+        f"{ho['no PBT']['pick']} {ho['no PBT']['pick_mean']:.1f}, PBT pick member "
+        f"{ho['PBT']['pick']} {ho['PBT']['pick_mean']:.1f}, gap {ho['pick_gap']:+.1f} "
+        f"+- {ho['pick_gap_se']:.1f} (s.e.)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.eval_episodes < 2:
+        parser.error(f"--eval-episodes must be >= 2, got {args.eval_episodes}")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    walls = {} if args.report_only else run_arms(args, work)
+    runs = {
+        "no PBT": read_rows(work / "plain" / "metrics.jsonl"),
+        "PBT": read_rows(work / "pbt" / "metrics.jsonl"),
+    }
+    result = build_result(args, work, runs, walls, load)
+    result["command"] = "python benchmarks/pbt.py " + " ".join(argv or sys.argv[1:])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(runs, RESULTS / f"{args.name}.png")
     if (work / "pbt" / "pbt_lineage.png").exists():
         shutil.copy(work / "pbt" / "pbt_lineage.png", RESULTS / f"{args.name}_lineage.png")
-    print(f"Pendulum-v1, {MEMBERS} members, {result['env_steps_per_member']} env steps each")
-    print(f"{'arm':8} {'best':>8} {'median':>8} {'worst':>8}  final per member")
-    for name, s in summary.items():
-        finals = s["final_per_member"]
-        print(f"{name:8} {s['best']:8.1f} {s['median']:8.1f} {s['worst']:8.1f}  {finals}")
-    gap = result["best_gap"]
-    print(
-        f"PBT best >= no-PBT best: {result['pbt_best_ge_plain_best']} (gap {gap['gap']:+.1f}, "
-        f"95% interval over the last {args.tail} updates [{gap['ci95'][0]:+.1f}, "
-        f"{gap['ci95'][1]:+.1f}]); median gain {result['median_gain']:+.1f}; wall {walls}"
-    )
+    print_report(result, args.tail)
     return 0
 
 

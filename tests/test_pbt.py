@@ -391,3 +391,40 @@ def test_benchmark_best_gap_interval_separates_only_what_the_noise_allows():
     clear = {"PBT": rows([-100, -300], 2, nan_member=1), "no PBT": rows([-150], 2)}
     gap = bench.best_gap_interval(clear, 10)
     assert 40 < gap["ci95"][0] <= gap["ci95"][1] < 60 and gap["share_at_or_above"] == 1.0
+
+
+def test_benchmark_held_out_scores_the_training_pick_on_shared_episodes():
+    """Each arm's pick is its best member by *training* score, whatever the held-out episodes
+    say; the gap is paired over the same episodes (numpy reference)."""
+    bench, rng = _benchmark(), np.random.default_rng(1)
+    base = rng.normal(-150, 30, 400)  # one initial state per episode, shared by every policy
+    plain = np.stack([base + d for d in (-900.0, -5.0, -2.0)])  # [members, episodes]
+    pbt = np.stack([base + d + rng.normal(0, 1, 400) for d in (-3.0, 0.0)])
+    scores = {"no PBT": [-1000.0, -140.0, -160.0], "PBT": [float("nan"), -150.0]}
+    out = bench.held_out(scores, {"no PBT": plain, "PBT": pbt})
+    assert out["no PBT"]["pick"] == 1 and out["PBT"]["pick"] == 1  # by score; NaN skipped
+    assert out["no PBT"]["pick_mean"] == round(float(plain[1].mean()), 1)
+    assert out["no PBT"]["best_mean"] == round(float(plain[2].mean()), 1)  # not the pick
+    diff = pbt[1] - plain[1]
+    assert out["pick_gap"] == round(float(diff.mean()), 1)
+    assert out["pick_gap_se"] == round(float(diff.std(ddof=1) / 20), 1)
+    # Shared episodes: the gap's error is the 1-point noise, not the 30-point spread of states.
+    assert 4.5 < out["pick_gap"] < 5.5 and out["pick_gap_se"] <= 0.1  # unpaired: about 2
+
+
+@pytest.mark.timeout(240)
+def test_benchmark_evaluates_an_arms_final_checkpoint(tmp_path):
+    """evaluate_arm exports a run's last checkpoint and returns [members, episodes] returns,
+    the same as evaluating the exported members directly."""
+    from rollout.ppo import evaluate, export, train
+
+    cfg = PPOConfig.for_env(
+        "pendulum", members=2, total_steps=256, num_envs=4, num_steps=64,
+        num_minibatches=2, update_epochs=1,
+    )  # fmt: skip
+    train(cfg, tmp_path / "arm", progress=False, devices=jax.devices()[:2])
+    got = _benchmark().evaluate_arm(tmp_path / "arm", episodes=3, seed=5)
+    members = [export.read_member(d) for d in export.member_dirs(tmp_path / "arm" / "export")]
+    want = evaluate.evaluate(members, 3, 5)
+    assert got.shape == (2, 3)
+    np.testing.assert_array_equal(got, np.stack([want["member_0"], want["member_1"]]))
