@@ -50,7 +50,7 @@ class Walk(gym.Env):
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
                  pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
-                 short_obs_at=None, fork_child=None, step_sleep=0.0):
+                 short_obs_at=None, fork_child=None, step_sleep=0.0, multi_actions=False):
         if fork_child and "jax" not in sys.modules:  # in a worker only, not the learner: a
             # process of the env's own that outlives the worker, its pid in the file
             pid = os.fork()
@@ -82,6 +82,8 @@ class Walk(gym.Env):
         self.grid, self.steps = grid, 0
         if int_actions:
             self.action_space = spaces.Box(0, 3, (2,), np.int64)
+        if multi_actions:  # two discrete choices per step: no head of the PPO networks
+            self.action_space = spaces.MultiDiscrete([3, 3])
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
@@ -1127,6 +1129,13 @@ def test_cli_unknown_gymnasium_id_is_one_line_exit_2(tmp_path, capsys):
         f"error: gymnasium:{WALK_ID}: observations of shape (2, 2) are not supported: the PPO "
         "networks take vectors [D] (an MLP) or images [H, W, C] / [C, H, W] of at least 3x3 (a "
         "conv net); reshape them in the env."
+    )
+    argv = ["--env", f"gymnasium:{WALK_ID}", "--env-kwargs", '{"multi_actions": true}']
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: gymnasium:{WALK_ID}: action space MultiDiscrete([3 3]) is not supported "
+        "(observations: a Box, or for gymnasium ids any space gymnasium can flatten; actions: a "
+        "Box or a Discrete)."
     )
     assert not out.exists()
 
