@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from ensemble._mesh import MEMBER_AXIS
 
@@ -272,6 +272,15 @@ def assert_member_placement(tree: Any, mesh: Mesh, n: int | None = None) -> None
     )
 
 
+def _ensemble_mesh(tree: Any) -> Mesh | None:
+    """The ensemble mesh (one with an ``'ensemble'`` axis) that a leaf's sharding names."""
+    for _, leaf in _leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and MEMBER_AXIS in sharding.mesh.axis_names:
+            return sharding.mesh
+    return None
+
+
 @_chex_style
 def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) -> None:
     """Asserts that no member-shaped leaf (leading axis ``n``) is held whole by one device.
@@ -281,9 +290,10 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     unannotated parameters (a default bias) that logical partitioning leaves as ``P()``.
     A leaf fails if some device holds all n members' rows, unless the ensemble is meant to
     fit on one device: ``n == 1``, a single device in total, or a ``mesh`` whose
-    ``'ensemble'`` axis has size 1. Leaves without a leading n are skipped, but a tree with no
-    such leaf fails (nothing would be checked: often n given as the device count), and so does
-    a donated (deleted) array.
+    ``'ensemble'`` axis has size 1 (without ``mesh``, the ensemble mesh the leaves' own
+    shardings name, as ``ensemble.build(..., devices=[d])`` makes). Leaves without a leading n
+    are skipped, but a tree with no such leaf fails (nothing would be checked: often n given as
+    the device count), and so does a donated (deleted) array.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -300,6 +310,7 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     """
     if n == 1:
         return
+    mesh = mesh if mesh is not None else _ensemble_mesh(tree)
     if mesh is not None:
         if MEMBER_AXIS in mesh.axis_names and mesh.shape[MEMBER_AXIS] == 1:
             return

@@ -188,18 +188,27 @@ BATCH_FIXES = (
 
 
 def check_inputs(
-    args: Sequence[Any], axes: Axes, n: int, what: str, per_member_fix: str, shared_fix: str
+    args: Sequence[Any],
+    axes: Axes,
+    n: int,
+    what: str,
+    per_member_fix: str,
+    shared_fix: str,
+    mesh: Mesh | None = None,
 ) -> None:
     """Inputs of a member call, by their axis: per-member ones (0) have a leading member axis
-    of n; shared ones (None) are not laid out one slice per member."""
+    of n; shared ones (None) are not laid out one slice per member; with ``mesh``, none is
+    committed to devices other than the mesh's."""
     for pos, (arg, ax) in enumerate(zip(args, axes)):
         if ax == 0:
             check_member_major(arg, n, f"{what} {pos} (per-member)", per_member_fix)
         else:
             check_shared(arg, n, f"{what} {pos}", shared_fix)
+        if mesh is not None:
+            check_on_mesh(arg, mesh, f"{what} {pos}")
 
 
-def check_shared_kwargs(kwargs: Mapping[str, Any], n: int) -> None:
+def check_shared_kwargs(kwargs: Mapping[str, Any], n: int, mesh: Mesh | None = None) -> None:
     """Keyword inputs of a member call are shared by all members (both adapters): refuses one
     laid out one slice per member, like a shared positional input."""
     for name in sorted(kwargs):
@@ -209,6 +218,34 @@ def check_shared_kwargs(kwargs: Mapping[str, Any], n: int) -> None:
             f"keyword input {name!r}",
             "Keyword inputs are shared by all members: pass per-member data as a positional "
             "input, with in_axes=0 at its position.",
+        )
+        if mesh is not None:
+            check_on_mesh(kwargs[name], mesh, f"keyword input {name!r}")
+
+
+def _device_ids(devices: Any) -> str:
+    ids = sorted(d.id for d in devices)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def check_on_mesh(tree: Any, mesh: Mesh, what: str) -> None:
+    """Refuses an array committed to devices other than the ensemble's (one device, say, after
+    ``ens.member(v, i)`` or a gather): a compiled call cannot take it, and JAX's own error
+    names no fix. Uncommitted arrays (numpy, ``jnp.ones``) are placed by the call itself."""
+    devices = set(mesh.devices.flat)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        if not leaf.committed or leaf.is_deleted() or leaf.sharding.device_set == devices:
+            continue
+        raise ValueError(
+            f"{what}{jax.tree_util.keystr(path)} is committed to device(s) "
+            f"{_device_ids(leaf.sharding.device_set)}, but this ensemble runs on devices "
+            f"{_device_ids(devices)}; pass it uncommitted (np.asarray(x)) or move it there "
+            "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
+            "jax.sharding.PartitionSpec())))."
         )
 
 

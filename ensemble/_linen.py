@@ -34,6 +34,7 @@ from ensemble._core import (
     check_inputs,
     check_live,
     check_member_major,
+    check_on_mesh,
     check_shared_kwargs,
     split_kwargs,
     stream_keys,
@@ -258,8 +259,9 @@ class LinenEnsemble:
             Python values are static (a new value compiles once); arrays are traced.
         """
         self._check_variables(variables)
+        check_on_mesh(variables, self.mesh, "variables")
         axes = self._check_args(args)
-        check_shared_kwargs(kwargs, self.n)
+        check_shared_kwargs(kwargs, self.n, self.mesh)
         if rngs is not None and not isinstance(rngs, Mapping):
             raise TypeError(
                 "rngs= must be a dict of keys per stream, e.g. {'dropout': jax.random.key(0)}; "
@@ -339,7 +341,7 @@ class LinenEnsemble:
 
     def _check_args(self, args: tuple[Any, ...]) -> tuple[int | None, ...]:
         axes = arg_axes(self._in_axes, len(args))
-        check_inputs(args, axes, self.n, "input", *INPUT_FIXES)
+        check_inputs(args, axes, self.n, "input", *INPUT_FIXES, mesh=self.mesh)
         return axes
 
     def _check_variables(self, variables: Any) -> None:

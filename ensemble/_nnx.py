@@ -230,8 +230,8 @@ class NNXEnsemble(nnx.Module):
     ) -> None:
         axes = arg_axes(in_axes, len(args))
         axes = tuple(ax if _is_array_tree(x) else None for x, ax in zip(args, axes))
-        check_inputs(args, axes, self.n, "input", *INPUT_FIXES)
-        check_shared_kwargs(kwargs, self.n)
+        check_inputs(args, axes, self.n, "input", *INPUT_FIXES, mesh=self.mesh)
+        check_shared_kwargs(kwargs, self.n, self.mesh)
 
     def _map(
         self,
@@ -567,7 +567,17 @@ def _plan(
 
 def _checked(make_member: Callable[[nnx.Rngs], Any]) -> Callable[[nnx.Rngs], nnx.Module]:
     def make(rngs: nnx.Rngs) -> nnx.Module:
-        module = make_member(rngs)
+        try:
+            module = make_member(rngs)
+        except TypeError as e:
+            if "Rngs" not in str(e):  # an error of the model's own: as it is
+                raise
+            # Something that is not a factory (jnp.tanh, lambda x: x * 2) used the rngs as data.
+            raise TypeError(
+                f"build called the model as an NNX factory, model(rngs), and it failed on the "
+                f"nnx.Rngs ({e}). Pass a linen Module, or a factory that builds one member "
+                "from its rngs, e.g. lambda rngs: MyModel(..., rngs=rngs)."
+            ) from e
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"the factory must return an nnx.Module, got {type(module).__name__}. Pass "
@@ -777,7 +787,7 @@ class NNXTrainStep:
     def _run(self, program: Any, ens: Any, optimizer: Any, batch: tuple, one: tuple) -> Any:
         _check_pair(ens, optimizer)
         axes = self._batch_axes(len(batch), ens.in_axes)
-        check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES)
+        check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES, mesh=ens.mesh)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ensemble._core import check_live
 from ensemble._mesh import MEMBER_AXIS, member_index, take_member
 
 
@@ -103,6 +104,9 @@ def member(tree_or_ensemble: Any, i: int) -> Any:
     method = getattr(tree_or_ensemble, "member", None)
     if callable(method) and not isinstance(tree_or_ensemble, dict | list | tuple):
         return method(i)
+    check_live(
+        tree_or_ensemble, "member() input ", "use the arrays that step returned (their members)"
+    )
     leaves = jax.tree_util.tree_leaves_with_path(tree_or_ensemble)
     if not leaves:
         raise ValueError("member() got an empty tree.")

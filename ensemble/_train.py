@@ -40,6 +40,7 @@ from ensemble._core import (
     check_live,
     check_member_major,
     check_not_donated,
+    check_on_mesh,
     split_loss,
 )
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
@@ -209,7 +210,9 @@ class TrainStep:
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
         one = batch if stacked is None else one_step_of(batch, stacked)
-        check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES)
+        check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES, mesh=self.mesh)
+        check_on_mesh(params, self.mesh, "params")
+        check_on_mesh(opt_state, self.mesh, "opt_state")
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)

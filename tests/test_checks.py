@@ -70,6 +70,8 @@ def test_single_device_ensemble_is_not_replication():
     mesh = ensemble.make_mesh(4, devices=jax.devices()[:1])
     tree = ensemble.shard_members(_tree(4), mesh, 4)
     ensemble.assert_no_replicated_members(tree, 4, mesh)
+    # Without mesh=, the mesh the leaves' shardings name says the same.
+    ensemble.assert_no_replicated_members(tree, 4)
     ensemble.assert_member_placement(tree, mesh)
 
 

@@ -55,6 +55,8 @@ SCRIPT = textwrap.dedent(
         lambda: anchored(new_params, anchored_state, x, params),
         # Tied weights: one array twice in the donated params.
         lambda: tied(tied_params, tied.init(tied_params), x),
+        # A member taken out of donated variables.
+        lambda: ensemble.member(variables, 1),
     ):
         try:
             call()
@@ -72,14 +74,53 @@ def test_donated_arrays_reused_raise_a_clear_error():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     errors = [line for line in out.stdout.splitlines() if line.startswith("ValueError")]
-    assert len(errors) == 6, out.stdout
+    assert len(errors) == 7, out.stdout
     assert "variables leaf ['params']" in errors[0] and "donated" in errors[0]
     assert "params['bias']" in errors[1] or "params['kernel']" in errors[1]
     assert "batch argument 1['bias'] is also one of the params / opt_state arrays" in errors[2]
     assert "batch argument 1 is also one of the ensemble / optimizer state arrays" in errors[3]
     assert "batch argument 1['bias'] was donated to an earlier call" in errors[4]
     assert "['params']['b'] is the same array as ['params']['a'] (both donated)" in errors[5]
+    assert "member() input ['params']" in errors[6] and "was donated" in errors[6]
     assert "apply with the returned params: (2, 4, 1)" in out.stdout
+
+
+def test_arrays_committed_to_other_devices_are_refused_in_one_line():
+    """JAX's own error for a committed array on other devices names no fix; every entry point
+    refuses it first, naming the argument, its devices and the ensemble's."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    ens = ensemble.build(nn.Dense(2), 8)
+    x = jnp.ones((4, 3))
+    v = ens.init(jax.random.key(0), x)
+    on_5 = jax.device_put(x, jax.devices()[5])  # e.g. computed from ens.member(v, 5)
+    want = r"is committed to device\(s\) 5, but this ensemble runs on devices 0\.\.7; pass it"
+    with pytest.raises(ValueError, match=r"input 0 " + want):
+        ens.apply(v, on_5)
+    with pytest.raises(ValueError, match=r"variables\['params'\]\['bias'\] is committed"):
+        ens.apply(jax.device_put(v, jax.devices()[0]), x)
+    loss = lambda p, x: jnp.mean(ens.model.apply({"params": p}, x) ** 2)
+    step = ens.train_step(loss, optax.sgd(0.1))
+    params = v["params"]
+    with pytest.raises(ValueError, match=r"batch argument 0 " + want):
+        step(params, step.init(params), on_5)
+    gathered = jax.device_put(params, jax.devices()[0])
+    with pytest.raises(ValueError, match=r"params\['bias'\] is committed to device\(s\) 0,"):
+        step(gathered, step.init(params), x)
+    # Accepted: host arrays, uncommitted ones, and arrays already on the ensemble's devices.
+    assert ens.apply(v, np.ones((4, 3), np.float32)).shape == (8, 4, 2)
+    moved = jax.device_put(on_5, jax.sharding.NamedSharding(ens.mesh, jax.sharding.PartitionSpec()))
+    assert ens.apply(v, moved).shape == (8, 4, 2)  # the fix the message gives
+    nens = ensemble.build(lambda r: nnx.Linear(3, 2, rngs=r), 8, rngs=0)
+    with pytest.raises(ValueError, match=r"input 0 " + want):
+        nens(on_5)
+    nstep = nens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"batch argument 0 " + want):
+        nstep(nens, nstep.init(), on_5)
+    assert nens(x).shape == (8, 4, 2)
 
 
 def test_duplicate_devices_are_refused():

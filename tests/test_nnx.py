@@ -512,6 +512,16 @@ def test_factory_errors():
         build_nnx(linear, D, rngs="seed")
     with pytest.raises(ValueError, match="in_axes"):
         build_nnx(linear, D, in_axes=1)
+    # Callables that are not factories use the rngs as data: said in one line, not Rngs' errors.
+    for not_a_factory in (jnp.tanh, lambda x: x * 2):
+        with pytest.raises(TypeError, match=r"build called the model as an NNX factory"):
+            ensemble.build(not_a_factory, D)
+
+    def model_with_a_bug(rngs):
+        raise TypeError("Linear() got an unexpected keyword argument 'width'")
+
+    with pytest.raises(TypeError, match=r"^Linear\(\) got an unexpected keyword argument"):
+        build_nnx(model_with_a_bug, D)  # the model's own error, as it is
 
 
 class Sows(nnx.Module):
