@@ -234,19 +234,27 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str) -> None:
     """Refuses an array committed to devices other than the ensemble's (one device, say, after
     ``ens.member(v, i)`` or a gather): a compiled call cannot take it, and JAX's own error
     names no fix. Uncommitted arrays (numpy, ``jnp.ones``) are placed by the call itself."""
-    devices = set(mesh.devices.flat)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    devices = None
+
+    def misplaced(leaf: Any) -> bool:
+        nonlocal devices
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-            continue
-        if not leaf.committed or leaf.is_deleted() or leaf.sharding.device_set == devices:
-            continue
-        raise ValueError(
-            f"{what}{jax.tree_util.keystr(path)} is committed to device(s) "
-            f"{_device_ids(leaf.sharding.device_set)}, but this ensemble runs on devices "
-            f"{_device_ids(devices)}; pass it uncommitted (np.asarray(x)) or move it there "
-            "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
-            "jax.sharding.PartitionSpec())))."
-        )
+            return False
+        sharding = leaf.sharding
+        if getattr(sharding, "mesh", None) is mesh:  # the usual case, in O(1)
+            return False
+        devices = set(mesh.devices.flat) if devices is None else devices
+        return leaf.committed and not leaf.is_deleted() and sharding.device_set != devices
+
+    if not any(misplaced(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
+        return
+    path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if misplaced(x))
+    raise ValueError(
+        f"{what}{jax.tree_util.keystr(path)} is committed to device(s) "
+        f"{_device_ids(leaf.sharding.device_set)}, but this ensemble runs on devices "
+        f"{_device_ids(devices)}; pass it uncommitted (np.asarray(x)) or move it there "
+        "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, jax.sharding.PartitionSpec())))."
+    )
 
 
 def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
