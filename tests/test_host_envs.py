@@ -1163,6 +1163,33 @@ def test_evaluate_cuts_episodes_of_an_env_without_time_limit(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.timeout(120)
+def test_evaluate_names_an_env_that_raises_or_that_it_cannot_make(tmp_path, capsys):
+    """The env's own exception and an unimportable env module: one line each, exit 1 and 2,
+    as in training; not a traceback."""
+    from rollout.ppo import Learner, PPOConfig, evaluate
+    from rollout.ppo.export import export_members
+
+    stay = lambda obs: jnp.ones(obs.shape[0], jnp.int32)
+    kw = {"fail_at": 30}  # the env's 30th step raises, in a later episode (at most 12 steps)
+    fell = r"Walk-v0 raised ValueError at step \d+ of the episode of seed [2-9]: the walk fell " \
+        r"over at step 30"  # fmt: skip
+    with pytest.raises(evaluate.EnvFailed, match=f"^{fell}$"):
+        evaluate.gymnasium_returns(stay, WALK_ID, episodes=4, seed=0, kwargs=kw)
+    with pytest.raises(ValueError, match=r"^gymnasium cannot make 'no_such_module:Walk-v0': No "
+                       r"module named 'no_such_module'"):  # fmt: skip
+        evaluate.gymnasium_returns(stay, "no_such_module:Walk-v0", episodes=1, seed=0)
+    cfg = PPOConfig.for_env(f"gymnasium:{WALK_ID}", members=2, num_envs=2, env_kwargs=kw)
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    try:
+        export_members(learner, learner.init(), tmp_path / "export")
+    finally:
+        learner.close()
+    assert evaluate.main([str(tmp_path / "export"), "--episodes", "4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(f"error: {fell}", err[0]), err
+
+
 def test_evaluate_leaves_out_the_host_env_layers_own_kwargs():
     from rollout.ppo import PPOConfig, evaluate
 

@@ -194,19 +194,26 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
             "(gymnasium with MuJoCo), or pip install gymnasium."
         ) from None
 
-    from rollout.hostenv._worker import make_gymnasium
-
-    try:
-        env = make_gymnasium(env_id, **kwargs)
-    except gymnasium.error.Error as e:
-        raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
-    except ModuleNotFoundError as e:
-        raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
+    del gymnasium  # imported above only to say how to install it
+    env = make_gymnasium_or_explain(env_id, **kwargs)
     try:
         limit = env.spec.max_episode_steps if env.spec is not None else None
         return env.observation_space, env.action_space, limit
     finally:
         env.close()
+
+
+def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:
+    """One gymnasium env; an id gymnasium cannot make (unknown, or its module not importable
+    here) is one ``ValueError`` line, not gymnasium's traceback."""
+    import gymnasium
+
+    from rollout.hostenv._worker import make_gymnasium
+
+    try:
+        return make_gymnasium(env_id, **kwargs)
+    except (gymnasium.error.Error, ModuleNotFoundError) as e:
+        raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
 
 
 def _in_process(env: HostEnv) -> bool:

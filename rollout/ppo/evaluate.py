@@ -129,15 +129,31 @@ def step_cap(env: Any, max_steps: int | None) -> int | None:
     return None if spec is not None and spec.max_episode_steps else DEFAULT_MAX_STEPS
 
 
+class EnvFailed(RuntimeError):
+    """The env raised during an evaluation episode (its own fault, not the policy's)."""
+
+
 def _run_episode(env: Any, act: Any, seed: int, cap: int | None, on_step: Any = None) -> tuple:
-    """One gymnasium episode of the jitted policy ``act``: (return, whether ``cap`` cut it)."""
-    obs, _ = env.reset(seed=seed)
+    """One gymnasium episode of the jitted policy ``act``: (return, whether ``cap`` cut it).
+    An exception of the env's ``reset`` / ``step`` is an :class:`EnvFailed` naming the env,
+    the episode's seed and the step."""
+    name = getattr(getattr(env, "spec", None), "id", None) or type(env).__name__
+    try:
+        obs, _ = env.reset(seed=seed)
+    except Exception as e:
+        raise EnvFailed(f"{name} raised {type(e).__name__} in reset(seed={seed}): {e}") from e
     total, done, t = 0.0, False, 0
     while not done:
         if cap is not None and t >= cap:
             return total, True
         action = np.asarray(act(np.asarray(obs, np.float32)[None]))[0]
-        obs, reward, term, trunc, _ = env.step(action)
+        try:
+            obs, reward, term, trunc, _ = env.step(action)
+        except Exception as e:
+            raise EnvFailed(
+                f"{name} raised {type(e).__name__} at step {t + 1} of the episode of seed "
+                f"{seed}: {e}"
+            ) from e
         total, done, t = total + float(reward), term or trunc, t + 1
         if on_step is not None:
             on_step()
@@ -156,10 +172,10 @@ def gymnasium_returns(
     cut after :func:`step_cap` steps (said on stderr) if it has not ended by then."""
     import jax
 
-    from rollout.hostenv._worker import make_gymnasium
+    from rollout.hostenv._host import make_gymnasium_or_explain
 
     act = jax.jit(policy)
-    env = make_gymnasium(env_id, **(kwargs or {}))
+    env = make_gymnasium_or_explain(env_id, **(kwargs or {}))
     cap = step_cap(env, max_steps)
     try:
         runs = [_run_episode(env, act, seed + e, cap) for e in range(episodes)]
@@ -364,13 +380,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         results = evaluate(members, args.episodes, args.seed, args.max_steps)
-    except ValueError as e:  # --max-steps for an EnvPool id
+    except ValueError as e:  # --max-steps for an EnvPool id, an env gymnasium cannot make
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EnvFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(format_table(results))
     if args.video:
         policy = ensemble_act(members) if len(members) > 1 else members[0].act
-        note = record_video(policy, members[0].meta, args.video, args.seed, args.max_steps)
+        try:
+            note = record_video(policy, members[0].meta, args.video, args.seed, args.max_steps)
+        except EnvFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(note, file=sys.stderr)
     return 0
 
