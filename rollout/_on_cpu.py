@@ -549,6 +549,12 @@ class OnCpu:
         x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
         call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)), weak_in, x64)
         call.weak = weak_in
+        if kind == "process" and not eager:
+            # Exported now, at trace time (and cached for a run in one chunk): what the workers
+            # cannot run, a host callback inside fn, is refused here, not inside the callback.
+            self._exported(
+                flat_fn, (call.sig, tuple((x.shape, str(x.dtype)) for x in specs)), specs
+            )
         if eager:
             outs = [jax.device_put(o) for o in call.run(*batched, *shared)]
         elif auto_mesh is not None:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from subprocess_env import alive, alive_after
 
 import rollout
@@ -541,6 +543,13 @@ def test_a_host_callback_inside_fn_is_one_clear_error_for_worker_processes():
     f = on_cpu(noisy, workers=W, executor="process")
     with pytest.raises(ValueError, match=r"fn makes a host callback \(jax.debug.print"):
         f(jnp.ones((4, 2)))
+    # Traced: refused while tracing (lower runs nothing), not inside the callback at run time,
+    # also for inputs sharded over several devices.
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    sharded = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("d")))
+    for x in (jnp.ones((4, 2)), sharded):
+        with pytest.raises(ValueError, match=r"fn makes a host callback \(jax.debug.print"):
+            jax.jit(f).lower(x)
     f.close()
 
 
