@@ -183,7 +183,16 @@ class PPOConfig:
 
     @classmethod
     def for_env(cls, env: str = "cartpole", **overrides: Any) -> PPOConfig:
-        """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``), then ``overrides``."""
+        """CleanRL's defaults for ``env`` (``'cartpole'``, ``'pendulum'``, another library's id
+        by its action space), then ``overrides``. For an env of your own, name its family:
+        ``'discrete'``, ``'continuous'`` or ``'image'`` (CleanRL's ``ppo.py``,
+        ``ppo_continuous_action.py``, ``ppo_atari.py``), and relabel the result.
+
+        >>> import dataclasses
+        >>> cfg = dataclasses.replace(PPOConfig.for_env("continuous"), env="reach-v0")
+        >>> cfg.learning_rate, cfg.num_steps, cfg.env
+        (0.0003, 2048, 'reach-v0')
+        """
         name = canonical_env(env)
         if "env_kwargs" in overrides:
             overrides["env_kwargs"] = canonical_env_kwargs(overrides["env_kwargs"])
