@@ -533,13 +533,7 @@ class OnCpu:
             jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=w)
             for x, w in zip((*batched, *shared), weak_in)
         ]
-        out_specs = jax.eval_shape(flat_fn, *specs)  # also raises fn's own errors, here
-        for j, o in enumerate(out_specs):
-            if o.ndim == 0 or o.shape[0] != n:
-                raise ValueError(
-                    f"on_cpu(fn): output leaf {j} has shape {o.shape}, expected the batch ({n}) "
-                    "first; fn must return one result per row (row-independent, batch axis 0)"
-                )
+        out_specs = _output_specs(flat_fn, specs, n)
         platform, devices, auto_mesh = _caller(leaves)
         kind = self._choose(platform, devices, eager)
         self.last_executor = kind
@@ -593,6 +587,26 @@ class OnCpu:
             timeout=timeout,
             timeout_message=message,
         )
+
+
+def _output_specs(flat_fn: Callable, specs: list, n: int) -> Any:
+    """``fn``'s outputs, traced (so its own errors surface here, in the caller), each with the
+    batch of ``n`` rows first."""
+    try:
+        out_specs = jax.eval_shape(flat_fn, *specs)
+    except jax.errors.TracerArrayConversionError as e:
+        raise TypeError(
+            "on_cpu(fn): fn must be written with jax.numpy (it is traced, then run as a "
+            "compiled JAX program in the workers); it converted a traced value to a NumPy "
+            "array (np.tanh(x), np.asarray(x), ...): use jnp instead of np there."
+        ) from e
+    for j, o in enumerate(out_specs):
+        if o.ndim == 0 or o.shape[0] != n:
+            raise ValueError(
+                f"on_cpu(fn): output leaf {j} has shape {o.shape}, expected the batch ({n}) "
+                "first; fn must return one result per row (row-independent, batch axis 0)"
+            )
+    return out_specs
 
 
 def _as_leaf(x: Any) -> Any:
@@ -845,6 +859,8 @@ def on_cpu(
     chunk size, padding stripped), each runs ``fn`` on its chunk, and the results come back in
     order. Outputs carry the batch on axis 0. Output shapes and dtypes come from ``jax.eval_shape``,
     so errors in ``fn`` (shape mismatches, a ``raise``) surface at trace time in the caller.
+    ``fn`` is a JAX function (``jax.numpy``, ``lax``): it is traced and compiled, not run as
+    Python in the workers, so NumPy calls on its inputs are refused with a ``TypeError``.
 
     Args:
       fn: the function, e.g. a GRU audio synthesiser ``(params, x[B, T, 1]) -> audio[B, T]``.

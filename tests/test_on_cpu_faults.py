@@ -553,6 +553,17 @@ def test_a_host_callback_inside_fn_is_one_clear_error_for_worker_processes():
     f.close()
 
 
+def test_numpy_on_fns_inputs_is_one_clear_error():
+    f = on_cpu(lambda x: np.tanh(x) * 2, workers=W, executor="process")
+    for call in (
+        lambda: f(np.ones((4, 2), np.float32)),
+        lambda: jax.jit(f).lower(jnp.ones((4, 2))),
+    ):
+        with pytest.raises(TypeError, match=r"fn must be written with jax\.numpy .* use jnp"):
+            call()
+    f.close()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", ["_worker.py", "hostenv/_worker.py"])
 def test_a_worker_whose_parent_is_gone_exits_quietly(script):
