@@ -194,21 +194,20 @@ def check_inputs(
     what: str,
     per_member_fix: str,
     shared_fix: str,
-    mesh: Mesh | None = None,
+    mesh: Mesh,
 ) -> None:
     """Inputs of a member call, by their axis: per-member ones (0) have a leading member axis
-    of n; shared ones (None) are not laid out one slice per member; with ``mesh``, none is
-    committed to devices other than the mesh's."""
+    of n; shared ones (None) are not laid out one slice per member; none is committed to
+    devices other than the mesh's."""
     for pos, (arg, ax) in enumerate(zip(args, axes)):
         if ax == 0:
             check_member_major(arg, n, f"{what} {pos} (per-member)", per_member_fix)
         else:
             check_shared(arg, n, f"{what} {pos}", shared_fix)
-        if mesh is not None:
-            check_on_mesh(arg, mesh, f"{what} {pos}")
+        check_on_mesh(arg, mesh, f"{what} {pos}")
 
 
-def check_shared_kwargs(kwargs: Mapping[str, Any], n: int, mesh: Mesh | None = None) -> None:
+def check_shared_kwargs(kwargs: Mapping[str, Any], n: int, mesh: Mesh) -> None:
     """Keyword inputs of a member call are shared by all members (both adapters): refuses one
     laid out one slice per member, like a shared positional input."""
     for name in sorted(kwargs):
@@ -219,8 +218,7 @@ def check_shared_kwargs(kwargs: Mapping[str, Any], n: int, mesh: Mesh | None = N
             "Keyword inputs are shared by all members: pass per-member data as a positional "
             "input, with in_axes=0 at its position.",
         )
-        if mesh is not None:
-            check_on_mesh(kwargs[name], mesh, f"keyword input {name!r}")
+        check_on_mesh(kwargs[name], mesh, f"keyword input {name!r}")
 
 
 def _device_ids(devices: Any) -> str:

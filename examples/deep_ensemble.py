@@ -263,9 +263,11 @@ def make_loss(model: nn.Module, adversarial: float = 0.0):
         xb, yb = x[idx], y[idx]
         if not adversarial:
             return cross_entropy(params, xb, yb)
-        direction = jnp.sign(jax.grad(cross_entropy, argnums=1)(params, xb, yb))
-        moved = jax.lax.stop_gradient(xb + adversarial * direction)
-        return cross_entropy(params, xb, yb) + cross_entropy(params, moved, yb)
+        # One forward pass gives the clean loss (differentiated in params by the caller) and
+        # its input gradient, whose sign is the direction.
+        clean, grad_x = jax.value_and_grad(cross_entropy, argnums=1)(params, xb, yb)
+        moved = jax.lax.stop_gradient(xb + adversarial * jnp.sign(grad_x))
+        return clean + cross_entropy(params, moved, yb)
 
     return loss_fn
 
