@@ -35,12 +35,13 @@ def test_a_process_that_outlives_the_session_fails_it_and_one_that_ends_does_not
     pids = [int(p) for p in re.findall(r"^pid (\d+): sleep 30", leaked.stdout, re.MULTILINE)]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    assert leaked.returncode == 1, leaked.stdout[-2000:]
-    assert "processes started by the tests outlived them" in leaked.stdout
-    assert len(pids) == 1 and "1 passed" in leaked.stdout, leaked.stdout[-2000:]
+    said = leaked.stdout[-2000:] + leaked.stderr[-2000:]
+    assert leaked.returncode == 1, said
+    assert "processes started by the tests outlived them" in leaked.stdout, said
+    assert len(pids) == 1 and "1 passed" in leaked.stdout, said
     ended = _session(tmp_path, """
         import subprocess
         def test_starts_one():
             subprocess.Popen(["sleep", "0.2"], start_new_session=True)
         """)  # fmt: skip
-    assert ended.returncode == 0, ended.stdout[-2000:]
+    assert ended.returncode == 0, ended.stdout[-2000:] + ended.stderr[-2000:]
