@@ -21,7 +21,7 @@ feature maps (``tests/test_zoo.py`` holds the cases). With a manual member axis 
 cross members: the compiled program has no collective on that axis by construction.
 
 Also here, written once for linen and NNX: input axes, rng streams and member keys, the split of
-keyword arguments into traced and static, checks on member-major and donated inputs.
+inputs into traced arrays and static Python values, checks on member-major and donated inputs.
 """
 
 from __future__ import annotations
@@ -88,23 +88,37 @@ def arg_axes(in_axes: InAxes, count: int) -> Axes:
     return axes
 
 
-def split_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
-    """Arrays are traced; Python values (``train=True``) are static and part of a cache key."""
-    dynamic, static = {}, []
-    for k, v in kwargs.items():
-        leaves = jax.tree_util.tree_leaves(v)
-        if leaves and all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
-            dynamic[k] = v
-            continue
+def split_static(tree: Any, what: str, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``(arrays, rest)``: the array leaves of ``tree`` (traced) and everything else (static,
+    hashable, part of a cache key), as ``model.apply`` would see them: ``train=True``, a mode
+    string or a dict of settings stays a Python value, so ``if train:`` works in the module.
+    :func:`join_static` puts them back together. Refuses an unhashable non-array leaf."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    mask = tuple(isinstance(x, jax.Array | np.ndarray) for _, x in leaves)
+    fixed = tuple(None if d else x for (_, x), d in zip(leaves, mask))
+    for path, x in (leaf for leaf, d in zip(leaves, mask) if not d):
         try:
-            hash(v)
+            hash(x)
         except TypeError:
             raise TypeError(
-                f"keyword argument {k}={v!r} is neither an array (traced) nor hashable (static); "
-                "pass arrays, or hashable Python values such as bools and tuples."
+                f"{what}{jax.tree_util.keystr(path)} = {x!r} is neither an array (traced) nor "
+                "hashable (static); pass arrays, or hashable Python values such as bools, "
+                "numbers, strings and tuples."
             ) from None
-        static.append((k, v))
-    return dynamic, tuple(sorted(static, key=lambda kv: kv[0]))
+    static = (treedef, mask, fixed, typed(fixed))  # typed: 1, 1.0 and True compile apart
+    try:
+        hash(static)
+    except TypeError:
+        raise TypeError(f"{what} is a pytree whose structure is not hashable: {treedef}") from None
+    return [x for (_, x), d in zip(leaves, mask) if d], static
+
+
+def join_static(arrays: Sequence[Any], static: Any) -> Any:
+    """The tree that :func:`split_static` split, with ``arrays`` (traced or not) in place."""
+    treedef, mask, fixed, _ = static
+    it = iter(arrays)
+    leaves = [next(it) if d else x for x, d in zip(fixed, mask)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def typed(value: Any) -> Hashable:

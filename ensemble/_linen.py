@@ -36,9 +36,9 @@ from ensemble._core import (
     check_member_major,
     check_on_mesh,
     check_shared_kwargs,
-    split_kwargs,
+    join_static,
+    split_static,
     stream_keys,
-    typed,
 )
 from ensemble._mesh import (
     MEMBER_AXIS,
@@ -158,8 +158,11 @@ class LinenEnsemble:
           rng: a key (``jax.random.key`` or legacy ``PRNGKey``; used for ``'params'``), an int
             seed, or a dict ``{'params': key, 'dropout': key, ...}``. Each stream is split into n
             keys, member i gets ``jax.random.split(key, n)[i]`` (unless in ``shared_rngs``).
-          *args: sample inputs, as for ``model.init`` (per-member if ``in_axes=0``).
-          **kwargs: keyword arguments of the module's ``__call__``, shared by all members.
+          *args: sample inputs, as for ``model.init`` (per-member if ``in_axes=0``). Arrays
+            are traced; Python values (``train=False``, a mode string, a dict of settings)
+            reach the module as they are (static: a new value compiles once).
+          **kwargs: keyword arguments of the module's ``__call__``, shared by all members;
+            arrays and Python values as in ``args``.
 
         Returns:
           ``{'params': ..., <other collections>: ...}``, every leaf ``[n, ...]`` and sharded on
@@ -184,29 +187,30 @@ class LinenEnsemble:
     def _init_program(self, rng: RngLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         keys = stream_keys(rng, default="params")
         axes = self._check_args(args)
-        dynamic, static = split_kwargs(kwargs)
-        call_args = (keys, args, dynamic)
-        cache_key = ("init", typed(static), abstract_signature(call_args))
+        (arrays, kw_arrays), static = self._split(args, kwargs)
+        call_args = (keys, arrays, kw_arrays)
+        cache_key = ("init", static, abstract_signature(call_args))
         if cache_key not in self._cache:
-            self._cache[cache_key] = self._make_init(axes, dict(static), call_args)
+            self._cache[cache_key] = self._make_init(axes, static, call_args)
         jitted, shardings = self._cache[cache_key]
         return jitted, shardings, call_args
 
-    def _make_init(self, axes, static_kw, call_args) -> tuple[Any, Any]:
+    def _make_init(self, axes, static, call_args) -> tuple[Any, Any]:
         model, members = self._model, self._members
 
-        def boxed_init(keys, args, dynamic, unbox):
+        def boxed_init(keys, arrays, kw_arrays, unbox):
             split, shared = _by_axis(*members.split_keys(keys, self._shared_rngs))
 
-            def one(split, shared, dynamic, *a):
-                out = model.init({**split, **shared}, *a, **dynamic, **static_kw)
+            def one(split, shared, kw_arrays, *arrays):
+                args, kwargs = _join(arrays, kw_arrays, static)
+                out = model.init({**split, **shared}, *args, **kwargs)
                 # Unboxing inside the member applies each annotation's constraint at the
                 # member's own rank, resolved by Flax against the member's devices.
                 return _unbox(out) if unbox else out
 
-            run_args = (split, shared, dynamic, *args)
+            run_args = (split, shared, kw_arrays, *arrays)
             run_axes = (0, None, None, *axes)
-            batched = (False, False, False, *([True] * len(args)))
+            batched = (False, False, False, *([True] * len(arrays)))
             # Members sharing a device run one after another: a batched LAPACK call per CPU
             # device (orthogonal init's QR) next to the RNG can hang XLA's CPU runtime.
             return members.map(one, run_args, run_axes, batched=batched, sequential=True)
@@ -250,7 +254,9 @@ class LinenEnsemble:
 
         Args:
           variables: ensemble variables (from :meth:`init`), every leaf ``[n, ...]``.
-          *args: inputs, shared (``in_axes=None``) or per-member with leading axis n.
+          *args: inputs, shared (``in_axes=None``) or per-member with leading axis n. Arrays
+            are traced; Python values reach the module as they are (static: a new value
+            compiles once), so ``if train:`` works.
           rngs: ``{'dropout': key, ...}``; each stream is split per member like in :meth:`init`.
           mutable: collections to update, as in ``model.apply`` (e.g. ``['batch_stats']``);
             then ``(outputs, updates)`` is returned, the updates member-major too.
@@ -270,29 +276,38 @@ class LinenEnsemble:
         keys = stream_keys(rngs, default=None) if rngs else {}
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
-        dynamic, static = split_kwargs(kwargs)
-        cache_key = ("apply", typed(static), mutable, method, tuple(sorted(keys)), axes)
+        (arrays, kw_arrays), static = self._split(args, kwargs)
+        cache_key = ("apply", static, mutable, method, tuple(sorted(keys)), axes)
         jitted = self._cache.get(cache_key)
         if jitted is None:
             jitted = self._cache[cache_key] = self._make_apply(static, mutable, method, axes)
-        return jitted(variables, keys, args, dynamic)
+        return jitted(variables, keys, arrays, kw_arrays)
 
     def _make_apply(self, static, mutable, method, axes) -> Callable[..., Any]:
-        model, members, static_kw = self._model, self._members, dict(static)
+        model, members = self._model, self._members
 
-        def one(variables, split, shared, dynamic, *a):
+        def one(variables, split, shared, kw_arrays, *arrays):
             rngs = {**split, **shared} or None
-            kw = {**dynamic, **static_kw}
-            return model.apply(variables, *a, rngs=rngs, mutable=mutable, method=method, **kw)
+            args, kw = _join(arrays, kw_arrays, static)
+            return model.apply(variables, *args, rngs=rngs, mutable=mutable, method=method, **kw)
 
-        def apply_fn(variables, keys, args, dynamic):
+        def apply_fn(variables, keys, arrays, kw_arrays):
             split, shared = _by_axis(*members.split_keys(keys, self._shared_rngs))
-            run_args = (variables, split, shared, dynamic, *args)
+            run_args = (variables, split, shared, kw_arrays, *arrays)
             run_axes = (0, 0, None, None, *axes)
-            batched = (False, False, False, False, *([True] * len(args)))
+            batched = (False, False, False, False, *([True] * len(arrays)))
             return members.map(one, run_args, run_axes, batched=batched)
 
         return jax.jit(apply_fn)
+
+    @staticmethod
+    def _split(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Hashable]:
+        """Each positional input's array leaves and the keyword inputs' (traced), and the
+        Python values around them (static: ``train=True``, ``'mode'``), as one cache key."""
+        parts = [split_static(a, f"input {i}") for i, a in enumerate(args)]
+        kw_arrays, kw_static = split_static(dict(kwargs), "keyword input ")
+        arrays = tuple(a for a, _ in parts)
+        return (arrays, kw_arrays), (tuple(s for _, s in parts), kw_static)
 
     # ------------------------------------------------------------------ training
 
@@ -393,3 +408,9 @@ def _unbox(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: x.unbox() if isinstance(x, meta.AxisMetadata) else x, tree, is_leaf=_is_box
     )
+
+
+def _join(arrays: Sequence[Any], kw_arrays: Sequence[Any], static: Hashable) -> Any:
+    """``(args, kwargs)`` of one member call from what :meth:`LinenEnsemble._split` split."""
+    statics, kw_static = static
+    return [join_static(a, s) for a, s in zip(arrays, statics)], join_static(kw_arrays, kw_static)

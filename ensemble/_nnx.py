@@ -44,8 +44,9 @@ from ensemble._core import (
     check_live,
     check_not_donated,
     check_shared_kwargs,
+    join_static,
     split_loss,
-    typed,
+    split_static,
 )
 from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
@@ -391,25 +392,17 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
     """Array leaves (traced) and a hashable rest (static); None when the inputs cannot be split
     that way (graph nodes or unhashable non-array leaves), so the call stays eager."""
     is_node = lambda x: isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs))
-    leaves, treedef = jax.tree_util.tree_flatten((args, dict(kwargs)), is_leaf=is_node)
-    dynamic_mask = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
-    if any(is_node(x) for x in leaves):
+    if any(is_node(x) for x in jax.tree.leaves((args, dict(kwargs)), is_leaf=is_node)):
         return None
-    fixed = tuple(None if d else x for x, d in zip(leaves, dynamic_mask))
-    static = (treedef, dynamic_mask, fixed, typed(fixed))  # typed: 1, 1.0, True differ
     try:
-        hash(static)
+        return split_static((args, dict(kwargs)), "input")
     except TypeError:
         return None
-    return [x for x, d in zip(leaves, dynamic_mask) if d], static
 
 
 @functools.partial(nnx.jit, static_argnums=2)
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
-    treedef, dynamic_mask, fixed, _ = static
-    it = iter(dynamic)
-    leaves = [next(it) if d else x for x, d in zip(fixed, dynamic_mask)]
-    args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    args, kwargs = join_static(dynamic, static)
     return ens._map(_call_module, args, kwargs, ens.in_axes)
 
 

@@ -277,6 +277,57 @@ class ScaledNNX(nnx.Module):
         return self.l(x) * 0 + jnp.full((), k)
 
 
+class Configured(nn.Module):
+    """Python values where model.apply keeps them Python: positional, in a dict, beside arrays."""
+
+    @nn.compact
+    def __call__(self, x, train, mode, cfg):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(3)(x))
+        h = h * (2.0 if mode == "double" else 1.0) * cfg["scale"]
+        return h + 1.0 if cfg["shift"] else h
+
+
+def test_python_values_stay_python_values_positional_keyword_and_nested():
+    """``train`` (``if train:``), a mode string and a dict mixing a Python bool with an array
+    reach the module as model.apply gives them; each member equals the plain model."""
+    model, x = Configured(), jnp.arange(12.0).reshape(4, 3)
+    cfg = {"scale": jnp.float32(0.5), "shift": True}
+    ens = ensemble.build(model, D)
+    variables = ens.init(jax.random.key(0), x, False, "double", cfg=cfg)
+    out, updates = ens.apply(variables, x, True, "double", cfg=cfg, mutable=["batch_stats"])
+    nnx_ens = ensemble.build(lambda rngs: ConfiguredNNX(rngs), D, rngs=0)
+    nnx_out = nnx_ens(x, True, "double", cfg=cfg)
+    for i in range(D):
+        ref, ref_updates = model.apply(
+            ens.member(variables, i), x, True, "double", cfg=cfg, mutable=["batch_stats"]
+        )
+        np.testing.assert_allclose(out[i], ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            updates["batch_stats"]["BatchNorm_0"]["mean"][i],
+            ref_updates["batch_stats"]["BatchNorm_0"]["mean"],
+            rtol=1e-6,
+        )
+        nnx_ref = nnx_ens.member(i)(x, True, "double", cfg=cfg)
+        np.testing.assert_allclose(nnx_out[i], nnx_ref, rtol=1e-6)
+    plain = ens.apply(variables, x, False, "single", cfg={"scale": 1.0, "shift": False})
+    np.testing.assert_allclose(plain[0], model.apply(
+        ens.member(variables, 0), x, False, "single", cfg={"scale": 1.0, "shift": False}
+    ), rtol=1e-6)  # fmt: skip
+    with pytest.raises(TypeError, match=r"input 2\['mode'\] = \{1\} is neither an array"):
+        ens.apply(variables, x, False, {"mode": {1}}, cfg=cfg)
+    with pytest.raises(TypeError, match=r"keyword input \['cfg'\]\['shift'\] = \{1\} is"):
+        ens.apply(variables, x, True, "double", cfg={"scale": 1.0, "shift": {1}})
+
+
+class ConfiguredNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x, train, mode, cfg):
+        h = self.l(x) * (2.0 if mode == "double" else 1.0) * cfg["scale"]
+        return h + 1.0 if cfg["shift"] and train else h
+
+
 @pytest.mark.parametrize(
     "rng",
     [jax.random.key(0), jax.random.PRNGKey(0), 0, {"params": jax.random.key(0), "dropout": 1}],
