@@ -19,6 +19,7 @@ refused. Eager calls (concrete inputs) run the host side directly, without a cal
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -160,7 +161,8 @@ def _batch_size(paths: list[str], leaves: list[Any], axes: list[int | None]) -> 
 
 
 def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    dtype = getattr(x, "dtype", None)  # fn may return Python scalars: refused by their shape
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _edge_pad(a: np.ndarray, rows: int) -> np.ndarray:
@@ -209,8 +211,18 @@ class _LRU:
 # Executors
 
 
+def _no_mesh() -> Any:
+    """Outside any trace, no ambient mesh (the caller's ``jax.set_mesh``): ``fn``'s program
+    runs on the executor's own CPU devices, whatever mesh the caller uses."""
+    try:
+        return jax.set_mesh(None)
+    except ValueError:  # inside a trace: set_mesh is refused there
+        return contextlib.nullcontext()
+
+
 def _with_timeout(work: Callable[[], Any], timeout: float, message: str) -> Any:
-    """``work()`` in a thread, raising :class:`WorkerTimeout` if it takes over ``timeout`` s.
+    """``work()`` in a thread, raising :class:`WorkerTimeout` if it takes over ``timeout`` s
+    (the exception's ``late`` attribute is the thread).
 
     The late thread is abandoned (Python cannot stop it, nor XLA its execution): later calls on
     the same CPU devices queue behind that execution, and exiting the interpreter while it runs
@@ -228,7 +240,9 @@ def _with_timeout(work: Callable[[], Any], timeout: float, message: str) -> Any:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise WorkerTimeout(message)
+        error = WorkerTimeout(message)
+        error.late = thread
+        raise error
     if "error" in box:
         raise box["error"]
     return box["out"]
@@ -241,10 +255,12 @@ class _InProcess:
         self.num_workers = workers
         self._lock = threading.Lock()
         self._compiled = _LRU(cache_size)
+        self._late: threading.Thread | None = None  # an execution abandoned at its timeout
 
     def run(self, flat_fn, key, nb, batched, shared, chunk, weak, timeout=None, message=""):
         """Run on the CPU devices. ``timeout``: seconds the execution may take (compiling is not
-        counted), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
+        counted, nor waiting up to ``timeout`` for an execution abandoned at an earlier
+        timeout), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
         and later calls still run."""
         compiled, shardings = self._compile(flat_fn, key, nb, batched, shared, chunk, weak)
         args = [jax.device_put(a, s) for a, s in zip([*batched, *shared], shardings)]
@@ -252,7 +268,23 @@ class _InProcess:
         def work():
             return [np.asarray(o) for o in compiled(*args)]
 
-        return work() if timeout is None else _with_timeout(work, timeout, message)
+        if timeout is None:
+            return work()
+        late = self._late
+        if late is not None:
+            late.join(timeout)  # this call would queue behind it: its own clock starts after
+            if late.is_alive():
+                raise WorkerTimeout(
+                    f"on_cpu(executor='inprocess'): an execution abandoned at an earlier "
+                    f"timeout still held the CPU devices after another {timeout:g} s; this "
+                    "call did not start"
+                )
+            self._late = None
+        try:
+            return _with_timeout(work, timeout, message)
+        except WorkerTimeout as e:
+            self._late = getattr(e, "late", None)
+            raise
 
     def _compile(self, flat_fn, key, nb, batched, shared, chunk, weak):
         active = batched[0].shape[0] // chunk
@@ -269,7 +301,8 @@ class _InProcess:
                     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=w)
                     for a, s, w in zip([*batched, *shared], shardings, weak)
                 ]
-                entry = (jax.jit(fn).lower(*avals).compile(), shardings)
+                with _no_mesh():
+                    entry = (jax.jit(fn).lower(*avals).compile(), shardings)
                 self._compiled.put((key, active), entry)
             return entry
 
@@ -465,12 +498,17 @@ class OnCpu:
                 self._inprocess = _InProcess(min(n, len(jax.devices("cpu"))), self.cache_size)
             return self._inprocess
 
-    def _exported(self, flat_fn, key, specs) -> bytes:
+    def _exported(self, flat_fn, key, specs) -> bytes | None:
+        """fn's program for the workers, exported once per key. None where it could only be
+        exported for the caller's mesh (traced under ``jax.set_mesh``, which cannot be unset
+        while tracing): not for the workers, which have one device each; the callback exports
+        it again when it runs, on a thread with no mesh."""
         with self._lock:
             program = self._exports.get(key)
             if program is None:
                 try:
-                    exp = jax.export.export(jax.jit(flat_fn), platforms=["cpu"])(*specs)
+                    with _no_mesh():
+                        exp = jax.export.export(jax.jit(flat_fn), platforms=["cpu"])(*specs)
                 except NotImplementedError as e:
                     if "host_callbacks" not in str(e):
                         raise
@@ -479,6 +517,8 @@ class OnCpu:
                         "or io_callback, a nested on_cpu), which the 'process' executor cannot "
                         "ship to its workers; take it out of fn, or use executor='inprocess'."
                     ) from None
+                if exp.nr_devices != 1:
+                    return None
                 # Exported.serialize() needs the optional 'flatbuffers' package; the dataclass
                 # pickles as well (StableHLO bytecode plus tree and aval metadata, no user code)
                 # once its local VJP closure, which workers never use, is dropped.
@@ -593,13 +633,19 @@ def _output_specs(flat_fn: Callable, specs: list, n: int) -> Any:
     """``fn``'s outputs, traced (so its own errors surface here, in the caller), each with the
     batch of ``n`` rows first."""
     try:
-        out_specs = jax.eval_shape(flat_fn, *specs)
+        jaxpr, out_specs = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
     except jax.errors.TracerArrayConversionError as e:
         raise TypeError(
             "on_cpu(fn): fn must be written with jax.numpy (it is traced, then run as a "
             "compiled JAX program in the workers); it converted a traced value to a NumPy "
             "array (np.tanh(x), np.asarray(x), ...): use jnp instead of np there."
         ) from e
+    if any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
+        raise TypeError(
+            "on_cpu(fn): fn closes over a value traced by the enclosing jit (a parameter, say); "
+            "its program runs apart from that trace, so pass the value as an argument of fn "
+            "(in_axes None for one shared by all rows)."
+        )
     for j, o in enumerate(out_specs):
         if o.ndim == 0 or o.shape[0] != n:
             raise ValueError(
@@ -676,6 +722,12 @@ def _flat_fn(fn, treedef, axes, keys, order, out_info) -> Callable:
             vals[i] = x if keys[i] is None else jax.random.wrap_key_data(x, impl=keys[i])
         out = fn(*jax.tree.unflatten(treedef, vals))
         outs, out_info["tree"] = jax.tree.flatten(out)
+        for j, o in enumerate(outs):
+            if not isinstance(o, jax.Array | np.ndarray | numbers.Number):
+                raise TypeError(
+                    f"on_cpu(fn): output leaf {j} is a {type(o).__name__}; fn must return "
+                    "arrays, one row per input row"
+                )
         out_info["keys"] = [jax.random.key_impl(o) if _is_key(o) else None for o in outs]
         return [jax.random.key_data(o) if _is_key(o) else o for o in outs]
 
@@ -720,6 +772,11 @@ class _Call:
         key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))  # sig: weak, x64
         if self.kind == "process":
             program = self.owner._exported(self.flat_fn, key, chunk_specs)
+            if program is None:  # a host call while tracing under jax.set_mesh (no callback)
+                raise RuntimeError(
+                    "on_cpu(fn): called with concrete inputs while tracing under jax.set_mesh; "
+                    "call it outside the mesh context, or on the traced values."
+                )
             outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
         else:
             outs = self.executor.run(
@@ -860,7 +917,9 @@ def on_cpu(
     order. Outputs carry the batch on axis 0. Output shapes and dtypes come from ``jax.eval_shape``,
     so errors in ``fn`` (shape mismatches, a ``raise``) surface at trace time in the caller.
     ``fn`` is a JAX function (``jax.numpy``, ``lax``): it is traced and compiled, not run as
-    Python in the workers, so NumPy calls on its inputs are refused with a ``TypeError``.
+    Python in the workers, so NumPy calls on its inputs are refused with a ``TypeError``, as is
+    a value it closes over from the enclosing ``jit`` (pass that as an argument). Its program
+    is one worker device's, also when the caller runs inside ``jax.set_mesh``.
 
     Args:
       fn: the function, e.g. a GRU audio synthesiser ``(params, x[B, T, 1]) -> audio[B, T]``.
@@ -887,20 +946,24 @@ def on_cpu(
         (compiling a new batch shape is not counted), a positive finite number or ``None``.
         A call over it raises :class:`WorkerTimeout` within 1 s of it; the process executor
         kills its workers (they restart on the next call), the in-process one abandons the late
-        execution (later calls queue behind it); the wrapper stays usable. Default: no limit,
+        execution: the next call waits up to its own ``timeout`` for it to end before its clock
+        starts (else a :class:`WorkerTimeout` saying it did not start), and an interpreter
+        exiting while it still runs is aborted by XLA. The wrapper stays usable. Default: no limit,
         except 300 s for in-process calls from CPU callers (see above).
       cache_size: compiled programs (one per batch shape) kept per wrapper, in this process and
         in each worker; the least recently used is dropped beyond it (default 32).
 
     Returns:
-      An :class:`OnCpu` callable with ``fn``'s signature. Worker processes start on the first
-      call and stop at ``close()`` (or ``with on_cpu(...) as f:``) and at interpreter exit.
+      An :class:`OnCpu`, called with ``fn``'s positional arguments. Worker processes start on
+      the first call and stop at ``close()`` (or ``with on_cpu(...) as f:``) and at interpreter
+      exit.
       Wrappers with the same worker count share one pool of processes.
 
     Errors: a worker that raises, dies or runs over ``timeout`` raises :class:`WorkerError`
     (:class:`WorkerTimeout` for the timeout); a worker killed during a call is detected within
     1 s. Eager calls raise it directly; inside ``jit``/``shard_map`` JAX wraps it in a
-    ``jax.errors.JaxRuntimeError``, which :func:`worker_errors` turns back into it. A worker that
+    ``jax.errors.JaxRuntimeError``, which :func:`worker_errors` turns back into it (block on
+    the result inside its ``with``: JAX dispatches asynchronously). A worker that
     died between calls is replaced at the next call.
 
     Gradients: none flow through ``on_cpu`` — inputs are wrapped in ``lax.stop_gradient``, so

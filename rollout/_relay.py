@@ -82,7 +82,8 @@ def worker_errors() -> Iterator[None]:
 
         with rollout.worker_errors():
             try:
-                loss = train_step(state, batch)  # jitted, calls an on_cpu function
+                # jitted, calls an on_cpu function; blocking keeps its error inside the with
+                loss = jax.block_until_ready(train_step(state, batch))
             except rollout.WorkerError:
                 ...  # a worker died, raised or timed out; the next call restarts the workers
     """

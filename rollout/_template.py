@@ -79,7 +79,8 @@ class ForkedProcess:
     def __init__(self, template: Template, pid: int, pidfd: int):
         self.template, self.pid, self._pidfd = template, pid, pidfd
         self.args = f"worker {pid} forked by template {template.pid}"
-        weakref.finalize(self, os.close, pidfd)
+        # Not at exit: the pools' exit handler still reaps through it (the OS closes it after).
+        weakref.finalize(self, os.close, pidfd).atexit = False
 
     @property
     def returncode(self) -> int | None:

@@ -107,6 +107,27 @@ def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_calls_inside_the_callers_set_mesh(rollout_fn, axis_type):
+    """Under ``jax.set_mesh``: fn's program is still one worker device's (it used to be
+    exported for the mesh's 8 devices, which every worker refused); eager calls too, for both
+    executors, and the call after leaving the mesh."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    p, x = params_for(3), fresh(3, 16, 24)
+    with on_cpu(synth, in_axes=(None, 0), workers=W, executor="inprocess") as inprocess:
+        with jax.set_mesh(mesh):
+            close(rollout_fn(p, np.asarray(x)), synth(p, x))  # eager: the process executor
+            close(inprocess(p, np.asarray(x)), synth(p, x))
+            sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+            close(jax.jit(rollout_fn)(p, sharded), synth(p, x))
+            if axis_type == "Auto":  # concrete inputs while tracing: a host call, refused
+                with on_cpu(synth, in_axes=(None, 0), workers=W) as fresh_fn:  # none exported
+                    with pytest.raises(RuntimeError, match="concrete inputs while tracing under"):
+                        jax.jit(lambda y: y + fresh_fn(p, np.asarray(x)))(sharded)
+        close(rollout_fn(p, np.asarray(x)), synth(p, x))
+
+
+@pytest.mark.timeout(120)
 def test_shard_map_over_8_devices_then_psum(rollout_fn, monkeypatch):
     import rollout._on_cpu as impl
     import rollout._pool as pool
@@ -296,6 +317,15 @@ def test_errors_in_fn_surface_at_trace_time(rollout_fn):
         jax.jit(on_cpu(lambda x: x.mean(0), workers=W))(jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="batch size"):
         on_cpu(lambda a, b: a + b, workers=W)(jnp.ones((4, 2)), jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="output leaf 1 has shape"):  # a Python scalar
+        on_cpu(lambda x: (x, 3.0), workers=W)(np.ones((4, 2), np.float32))
+    with pytest.raises(TypeError, match="output leaf 1 is a str; fn must return arrays"):
+        on_cpu(lambda x: (x, "done"), workers=W)(np.ones((4, 2), np.float32))
+    for executor in ("process", "inprocess"):  # a closed-over tracer: the jit's parameter
+        with pytest.raises(TypeError, match="fn closes over a value traced by the enclosing"):
+            jax.jit(lambda w, x, e=executor: on_cpu(lambda x: x * w, executor=e, workers=W)(x))(
+                2.0, jnp.ones((4, 3))
+            )
 
 
 @pytest.mark.timeout(90)
@@ -435,21 +465,22 @@ def test_undetected_inprocess_deadlock_is_reported():
 def test_workers_stop_at_interpreter_exit():
     script = textwrap.dedent(
         """
-        import jax, jax.numpy as jnp
+        import jax, jax.numpy as jnp, numpy as np
         jax.config.update("jax_num_cpu_devices", 4)
         from rollout import on_cpu
         f = on_cpu(lambda x: x * 2, workers=2)
-        print(float(jax.jit(f)(jnp.ones((5, 3))).sum()))
+        print(float(jax.jit(f)(jnp.ones((5, 3))).sum() + f(np.ones((5, 3), np.float32)).sum()))
         print(*f.pids, flush=True)
         """
-    )
+    )  # no close(): the exit handler closes the workers and unlinks their shared memory
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=80, env=env
     )
     assert res.returncode == 0, res.stderr[-2000:]
     total, pids = res.stdout.strip().splitlines()
-    assert float(total) == 30.0
+    assert float(total) == 60.0
+    assert "leaked" not in res.stderr and "Exception ignored" not in res.stderr, res.stderr
     time.sleep(0.5)
     for pid in map(int, pids.split()):
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived its parent"

@@ -397,6 +397,43 @@ def test_inprocess_timeout_then_later_calls_work():
     assert took < 3.0, res.stdout
 
 
+INPROCESS_QUEUED = """
+import threading, jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+import rollout
+gate = threading.Event()
+def held(x):  # its execution ends when the gate opens
+    wait = lambda x: (gate.wait(), x)[1]
+    return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2
+f = rollout.on_cpu(held, workers=2, executor="inprocess", timeout=1.0)
+x = np.ones((4, 3), np.float32)
+try:
+    f(x)
+    raise SystemExit("no timeout")
+except rollout.WorkerTimeout:
+    pass  # abandoned, still running
+try:
+    f(x + 1)
+    raise SystemExit("ran behind the abandoned execution")
+except rollout.WorkerTimeout as e:
+    assert "this call did not start" in str(e), e
+threading.Timer(0.3, gate.set).start()  # the abandoned one ends 0.3 s into the next wait
+np.testing.assert_array_equal(f(x + 2), (x + 2) * 2)
+print("ran", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_inprocess_timeout_does_not_count_waiting_for_an_abandoned_execution():
+    """A call after an inprocess timeout queues behind the abandoned execution: it waits up to
+    its own timeout for it, then gets its full timeout to run."""
+    res = subprocess.run(
+        [sys.executable, "-c", INPROCESS_QUEUED], capture_output=True, text=True, timeout=110,
+        env=ENV,
+    )  # fmt: skip
+    assert res.returncode == 0 and "ran" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------ caches
 
 
