@@ -460,11 +460,17 @@ class OnCpu:
         self.close()
 
     # -------------------------------------------------------------- executor choice
-    def _choose(self, platform: str, devices: int, eager: bool) -> str:
+    def _choose(self, platform: str, devices: int, eager: bool, sub_byte: list[str]) -> str:
         n_cpu = len(jax.devices("cpu"))
         if self.executor == "process":
             return "process"
         if self.executor == "inprocess":
+            if sub_byte:
+                raise TypeError(
+                    f"on_cpu(executor='inprocess') cannot take {', '.join(sub_byte)} arrays: "
+                    "XLA refuses sub-byte layouts when calling its compiled program; use "
+                    "executor='process' (or 'auto', which picks it for them)."
+                )
             if platform == "cpu" and devices > 1 and not eager:
                 raise RuntimeError(
                     f"on_cpu(executor='inprocess') would deadlock: the calling program runs on "
@@ -482,7 +488,7 @@ class OnCpu:
             return "inprocess"
         # auto: in-process only for accelerator callers and only if it gets several cores.
         want = self.workers or available_cores()
-        if platform != "cpu" and n_cpu >= min(want, 2):
+        if platform != "cpu" and n_cpu >= min(want, 2) and not sub_byte:
             return "inprocess"
         return "process"
 
@@ -575,7 +581,8 @@ class OnCpu:
         ]
         out_specs = _output_specs(flat_fn, specs, n)
         platform, devices, auto_mesh = _caller(leaves)
-        kind = self._choose(platform, devices, eager)
+        sub_byte = sorted({str(x.dtype) for x in specs if jax.dtypes.itemsize_bits(x.dtype) < 8})
+        kind = self._choose(platform, devices, eager, sub_byte)
         self.last_executor = kind
         call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
         # The program depends on the weak types and on x64 too (a float64 input means float32

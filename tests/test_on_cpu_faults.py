@@ -141,6 +141,28 @@ def test_every_dtype_round_trips(executor):
         f.close()
 
 
+@pytest.mark.timeout(120)
+def test_sub_byte_dtypes_round_trip_through_processes_and_are_refused_in_process():
+    """int4 and friends: the process executor carries them; XLA refuses their layout when
+    the in-process executor calls its compiled program, so that is one clear error."""
+    f = on_cpu(dtype_fn, in_axes=(0, None), workers=W)  # auto: process for a CPU caller
+    inprocess = on_cpu(dtype_fn, in_axes=(0, None), workers=W, executor="inprocess")
+    try:
+        for name in ("int4", "uint4"):
+            x, s = dtype_inputs(name) if name == "int4" else (jnp.full((5, 3), 9, name), 1)
+            s = jnp.asarray(s).astype(name)
+            want = dtype_fn(x, s)
+            for call in (f, jax.jit(f)):
+                got = call(x, s)
+                for k in want:
+                    same(got[k], want[k])
+            with pytest.raises(TypeError, match=f"cannot take {name} arrays: XLA refuses sub-byte"):
+                inprocess(x, s)
+    finally:
+        f.close()
+        inprocess.close()
+
+
 INT64 = """
 import jax, jax.numpy as jnp, numpy as np
 from rollout import on_cpu
