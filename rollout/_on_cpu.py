@@ -944,7 +944,8 @@ def on_cpu(
         inputs to ``fn`` all sit on one device is not detected. For CPU callers an in-process
         call that takes longer than ``timeout`` (default 300 s) is then reported as that
         deadlock (a ``RuntimeError`` and a log line), but the program's other devices may stay
-        blocked in a collective, so on CPU-only hosts prefer ``'auto'``.
+        blocked in a collective, and XLA then aborts the process (about 40 s later, its
+        rendezvous limit), so on CPU-only hosts prefer ``'auto'``.
         ``'auto'`` (default): ``'inprocess'`` when the caller runs on an accelerator and this
         process has several CPU devices, else ``'process'``.
       workers: how many CPU workers (default: the CPU cores this process may use for
