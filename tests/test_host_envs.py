@@ -50,7 +50,8 @@ class Walk(gym.Env):
 
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
                  pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
-                 short_obs_at=None, fork_child=None, step_sleep=0.0, multi_actions=False):
+                 short_obs_at=None, fork_child=None, step_sleep=0.0, multi_actions=False,
+                 nan_at_end=False):
         if fork_child and "jax" not in sys.modules:  # in a worker only, not the learner: a
             # process of the env's own that outlives the worker, its pid in the file
             pid = os.fork()
@@ -62,6 +63,7 @@ class Walk(gym.Env):
                 f.write(f"{pid}\\n")
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         self.step_sleep = step_sleep
+        self.nan_at_end = nan_at_end  # a terminated episode's last observation: all NaN
         self.short_obs_at = short_obs_at  # from this step on, one number short of the space
         self.walls = walls
         if continuous:
@@ -117,7 +119,10 @@ class Walk(gym.Env):
         self.pos += self.vel
         if self.walls:
             self.pos = float(np.clip(self.pos, -3.0, 3.0))
-        return self._obs(), float(a - self.pos**2), bool(abs(self.pos) > 3.0), False, {}
+        obs, terminated = self._obs(), bool(abs(self.pos) > 3.0)
+        if self.nan_at_end and terminated:
+            obs = np.full_like(obs, np.nan)
+        return obs, float(a - self.pos**2), terminated, False, {}
 
 
 gym.register("Walk-v0", entry_point=Walk, max_episode_steps=12)
@@ -979,6 +984,34 @@ def test_learner_with_make_kwargs_closes_its_workers():
         learner.close()
     assert learner.envs.pids == [] and not any(alive(p) for p in pids)
     assert not _shared_files()
+
+
+@pytest.mark.timeout(180)
+def test_a_terminated_episodes_last_observation_is_never_used():
+    """NaN as the last observation of every terminated episode (an env that ends episodes whose
+    state left its valid range) trains exactly like the same env without it: only a truncated
+    episode's last observation is bootstrapped, and 0 * NaN must not reach the rewards."""
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig.for_env(
+        "gymnasium:hostenv_walk:WalkCont-v0", members=2, total_steps=512, num_envs=2,
+        num_steps=64, num_minibatches=2, update_epochs=2,
+    )  # fmt: skip
+    assert cfg.bootstrap_truncation
+    results = []
+    for nan_at_end in (False, True):
+        env = envs.make("gymnasium:hostenv_walk:WalkCont-v0", nan_at_end=nan_at_end)
+        learner = Learner(cfg, devices=jax.devices()[:2], env=env)
+        try:
+            state, metrics = learner.update(learner.init(), 4)
+            results.append((state.members.params, np.asarray(metrics["episode_length"])))
+        finally:
+            learner.close()
+    (plain, lengths), (with_nan, _) = results
+    assert np.nanmin(lengths) < 12  # episodes that terminated before the time limit
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(with_nan)):
+        assert np.isfinite(np.asarray(b)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_restart_is_not_an_env_step_in_the_episode_metrics():

@@ -495,6 +495,9 @@ class Learner:
         obs_stats = carry.obs_stats
         final = self._normalize(envlib.final_obs(info).astype(self.obs_dtype), obs_stats)
         cut = (trunc & ~term).astype(jnp.float32)
+        # Kept only where it is used: a terminated episode's last observation may be anything
+        # (NaN where the env ended it for leaving its valid states), and 0 * NaN is NaN.
+        final = jnp.where(jnp.expand_dims(cut, range(cut.ndim, final.ndim)) > 0, final, 0)
         if self.normalize_obs:
             obs_stats = obs_stats.update(next_obs)
 
