@@ -589,6 +589,20 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env)
     assert (out / "learning_curve.png").stat().st_size > 0  # the curves so far
 
 
+def test_a_signal_during_setup_says_the_run_stops_before_its_first_update(capsys):
+    """Setup (envs, networks, a restore) is not cut short: the first signal says what happens
+    instead of promising the end of an update that has not begun."""
+    from rollout.ppo._cli import _Signals
+
+    setting_up, training = _Signals(), _Signals()
+    setting_up._handle(signal.SIGTERM, None)
+    assert "SIGTERM: still setting up" in capsys.readouterr().err
+    assert setting_up.received() == signal.SIGTERM  # the loop's first poll stops the run
+    assert training.received() is None
+    training._handle(signal.SIGINT, None)
+    assert "SIGINT: stopping after the current update" in capsys.readouterr().err
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -661,7 +675,10 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
 # ---------------------------------------------------------------------- divergence
 
 
-def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(tmp_path):
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(tmp_path, per_call):
+    """The rows end at the diverged update, also when the jitted call ran later ones, and have
+    the usual keys."""
     from rollout import envs
     from rollout.ppo import Diverged
 
@@ -670,11 +687,12 @@ def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(
             state, obs, reward, term, trunc, info = super().step(state, action, key, params)
             return state, obs, jnp.where(state.t == 7, jnp.nan, reward), term, trunc, info
 
-    cfg = _tiny()
+    cfg = _tiny(updates_per_call=per_call)
     learner = Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(NanAtStep7()))
     out = tmp_path / "run"
     with pytest.raises(Diverged, match=r"diverged at update 1: member\(s\) 0, 1 computed a NaN"):
         train(cfg, out, progress=False, learner=learner, checkpoint_every=1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1] and rows[0]["policy_loss"] == [None, None]
+    assert "env_steps_per_s" in rows[0]
     assert ckpt.checkpoints(out) == []  # the NaN state was not saved

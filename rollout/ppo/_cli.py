@@ -72,7 +72,10 @@ class Interrupted(Exception):
 
 
 class Diverged(FloatingPointError):
-    """A member's losses became NaN or infinite: training stopped before saving that state."""
+    """A member's losses became NaN or infinite: training stopped before saving that state.
+    ``rows``: how many of the jitted call's updates to record (up to the first diverged)."""
+
+    rows = 0
 
 
 #: The losses every update computes; one that is not finite means the member's parameters no
@@ -89,12 +92,14 @@ def _diverged(host: dict[str, Any], done: int) -> Diverged | None:
         return None
     j = int(np.flatnonzero(bad.any(axis=0))[0])
     members = ", ".join(str(i) for i in np.flatnonzero(bad[:, j]))
-    return Diverged(
+    error = Diverged(
         f"training diverged at update {done + j + 1}: member(s) {members} computed a NaN or "
         "infinite loss. Usual causes: the env returned a NaN or infinite reward or observation "
         "(also a float64 one beyond float32's range), or a learning rate too high. That state "
         "was not saved; metrics.jsonl shows the update."
     )
+    error.rows = j + 1
+    return error
 
 
 def train(
@@ -320,7 +325,10 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             host = to_host(metrics)  # the only gather
             new_rows = _rows(host, done, k, cfg.batch_size)
             diverged = _diverged(host, done)
-            if diverged is not None:
+            if diverged is not None:  # its rows up to the diverged update, in the usual form
+                new_rows = new_rows[: diverged.rows]
+                for row in new_rows:
+                    row["env_steps_per_s"] = sps
                 if run is not None:
                     run.append(new_rows)
                 raise diverged
@@ -982,8 +990,10 @@ class _Signals:
     def __init__(self) -> None:
         self._got: list[int] = []
         self._old: dict[int, Any] = {}
+        self._training = False  # the loop polls: setup (envs, networks, restore) is over
 
     def received(self) -> int | None:
+        self._training = True
         return self._got[0] if self._got else None
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -993,7 +1003,13 @@ class _Signals:
             sys.stderr.write(f"{name} again: exiting now; checkpoints already written are kept.\n")
             sys.stderr.flush()
             os._exit(128 + signum)
-        sys.stderr.write(f"{name}: stopping after the current update to write a checkpoint.\n")
+        if self._training:
+            sys.stderr.write(f"{name}: stopping after the current update to write a checkpoint.\n")
+        else:  # the setup cannot be cut short safely: say how long it keeps going
+            sys.stderr.write(
+                f"{name}: still setting up (envs, networks, checkpoint); stopping before the "
+                f"first update, with a checkpoint. {name} again exits now.\n"
+            )
         sys.stderr.flush()
 
     def install(self) -> None:
