@@ -51,7 +51,7 @@ class Walk(gym.Env):
     def __init__(self, continuous=False, fail_at=None, report_pid=False, tuple_obs=False,
                  pixels=False, pixel_dtype="uint8", grid=False, walls=False, int_actions=False,
                  short_obs_at=None, fork_child=None, step_sleep=0.0, multi_actions=False,
-                 nan_at_end=False):
+                 nan_at_end=False, close_raises=False, odd=None):
         if fork_child and "jax" not in sys.modules:  # in a worker only, not the learner: a
             # process of the env's own that outlives the worker, its pid in the file
             pid = os.fork()
@@ -64,6 +64,8 @@ class Walk(gym.Env):
         self.continuous, self.fail_at, self.report_pid = continuous, fail_at, report_pid
         self.step_sleep = step_sleep
         self.nan_at_end = nan_at_end  # a terminated episode's last observation: all NaN
+        self.close_raises = close_raises
+        self.odd = odd  # 'old_reset' (obs alone), or a reward that is no number: 'none', ...
         self.short_obs_at = short_obs_at  # from this step on, one number short of the space
         self.walls = walls
         if continuous:
@@ -102,10 +104,14 @@ class Walk(gym.Env):
             return obs[:1]
         return obs.reshape(2, 2) if self.grid else obs
 
+    def close(self):
+        if self.close_raises:
+            raise RuntimeError("the walk would not close")
+
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         self.pos, self.vel = self.np_random.uniform(-1, 1), 0.0
-        return self._obs(), {}
+        return self._obs() if self.odd == "old_reset" else (self._obs(), {})
 
     def step(self, action):
         self.steps += 1
@@ -122,7 +128,8 @@ class Walk(gym.Env):
         obs, terminated = self._obs(), bool(abs(self.pos) > 3.0)
         if self.nan_at_end and terminated:
             obs = np.full_like(obs, np.nan)
-        return obs, float(a - self.pos**2), terminated, False, {}
+        reward = {"none": None, "text": "1", "array": np.array([1.0])}.get(self.odd, a - self.pos**2)
+        return obs, reward, terminated, False, {}
 
 
 gym.register("Walk-v0", entry_point=Walk, max_episode_steps=12)
@@ -541,6 +548,28 @@ def test_an_observation_of_the_wrong_shape_is_an_error_not_broadcast():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "odd, want",
+    [
+        ("old_reset", "reset returned a ndarray, not (observation, info)"),
+        ("none", "step returned the reward None (NoneType); a reward is one real number"),
+        ("text", "step returned the reward '1' (str)"),
+        ("array", "step returned the reward array([1.]) (ndarray)"),
+    ],
+)
+def test_a_reset_or_reward_off_the_gymnasium_api_is_an_error_not_converted(odd, want):
+    """NumPy would turn a None reward into NaN and '1' into 1.0 without a word."""
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, odd=odd, workers_per_device=1)
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with pytest.raises(Exception) as info:
+            run_host(host, mesh, keys, jnp.ones((5, 2, 2), jnp.int32))
+        assert want in str(info.value)
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
 def test_actions_of_the_wrong_shape_are_refused_not_broadcast():
     # 2 envs per device, 2 numbers per action: [2, 2] actions would fill each env's action
     # with one number by broadcasting, a silently different policy.
@@ -903,6 +932,8 @@ def test_bad_ids_fail_with_one_clear_line(monkeypatch):
         envs.make("gymnasiun:CartPole-v1")
     with pytest.raises(ValueError, match=r"has integer actions, which a Gaussian policy"):
         envs.make(f"gymnasium:{WALK_ID}", int_actions=True)
+    with pytest.raises(ValueError, match=r"env.close\(\) raised RuntimeError: the walk would not"):
+        envs.make(f"gymnasium:{WALK_ID}", close_raises=True)
     monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if not installed
     with pytest.raises(ValueError, match=r"need the gymnasium package: pip install"):
         envs.make("gymnasium:CartPole-v1")

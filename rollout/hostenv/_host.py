@@ -196,11 +196,17 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
 
     del gymnasium  # imported above only to say how to install it
     env = make_gymnasium_or_explain(env_id, **kwargs)
+    limit = env.spec.max_episode_steps if env.spec is not None else None
     try:
-        limit = env.spec.max_episode_steps if env.spec is not None else None
-        return env.observation_space, env.action_space, limit
-    finally:
         env.close()
+    except Exception as e:
+        why = (str(e).splitlines() or [""])[0]
+        raise ValueError(
+            f"gymnasium:{env_id}: env.close() raised {type(e).__name__}: {why} (the learner "
+            "makes one env here to read its spaces, then closes it; so do its workers at the "
+            "end): fix the env's close()."
+        ) from e
+    return env.observation_space, env.action_space, limit
 
 
 def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:

@@ -201,9 +201,8 @@ class _Gymnasium:
         self.pixels = np.dtype(self.envs[0].observation_space.dtype) == np.uint8
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
-        return np.stack(
-            [self._checked(env.reset(seed=int(s))[0], "reset") for env, s in zip(self.envs, seeds)]
-        )
+        firsts = [_reset_obs(env, seed=int(s)) for env, s in zip(self.envs, seeds)]
+        return np.stack([self._checked(obs, "reset") for obs in firsts])
 
     def step(self, actions: np.ndarray, out: tuple[np.ndarray, ...]) -> None:
         obs, reward, term, trunc, final = out
@@ -211,8 +210,8 @@ class _Gymnasium:
         for i, env in enumerate(self.envs):
             action = int(actions[i]) if self.discrete else actions[i]
             o, r, te, tr, _ = env.step(action)
-            final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), r, te, tr
-            obs[i] = self._checked(env.reset()[0], "reset") if (te or tr) else o
+            final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), _number(r), te, tr
+            obs[i] = self._checked(_reset_obs(env), "reset") if (te or tr) else o
 
     def _checked(self, obs: Any, where: str) -> Any:
         """``obs``, refused where its shape is not the observation space's (NumPy would
@@ -235,6 +234,30 @@ class _Gymnasium:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def _reset_obs(env: Any, **kwargs: Any) -> Any:
+    """The observation of ``env.reset()``, which gymnasium's API makes ``(obs, info)``."""
+    out = env.reset(**kwargs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            f"reset returned a {type(out).__name__}, not (observation, info) as gymnasium's "
+            "API has it (an env written for gym < 0.26 returns the observation alone)"
+        )
+    return out[0]
+
+
+def _number(reward: Any) -> float:
+    """One step's reward as a float; anything but one real number is refused (NumPy would
+    take None as NaN and the string '1' as 1.0 without a word)."""
+    if isinstance(reward, (bool, int, float, np.bool_, np.integer, np.floating)) or (
+        isinstance(reward, np.ndarray) and reward.shape == () and reward.dtype.kind in "biuf"
+    ):
+        return float(reward)
+    raise ValueError(
+        f"step returned the reward {reward!r} ({type(reward).__name__}); a reward is one real "
+        "number"
+    )
 
 
 class _EnvPool:
