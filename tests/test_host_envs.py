@@ -128,7 +128,8 @@ class Walk(gym.Env):
         obs, terminated = self._obs(), bool(abs(self.pos) > 3.0)
         if self.nan_at_end and terminated:
             obs = np.full_like(obs, np.nan)
-        reward = {"none": None, "text": "1", "array": np.array([1.0])}.get(self.odd, a - self.pos**2)
+        odd_rewards = {"none": None, "text": "1", "array": np.array([1.0])}
+        reward = odd_rewards.get(self.odd, a - self.pos**2)
         return obs, reward, terminated, False, {}
 
 

@@ -455,6 +455,15 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     assert "already holds run" in line and "--resume" in line and "--overwrite" in line
     line = _cli_error(["--out", str(out), "--resume", "--members", "4", "--seed", "2"], capsys)
     assert "(members 2 -> 4, seed 0 -> 2)" in line
+    record = json.loads((out / "run.json").read_text())  # as if run on a gymnasium id
+    saved_env = {"env": "gymnasium:CartPole-v1", "env_kwargs": {"sutton_barto_reward": True}}
+    moved = tmp_path / "gym_run"
+    shutil.copytree(out, moved)
+    (moved / "run.json").write_text(
+        json.dumps({**record, "config": {**record["config"], **saved_env}})
+    )
+    line = _cli_error(["--out", str(moved), "--resume", "--env", "cartpole"], capsys)
+    assert "(env 'gymnasium:CartPole-v1' -> 'cartpole')" in line  # not about its env_kwargs
     # The saved config (and flags equal to it) resume; the run is complete: nothing to do.
     rows = (out / "metrics.jsonl").read_text()
     assert main(["--out", str(out), "--resume", "--members", "2", "--no-progress"]) == 0

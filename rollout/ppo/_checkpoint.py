@@ -206,17 +206,22 @@ def check_resume(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
     saved = run.record["config"]
     diffs = config_differences(saved, config)
     if diffs:
-        raise RunDirError(
-            f"--resume: the run in {run.path} was started with another config ({diffs}); only "
-            "--total-steps may grow. Leave those flags out to use the saved values, or start "
-            "a new run in another --out."
-        )
+        refuse_changed(run.path, diffs)
     if not checkpoints(run.path):
         raise RunDirError(
             f"--resume: {run.path} holds run {run.record['run_id'][:8]} but no checkpoint (it "
             "stopped before its first one); start over with --overwrite."
         )
     return {**run.record, "config": config}
+
+
+def refuse_changed(path: Any, diffs: str) -> None:
+    """Refuses a resume whose flags change the saved run (``diffs``: what they change)."""
+    raise RunDirError(
+        f"--resume: the run in {path} was started with another config ({diffs}); only "
+        "--total-steps may grow. Leave those flags out to use the saved values, or start a new "
+        "run in another --out."
+    )
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
-from rollout.ppo._checkpoint import RunDirError
+from rollout.ppo._checkpoint import RunDirError, config_differences, refuse_changed
 from rollout.ppo._config import _ENV_DEFAULTS, canonical_env, canonical_env_kwargs
 from rollout.ppo._parser import OneLineParser
 
@@ -906,6 +906,10 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
             saved = PPOConfig.from_dict(found.record["config"])
             if "env" in given:
                 given["env"] = canonical_env(given["env"])
+                if given["env"] != saved.env:  # before its other settings are judged for it
+                    record = found.record["config"]
+                    changed = {**record, "env": given["env"]}
+                    refuse_changed(args.out, config_differences(record, changed))
             if "env_kwargs" in given:
                 given["env_kwargs"] = canonical_env_kwargs(given["env_kwargs"])
             # A per-member list of the saved value (--lr 2.5e-4,2.5e-4 for 2.5e-4) is that value.
