@@ -138,10 +138,32 @@ class Config:
             out.append(f"--seed must be in [0, 2**32), got {self.seed}")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             out.append(f"--out {self.out} is a file; give a folder")
+        elif not _writable(self.out):  # found now, not after the training
+            out.append(f"--out {self.out} is not a folder this process can write; give another")
         return out
 
 
 # ---------------------------------------------------------------------------------- data
+
+
+def _writable(folder: str) -> bool:
+    """Whether this process can make ``folder`` and write a file in it (tried, then undone:
+    permission bits say little to root, and /proc takes no new folder)."""
+    made, path = [], os.path.abspath(folder)
+    while not os.path.exists(path):  # the folders makedirs will make, deepest first
+        made.append(path)
+        path = os.path.dirname(path)
+    probe = os.path.join(folder, f".probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError:
+        return False
+    for path in made:  # only those made here
+        os.rmdir(path)
+    return True
 
 
 class Data(NamedTuple):

@@ -246,6 +246,7 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
     for argv, message in [
         (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
         (["--out", str(a_file)], f"--out {a_file} is a file"),
+        (["--out", "/proc/no/such"], "--out /proc/no/such is not a folder this process can"),
         (["--members", "0"], "--members must be >= 1"),
         (["--test-fraction", "0.9"], "--test-fraction must be in"),
         (["--model", "resnet"], "invalid choice"),

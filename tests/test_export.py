@@ -432,6 +432,25 @@ def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(
     assert "its export holds another run's members: export again" in capsys.readouterr().err
 
 
+def test_a_copied_member_or_damaged_arrays_are_refused_not_averaged(cartpole, tmp_path, capsys):
+    """A member copied in by hand would count twice in the ensemble's mean action; a truncated
+    or empty params.npz is one line, not NumPy's zipfile traceback."""
+    import shutil
+
+    learner, state = cartpole
+    out = tmp_path / "export"
+    export.export_members(learner, state, out, members=[0, 1])
+    shutil.copytree(out / "member_1", out / "member_7")
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert "are both member 1 of the run: a copy would count twice" in capsys.readouterr().err
+    shutil.rmtree(out / "member_7")
+    params = out / "member_1" / "params.npz"
+    for damaged in (params.read_bytes()[:300], b""):
+        params.write_bytes(damaged)
+        assert evaluate.main([str(out), "--episodes", "1"]) == 2
+        assert "cannot read the member's arrays" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
 def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()

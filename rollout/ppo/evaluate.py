@@ -340,8 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(directory: str) -> list[Any]:
     from rollout.ppo import export
 
-    members = [export.read_member(p) for p in export.member_dirs(directory)]
+    dirs = export.member_dirs(directory)
+    members = [export.read_member(p) for p in dirs]
     first = members[0].meta
+    seen: dict[Any, Any] = {}
+    for path, m in zip(dirs, members):  # a copy would count twice in the ensemble's average
+        if m.meta.get("member") in seen:
+            raise export.NotAnExport(
+                f"{seen[m.meta.get('member')]} and {path} are both member {m.meta.get('member')} "
+                "of the run: a copy would count twice in the ensemble; remove one."
+            )
+        seen[m.meta.get("member")] = path
     for m in members[1:]:
         # One run's checkpoint: same env, network, config and training steps (members exported
         # into one directory from two runs or two checkpoints are not one ensemble).

@@ -65,6 +65,7 @@ import json
 import os
 import shlex
 import sys
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -422,7 +423,8 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
             params = {k: jax.device_put(f[k], device) for k in f.files}
         with np.load(path / "obs_norm.npz") as f:
             mean, var = jax.device_put(f["mean"], device), jax.device_put(f["var"], device)
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        # (a truncated or empty .npz: NumPy raises zipfile's error or EOFError)
         raise NotAnExport(f"{path}: cannot read the member's arrays ({e}).") from None
     return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var)
 
