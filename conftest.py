@@ -45,27 +45,33 @@ import jax  # noqa: E402  (after the environment above is set)
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-def _marked_processes() -> list[str]:
-    """Live processes (not zombies) other than this one that carry this session's mark."""
+def _marked_processes() -> tuple[list[str], bool]:
+    """Live processes (not zombies) other than this one that carry this session's mark, and
+    whether some process could not be told yet: one caught mid-exec (its new image mapped, its
+    environment not yet written, for a moment after ``Popen`` returns) reads an empty one."""
     want = f"{_MARK}={os.environ[_MARK]}".encode()
-    found = []
+    found, unsure = [], False
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if want not in f.read().split(b"\0"):
-                    continue
+                environ = f.read()
             with open(f"/proc/{entry.name}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                fields = f.read().rsplit(")", 1)[1].split()
+            state, ppid, flags = fields[0], int(fields[1]), int(fields[6])
+            if not environ and state != "Z" and not flags & 0x00200000:  # not a kernel thread
+                unsure = True
+            if want not in environ.split(b"\0"):
+                continue
             with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if state == "Z" or (int(ppid) == os.getpid() and "resource_tracker" in cmd):
+            if state == "Z" or (ppid == os.getpid() and "resource_tracker" in cmd):
                 continue  # multiprocessing's tracker of this process ends when it does
             found.append(f"pid {entry.name}: {cmd[:200]}")
         except OSError:  # ended meanwhile, or not ours to read
             continue
-    return found
+    return found, unsure
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers
@@ -79,9 +85,15 @@ def pytest_sessionfinish(session, exitstatus):
     if "rollout._template" in sys.modules:  # run without pytest-xdist: this process's own
         sys.modules["rollout._template"].close_all()  # templates would end only with it
 
-    deadline = time.monotonic() + float(os.environ.get("SHARDED_ENSEMBLES_TEST_GRACE_S", "10"))
-    while (left := _marked_processes()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    start = time.monotonic()
+    grace = float(os.environ.get("SHARDED_ENSEMBLES_TEST_GRACE_S", "10"))
+    while True:
+        left, unsure = _marked_processes()
+        waited = time.monotonic() - start
+        # An unsure process (one with no environment, say) is given 2 s to show one.
+        if not (left or unsure) or waited > grace or (not left and waited > min(grace, 2)):
+            break
+        time.sleep(0.05 if unsure and not left else 0.2)
     if left:
         title = "processes started by the tests outlived them"
         report = session.config.pluginmanager.get_plugin("terminalreporter")
