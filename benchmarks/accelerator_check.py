@@ -3,8 +3,9 @@
 Checks (each catches its own exception and becomes a FAILED row with a one-line reason; the
 rest still run):
 
-- ``accelerator``, ``versions``, ``device``: the device JAX found (a missing GPU is the row
-  "no GPU: skipped", not a failure), jax / jaxlib / CUDA plugin versions (``importlib.metadata``),
+- ``accelerator``, ``versions``, ``device``: the device JAX found, a GPU or a TPU (none is the
+  row "no accelerator: skipped", not a failure), jax / jaxlib / plugin versions (CUDA, libtpu;
+  ``importlib.metadata``),
   device kind and platform version, host cores and CPU devices.
 - ``ensemble placement``: an 8-member ensemble of the MLP (``examples/memory_reduction.py``,
   5000 hidden units) built with ``ensemble.build`` on the accelerator, one donated
@@ -21,15 +22,20 @@ rest still run):
   4 members, ``benchmarks/ppo.py``'s timing) on the accelerator against the same run on the host's
   CPU devices (one member per device, as ``python -m rollout.ppo`` sets them up), and the first
   call's time (compile + first updates).
+- ``ppo host envs`` / ``ppo on_cpu envs``: the same PPO with its envs on the host, stepped from
+  inside the update jitted on the accelerator: gymnasium's CartPole-v1 in worker processes
+  (skipped without gymnasium), and the JAX CartPole through ``on_cpu`` (``env_on='cpu'``); env
+  steps/s and finite parameters.
 
 Without an accelerator (or with ``--dry``) it runs in DRY mode: tiny sizes, and on a CPU-only host
 CPU devices stand in for the accelerator, so every code path runs but no figure is an accelerator
 result; the table says so at the top. One simulated CPU device per core is configured before JAX
-starts (``rollout.configure_cpu_devices``): on a GPU host those are ``on_cpu``'s in-process workers.
+starts (``rollout.configure_cpu_devices``): on an accelerator host those are ``on_cpu``'s
+in-process workers.
 
 Run::
 
-    python benchmarks/accelerator_check.py            # full on a GPU host (< 5 min on one GPU)
+    python benchmarks/accelerator_check.py            # full on a GPU or TPU host (< 5 min)
     python benchmarks/accelerator_check.py --dry      # tiny sizes anywhere (about a minute)
 
 Writes ``accelerator_check.txt`` and ``.json`` (``accelerator_check_dry.*`` in DRY mode, so a dry
@@ -69,6 +75,7 @@ PACKAGES = (
     "jax-cuda12-pjrt",
     "jax-cuda13-plugin",
     "jax-cuda13-pjrt",
+    "libtpu",
     "flax",
     "optax",
 )
@@ -219,22 +226,22 @@ def _cores() -> int:
 def check_environment(ctx: Context) -> list[Row]:
     """Which accelerator, package versions, device kind."""
     versions = package_versions()
-    cuda = {k: v for k, v in versions.items() if "cuda" in k and v}
+    plugins = {k: v for k, v in versions.items() if ("cuda" in k or "tpu" in k) and v}
     dev = ctx.accelerator[0]
     kind = f"{dev.platform} x{len(ctx.accelerator)} ({dev.device_kind})"
     if ctx.has_accelerator:
         accel = Row("accelerator", OK, kind, {"platform": dev.platform})
     else:
-        hint = "; a CUDA plugin is installed but JAX found no GPU" if cuda else ""
+        hint = "; an accelerator plugin is installed but JAX found no device" if plugins else ""
         accel = Row(
             "accelerator",
             SKIPPED,
-            f"no GPU: skipped (DRY: {len(ctx.accelerator)} CPU devices stand in){hint}",
+            f"no accelerator: skipped (DRY: {len(ctx.accelerator)} CPU devices stand in){hint}",
             {"platform": dev.platform},
         )
     main = ", ".join(f"{k} {versions[k] or 'missing'}" for k in ("jax", "jaxlib", "flax", "optax"))
-    plugin = ", ".join(f"{k} {v}" for k, v in cuda.items()) or "none installed"
-    vrow = Row("versions", OK, f"{main}; CUDA plugin: {plugin}", {"packages": versions})
+    plugin = ", ".join(f"{k} {v}" for k, v in plugins.items()) or "none installed"
+    vrow = Row("versions", OK, f"{main}; plugin: {plugin}", {"packages": versions})
     try:
         pv = str(dev.client.platform_version).strip().splitlines()[-1]
     except Exception:  # not every backend reports one
@@ -348,7 +355,7 @@ def _memory_row(step: Any, args: tuple, devices: Sequence[Any], stats=_memory_st
         return Row(
             "ensemble memory",
             SKIPPED,
-            f"no GPU: skipped ({devices[0].platform} devices give no memory_stats); "
+            f"no accelerator: skipped ({devices[0].platform} devices give no memory_stats); "
             f"compiled estimate {estimate.peak / MB:.2f} MB per device",
             values,
         )
@@ -358,6 +365,19 @@ def _memory_row(step: Any, args: tuple, devices: Sequence[Any], stats=_memory_st
     if not known:
         return Row("ensemble memory", WARN, "step peak hidden under an earlier peak", values)
     worst = max(known, key=lambda m: abs(math.log(m / estimate.peak)))
+    buffers = estimate.argument + estimate.output - estimate.alias
+    if estimate.temp and worst < buffers + estimate.temp / 2:
+        # A TPU's allocator keeps a program's scratch out of these counters: what it reports is
+        # the step's arguments and results alone, whatever the temporaries were.
+        return Row(
+            "ensemble memory",
+            SKIPPED,
+            f"not measurable here: memory_stats peak {worst / MB:.2f} MB is about the step's "
+            f"arguments and results ({buffers / MB:.2f} MB), so this device's counters leave "
+            f"out the program's {estimate.temp / MB:.2f} MB of temporaries; compiled estimate "
+            f"{estimate.peak / MB:.2f} MB per device",
+            values,
+        )
     ratio = worst / estimate.peak
     values["ratio"] = ratio
     lo, hi = MEMORY_BAND
@@ -550,11 +570,56 @@ def _ppo_runs(cfg: Any, layouts: dict[str, list[Any]], s: Sizes) -> dict[str, di
     return runs
 
 
+ENV_ROWS = ("ppo host envs", "ppo on_cpu envs")
+
+
+def check_ppo_envs(ctx: Context) -> list[Row]:
+    """PPO whose envs run on the host, stepped from the update jitted on the accelerator:
+    gymnasium's CartPole in worker processes, and the JAX CartPole through ``on_cpu``."""
+    import importlib.util
+
+    from rollout.ppo import PPOConfig
+
+    s, m = ctx.sizes, ctx.sizes.ppo_members
+    devices = ctx.accelerator[: whole_members(m, len(ctx.accelerator))]
+    common = dict(members=m, total_steps=10**7, num_steps=s.ppo_num_steps, updates_per_call=1)
+    runs = {"ppo on_cpu envs": PPOConfig.for_env("cartpole", env_on="cpu", **common)}
+    rows = []
+    if importlib.util.find_spec("gymnasium") is None:
+        rows.append(Row("ppo host envs", SKIPPED, "gymnasium is not installed"))
+    else:
+        runs = {"ppo host envs": PPOConfig.for_env("gymnasium:CartPole-v1", **common), **runs}
+    for name, cfg in runs.items():
+        try:
+            rows.append(_env_row(name, cfg, devices, s))
+        except Exception as e:  # one failing leaves the other's row standing
+            rows.append(Row(name, FAILED, one_line(e), {"traceback": traceback.format_exc()}))
+    return sorted(rows, key=lambda r: ENV_ROWS.index(r.check))
+
+
+def _env_row(name: str, cfg: Any, devices: Sequence[Any], s: Sizes) -> Row:
+    import jax
+    import numpy as np
+
+    bench = _load("ppo_benchmark", ROOT / "benchmarks" / "ppo.py")
+    run = bench._timed_run(cfg, devices, s.ppo_calls, 2)
+    finite = all(bool(np.all(np.isfinite(a))) for a in jax.tree_util.tree_leaves(run.pop("params")))
+    where = f"{cfg.env} ({cfg.members} members x {cfg.num_envs} envs) on {len(devices)} "
+    return Row(
+        name,
+        OK if finite else FAILED,
+        where + f"{devices[0].platform} device(s): {run['env_steps_per_s']:,.0f} env steps/s, "
+        f"first call {run['first_call_s']:.1f} s" + ("" if finite else "; NON-FINITE parameters"),
+        {**run, "finite_params": finite, "devices": len(devices)},
+    )
+
+
 CHECKS: tuple[tuple[tuple[str, ...], Callable[[Context], list[Row]]], ...] = (
     (("accelerator", "versions", "device"), check_environment),
     (("ensemble placement", "ensemble memory"), check_ensemble),
     (("on_cpu executor", "on_cpu result", "on_cpu speed-up"), check_on_cpu),
     (PPO_ROWS, check_ppo),
+    (ENV_ROWS, check_ppo_envs),
 )
 
 
@@ -635,7 +700,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     from rollout.ppo._parser import OneLineParser
 
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry", action="store_true", help="tiny sizes (automatic without a GPU)")
+    p.add_argument(
+        "--dry", action="store_true", help="tiny sizes (automatic without an accelerator)"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     p.add_argument(
         "--check-timeout",

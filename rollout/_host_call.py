@@ -17,6 +17,12 @@ with the arguments converted to NumPy: slower, same results. ``FAST`` says which
 
 ``fn`` receives read-only NumPy arrays valid only during the call (copy what you keep) and must
 return a tuple of arrays matching ``result_types`` exactly in shape and dtype.
+
+Results of a callback go to the device in ranks made equal (:func:`equal_ranks`): on a TPU, JAX
+0.10.2 lowers a callback inside ``shard_map`` to one host receive per result, each annotated
+with the sharding of the first result, so a result of another rank fails to verify ("sharding
+doesn't match tensor rank"). Trailing axes of size 1, added on the host and dropped in the
+program, cost nothing (a reshape of contiguous data).
 """
 
 from __future__ import annotations
@@ -78,6 +84,34 @@ if FAST:
         return [jax.numpy.asarray(x) for x in _numpy_call(fn)(*args)]
 
 
+def equal_ranks(types: Sequence[Any]) -> tuple[list[jax.ShapeDtypeStruct], list[int]]:
+    """``types`` with trailing axes of size 1 up to the highest rank, and how many each got.
+
+    A callback returns its results through :func:`pad_results` and the traced code gets the
+    originals back from :func:`drop_padding` (see the module docstring for why). Trailing, so
+    batch axes that ``vmap`` puts in front keep their place.
+
+    >>> import jax, numpy as np
+    >>> padded, pads = equal_ranks([jax.ShapeDtypeStruct((4, 3), np.float32),
+    ...                             jax.ShapeDtypeStruct((4,), np.bool_)])
+    >>> [t.shape for t in padded], pads
+    ([(4, 3), (4, 1)], [0, 1])
+    """
+    rank = max((len(t.shape) for t in types), default=0)
+    pads = [rank - len(t.shape) for t in types]
+    return [jax.ShapeDtypeStruct((*t.shape, *(1,) * k), t.dtype) for t, k in zip(types, pads)], pads
+
+
+def pad_results(outs: Sequence[Any], pads: Sequence[int]) -> list[np.ndarray]:
+    """The host's side of :func:`equal_ranks`: each result with its trailing axes added."""
+    return [np.reshape(o, np.shape(o) + (1,) * k) if k else o for o, k in zip(outs, pads)]
+
+
+def drop_padding(outs: Sequence[Any], pads: Sequence[int]) -> list[Any]:
+    """The program's side of :func:`equal_ranks`: the trailing axes taken off again."""
+    return [o.reshape(o.shape[: o.ndim - k]) if k else o for o, k in zip(outs, pads)]
+
+
 def host_call(fn: Callable[..., Any], result_types: Sequence[Any], *args: jax.Array) -> tuple:
     """Calls ``fn(*numpy_args) -> tuple of arrays`` on the host from traced code, as an IO effect.
 
@@ -90,10 +124,13 @@ def host_call(fn: Callable[..., Any], result_types: Sequence[Any], *args: jax.Ar
     >>> np.asarray(out[0])
     array([0., 2., 4.], dtype=float32)
     """
+    types, pads = equal_ranks(result_types)
+    padded = lambda *xs: pad_results(tuple(fn(*xs)), pads)
     if not FAST:  # pragma: no cover - depends on the JAX release
         from jax.experimental import io_callback
 
-        types = [jax.ShapeDtypeStruct(tuple(t.shape), t.dtype) for t in result_types]
-        return tuple(io_callback(_numpy_call(fn), types, *args, ordered=False))
-    avals = tuple(_core.ShapedArray(tuple(t.shape), np.dtype(t.dtype)) for t in result_types)
-    return tuple(_host_call_p.bind(*args, fn=fn, result_avals=avals))
+        outs = io_callback(_numpy_call(padded), types, *args, ordered=False)
+    else:
+        avals = tuple(_core.ShapedArray(t.shape, np.dtype(t.dtype)) for t in types)
+        outs = _host_call_p.bind(*args, fn=padded, result_avals=avals)
+    return tuple(drop_padding(outs, pads))

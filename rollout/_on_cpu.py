@@ -39,6 +39,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rollout._devices import available_cores
+from rollout._host_call import drop_padding, equal_ranks, pad_results
 from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
 from rollout._pool import _shared as _shared_pools
 from rollout._relay import remember
@@ -836,7 +837,9 @@ class _Call:
     def callback(self, *xs: Any) -> list[Any]:
         xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
         result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in self.row_outs]
-        outs = jax.pure_callback(self.host, result, *xs, vmap_method="expand_dims")
+        result, pads = equal_ranks(result)  # for a TPU caller inside shard_map (see equal_ranks)
+        host = lambda *flat: pad_results(self.host(*flat), pads)
+        outs = drop_padding(jax.pure_callback(host, result, *xs, vmap_method="expand_dims"), pads)
         vma = frozenset().union(*(_varying_axes(x) for x in xs))
         if vma:  # inside shard_map: each device got its own rows, so results vary too
             outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]

@@ -36,6 +36,7 @@ Run as a script, this file is the template; it imports nothing from ``rollout``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -59,13 +60,22 @@ _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def enabled() -> bool:
-    """Whether workers are forked from templates: on Linux (with pidfds), unless
+    """Whether workers are forked from templates: on Linux with working pidfds, unless
     ``ROLLOUT_FORK_WORKERS=0``."""
-    return (
-        sys.platform == "linux"
-        and hasattr(os, "pidfd_open")
-        and os.environ.get("ROLLOUT_FORK_WORKERS", "1") != "0"
-    )
+    return os.environ.get("ROLLOUT_FORK_WORKERS", "1") != "0" and _pidfds_work()
+
+
+@functools.cache
+def _pidfds_work() -> bool:
+    """Whether this kernel opens pidfds: Linux 5.3 and later do; a sandbox such as gVisor may
+    answer ENOSYS, and then workers start fresh instead."""
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

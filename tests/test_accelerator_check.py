@@ -94,9 +94,9 @@ def test_dry_run_has_every_check_once_in_order(dry):
         assert r["status"] in (check.OK, check.SKIPPED), r
     if ON_CPU_HOST:
         assert dry["rows"]["accelerator"]["status"] == check.SKIPPED
-        assert dry["rows"]["accelerator"]["result"].startswith("no GPU: skipped")
+        assert dry["rows"]["accelerator"]["result"].startswith("no accelerator: skipped")
         assert dry["rows"]["ensemble memory"]["status"] == check.SKIPPED
-        assert dry["rows"]["ensemble memory"]["result"].startswith("no GPU: skipped")
+        assert dry["rows"]["ensemble memory"]["result"].startswith("no accelerator: skipped")
 
 
 @pytest.mark.timeout(180)
@@ -298,10 +298,29 @@ def test_memory_row_warns_when_the_device_needs_more_than_estimated():
     assert row.values["ratio"] == pytest.approx((est.argument + 2 * est.peak) / est.peak)
 
 
+@pytest.mark.timeout(120)
+def test_memory_row_is_skipped_where_the_counters_leave_out_temporaries():
+    """A TPU's memory_stats peak stays at the step's arguments and results (seen on a v5e: 10.4
+    MB for a step compiled with 165 MB of temporaries): no ratio is claimed from it."""
+    n = jax.device_count()
+    mesh = ensemble.make_mesh(n)
+    w = ensemble.shard_members(jnp.ones((n, 1000)), mesh, n)
+    x = jax.device_put(jnp.ones((50,)), NamedSharding(mesh, PartitionSpec()))
+    step = jax.jit(
+        lambda w, x: w + jnp.sort(jnp.sin(w), axis=1)[:, ::-1] * x.mean(), donate_argnums=0
+    )
+    est = ensemble.compiled_memory(step, w, x)
+    assert est.temp > est.argument / 2  # a step whose temporaries matter
+    stats = _GpuLikeStats(earlier=0)
+    row = check._memory_row(stats.wrap(step, 1), (w, x), jax.devices(), stats)
+    assert row.status == check.SKIPPED and row.result.startswith("not measurable here"), row
+    assert "ratio" not in row.values and set(row.values["measured"].values()) == {est.argument + 1}
+
+
 def test_memory_row_without_memory_stats_is_skipped():
     step, w, x = _donated_step()
     row = check._memory_row(step, (w, x), jax.devices(), lambda d: None)
-    assert row.status == check.SKIPPED and row.result.startswith("no GPU: skipped")
+    assert row.status == check.SKIPPED and row.result.startswith("no accelerator: skipped")
     assert not w.is_deleted()  # nothing ran
 
 

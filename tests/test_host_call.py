@@ -1,5 +1,7 @@
 """``host_call``: same results as ``io_callback``; kept, ordered, never merged or repeated."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,35 @@ def test_not_differentiable_nor_vmappable():
         jax.grad(lambda x: host_call(lambda a: (a,), [x], x)[0])(1.0)
     with pytest.raises(NotImplementedError, match="host_call"):
         jax.vmap(lambda x: host_call(lambda a: (a,), [x], x)[0])(jnp.ones(3))
+
+
+def _callback_result_ranks(lowered) -> list[list[int]]:
+    """The ranks of each host callback's results in a lowered program."""
+    ranks = []
+    for line in lowered.as_text().splitlines():
+        if "stablehlo.custom_call" in line and "callback" in line:
+            results = line.rsplit("->", 1)[1]
+            ranks.append([t.count("x") for t in re.findall(r"tensor<([^>]*)>", results)])
+    return ranks
+
+
+def test_results_of_different_ranks_reach_the_program_in_one_rank():
+    """A TPU's lowering of a callback inside shard_map gives every result the first result's
+    sharding, so each must have the same rank (``equal_ranks``); the caller sees its own."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ensemble",))
+
+    def fn(x):
+        return x * 2, x.sum(-1) > 3, np.int32(x.size)
+
+    types = [jax.ShapeDtypeStruct((1, 2), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.bool_),
+             jax.ShapeDtypeStruct((), jnp.int32)]  # fmt: skip
+    per_device = lambda x: tuple(o[None] for o in host_call(fn, types, x))
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("ensemble"),
+                                 out_specs=P("ensemble")))  # fmt: skip
+    x = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("ensemble")))
+    assert _callback_result_ranks(step.lower(x)) == [[2, 2, 2]]
+    doubled, big, size = step(x)
+    assert (doubled.shape, big.shape, size.shape) == ((4, 1, 2), (4, 1), (4,))
+    np.testing.assert_array_equal(doubled[:, 0], np.arange(8.0).reshape(4, 2) * 2)
+    np.testing.assert_array_equal(big[:, 0], [False, True, True, True])
+    np.testing.assert_array_equal(size, [2, 2, 2, 2])

@@ -216,19 +216,20 @@ INTERRUPTED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     import rollout
 
-    def slow(x):  # seconds of work whose result depends on x
-        return jax.lax.fori_loop(0, 30_000_000, lambda i, c: c + 1e-7 * jnp.tanh(c), x)
+    def slow(x, n):  # n steps of work whose result depends on x
+        return jax.lax.fori_loop(0, n, lambda i, c: c + 1e-7 * jnp.tanh(c), x)
 
-    g = rollout.on_cpu(slow, workers=2)
-    a, b = jnp.full((4, 8), 1.0), jnp.full((4, 8), 100.0)
-    want_b = np.asarray(g(b))  # also compiles
+    g = rollout.on_cpu(slow, in_axes=(0, None), workers=2)
+    a, b = (jnp.full((4, 8), 1.0), 100_000_000), (jnp.full((4, 8), 100.0), 3_000_000)
+    want_b = np.asarray(g(*b))  # also compiles
+    # a's work takes seconds (a tenth of a second for b): the signal comes while it runs.
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
-        g(a)
+        g(*a)
         print("not interrupted")
     except KeyboardInterrupt:
         pass
-    np.testing.assert_array_equal(np.asarray(g(b)), want_b)  # not g(a)'s late answer
+    np.testing.assert_array_equal(np.asarray(g(*b)), want_b)  # not g(a)'s late answer
     print("ok")
     """
 )

@@ -163,3 +163,31 @@ def test_a_template_that_cannot_start_leaves_the_worker_to_start_fresh(tmp_path)
         proc.wait(30)
     assert isinstance(proc, subprocess.Popen) and proc.returncode != 0
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_without_working_pidfds_workers_start_fresh():
+    """A kernel or sandbox without pidfd_open (gVisor answers ENOSYS) gets fresh workers, not
+    a template whose every fork fails (its workers then never started)."""
+    script = textwrap.dedent("""
+        import errno, os
+        from pathlib import Path
+
+        def enosys(pid, flags=0):
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+        os.pidfd_open = enosys  # what gVisor answers
+        import jax.numpy as jnp, numpy as np
+        from rollout import _template, on_cpu
+
+        assert not _template.enabled()
+        f = on_cpu(lambda x: x + 1, workers=2, executor="process")
+        np.testing.assert_array_equal(f(jnp.zeros((4, 2))), np.ones((4, 2)))
+        stat = lambda pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert {int(stat(pid)[1]) for pid in f.pids} == {os.getpid()}  # no template between
+        f.close()
+        print("ok")
+    """)  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True,
+                         text=True, timeout=100)  # fmt: skip
+    assert res.stdout.split() == ["ok"], res.stdout + res.stderr[-3000:]
