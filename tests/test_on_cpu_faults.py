@@ -216,6 +216,10 @@ INTERRUPTED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     import rollout
 
+    # As in a terminal's Python: a parent that ignores SIGINT (seen under pytest-xdist in CI)
+    # would otherwise hand that on, and the signal below would never arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def slow(x, n):  # n steps of work whose result depends on x
         return jax.lax.fori_loop(0, n, lambda i, c: c + 1e-7 * jnp.tanh(c), x)
 
