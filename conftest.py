@@ -89,11 +89,10 @@ def pytest_sessionfinish(session, exitstatus):
     grace = float(os.environ.get("SHARDED_ENSEMBLES_TEST_GRACE_S", "10"))
     while True:
         left, unsure = _marked_processes()
-        waited = time.monotonic() - start
         # An unsure process (one with no environment, say) is given 2 s to show one.
-        if not (left or unsure) or waited > grace or (not left and waited > min(grace, 2)):
+        if time.monotonic() - start >= (grace if left else min(grace, 2) if unsure else 0):
             break
-        time.sleep(0.05 if unsure and not left else 0.2)
+        time.sleep(0.1)
     if left:
         title = "processes started by the tests outlived them"
         report = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -506,9 +506,6 @@ PPO_ROWS = ("ppo steps/s", "ppo first call")
 
 def check_ppo(ctx: Context) -> list[Row]:
     """Ensemble PPO CartPole on the accelerator against the same run on the host's CPU devices."""
-    import jax
-    import numpy as np
-
     from rollout.ppo import PPOConfig
 
     s, m = ctx.sizes, ctx.sizes.ppo_members
@@ -527,8 +524,7 @@ def check_ppo(ctx: Context) -> list[Row]:
     errors = [f"{k} run: {r['error']}" for k, r in runs.items() if "error" in r]
     if errors:
         return [Row(name, FAILED, "; ".join(errors), {"runs": runs}) for name in PPO_ROWS]
-    params = [r.pop("params") for r in runs.values()]  # checked here, not written to the JSON
-    finite = all(bool(np.all(np.isfinite(a))) for a in jax.tree_util.tree_leaves(params))
+    finite = _finite([r.pop("params") for r in runs.values()])  # not written to the JSON
     acc, host = runs["accelerator"], runs["host CPU"]
     label = "accelerator" if ctx.has_accelerator else "CPU stand-in"
     one_run = layouts["accelerator"] == layouts["host CPU"]
@@ -554,6 +550,12 @@ def check_ppo(ctx: Context) -> list[Row]:
     return [speed, first]
 
 
+def _finite(tree: Any) -> bool:
+    import numpy as np
+
+    return all(bool(np.all(np.isfinite(a))) for a in _leaves(tree))
+
+
 def _ppo_runs(cfg: Any, layouts: dict[str, list[Any]], s: Sizes) -> dict[str, dict[str, Any]]:
     """benchmarks/ppo.py's timed run on each layout; identical layouts share one run."""
     bench = _load("ppo_benchmark", ROOT / "benchmarks" / "ppo.py")
@@ -576,34 +578,31 @@ ENV_ROWS = ("ppo host envs", "ppo on_cpu envs")
 def check_ppo_envs(ctx: Context) -> list[Row]:
     """PPO whose envs run on the host, stepped from the update jitted on the accelerator:
     gymnasium's CartPole in worker processes, and the JAX CartPole through ``on_cpu``."""
-    import importlib.util
-
     from rollout.ppo import PPOConfig
 
     s, m = ctx.sizes, ctx.sizes.ppo_members
     devices = ctx.accelerator[: whole_members(m, len(ctx.accelerator))]
     common = dict(members=m, total_steps=10**7, num_steps=s.ppo_num_steps, updates_per_call=1)
-    runs = {"ppo on_cpu envs": PPOConfig.for_env("cartpole", env_on="cpu", **common)}
+    runs = (
+        ("ppo host envs", "gymnasium:CartPole-v1", {}),
+        ("ppo on_cpu envs", "cartpole", {"env_on": "cpu"}),
+    )
     rows = []
-    if importlib.util.find_spec("gymnasium") is None:
-        rows.append(Row("ppo host envs", SKIPPED, "gymnasium is not installed"))
-    else:
-        runs = {"ppo host envs": PPOConfig.for_env("gymnasium:CartPole-v1", **common), **runs}
-    for name, cfg in runs.items():
-        try:
-            rows.append(_env_row(name, cfg, devices, s))
-        except Exception as e:  # one failing leaves the other's row standing
+    for name, env, extra in runs:
+        if env.startswith("gymnasium:") and importlib.util.find_spec("gymnasium") is None:
+            rows.append(Row(name, SKIPPED, "gymnasium is not installed"))
+            continue
+        try:  # one failing leaves the other's row standing
+            rows.append(_env_row(name, PPOConfig.for_env(env, **extra, **common), devices, s))
+        except Exception as e:
             rows.append(Row(name, FAILED, one_line(e), {"traceback": traceback.format_exc()}))
-    return sorted(rows, key=lambda r: ENV_ROWS.index(r.check))
+    return rows
 
 
 def _env_row(name: str, cfg: Any, devices: Sequence[Any], s: Sizes) -> Row:
-    import jax
-    import numpy as np
-
     bench = _load("ppo_benchmark", ROOT / "benchmarks" / "ppo.py")
     run = bench._timed_run(cfg, devices, s.ppo_calls, 2)
-    finite = all(bool(np.all(np.isfinite(a))) for a in jax.tree_util.tree_leaves(run.pop("params")))
+    finite = _finite(run.pop("params"))
     where = f"{cfg.env} ({cfg.members} members x {cfg.num_envs} envs) on {len(devices)} "
     return Row(
         name,

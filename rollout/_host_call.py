@@ -87,7 +87,7 @@ if FAST:
 def equal_ranks(types: Sequence[Any]) -> tuple[list[jax.ShapeDtypeStruct], list[int]]:
     """``types`` with trailing axes of size 1 up to the highest rank, and how many each got.
 
-    A callback returns its results through :func:`pad_results` and the traced code gets the
+    A callback's host function is wrapped by :func:`pad_results` and the traced code gets the
     originals back from :func:`drop_padding` (see the module docstring for why). Trailing, so
     batch axes that ``vmap`` puts in front keep their place.
 
@@ -102,9 +102,14 @@ def equal_ranks(types: Sequence[Any]) -> tuple[list[jax.ShapeDtypeStruct], list[
     return [jax.ShapeDtypeStruct((*t.shape, *(1,) * k), t.dtype) for t, k in zip(types, pads)], pads
 
 
-def pad_results(outs: Sequence[Any], pads: Sequence[int]) -> list[np.ndarray]:
-    """The host's side of :func:`equal_ranks`: each result with its trailing axes added."""
-    return [np.reshape(o, np.shape(o) + (1,) * k) if k else o for o, k in zip(outs, pads)]
+def pad_results(fn: Callable[..., Any], pads: Sequence[int]) -> Callable[..., Any]:
+    """The host's side of :func:`equal_ranks`: ``fn`` with its results' trailing axes added
+    (``fn`` itself where none are)."""
+    if not any(pads):
+        return fn
+    return lambda *xs: [
+        np.reshape(o, np.shape(o) + (1,) * k) if k else o for o, k in zip(fn(*xs), pads)
+    ]
 
 
 def drop_padding(outs: Sequence[Any], pads: Sequence[int]) -> list[Any]:
@@ -125,7 +130,7 @@ def host_call(fn: Callable[..., Any], result_types: Sequence[Any], *args: jax.Ar
     array([0., 2., 4.], dtype=float32)
     """
     types, pads = equal_ranks(result_types)
-    padded = lambda *xs: pad_results(tuple(fn(*xs)), pads)
+    padded = pad_results(fn, pads)
     if not FAST:  # pragma: no cover - depends on the JAX release
         from jax.experimental import io_callback
 

@@ -838,7 +838,7 @@ class _Call:
         xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
         result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in self.row_outs]
         result, pads = equal_ranks(result)  # for a TPU caller inside shard_map (see equal_ranks)
-        host = lambda *flat: pad_results(self.host(*flat), pads)
+        host = pad_results(self.host, pads)
         outs = drop_padding(jax.pure_callback(host, result, *xs, vmap_method="expand_dims"), pads)
         vma = frozenset().union(*(_varying_axes(x) for x in xs))
         if vma:  # inside shard_map: each device got its own rows, so results vary too

@@ -267,13 +267,12 @@ class _GpuLikeStats:
         return run
 
 
-def _donated_step():
+def _donated_step(fn=lambda w, x: w * 2 + x.mean()):
     n = jax.device_count()
     mesh = ensemble.make_mesh(n)
     w = ensemble.shard_members(jnp.ones((n, 1000)), mesh, n)
     x = jax.device_put(jnp.ones((50,)), NamedSharding(mesh, PartitionSpec()))  # on every device
-    step = jax.jit(lambda w, x: w * 2 + x.mean(), donate_argnums=0)
-    return step, w, x
+    return jax.jit(fn, donate_argnums=0), w, x
 
 
 @pytest.mark.timeout(120)
@@ -302,13 +301,7 @@ def test_memory_row_warns_when_the_device_needs_more_than_estimated():
 def test_memory_row_is_skipped_where_the_counters_leave_out_temporaries():
     """A TPU's memory_stats peak stays at the step's arguments and results (seen on a v5e: 10.4
     MB for a step compiled with 165 MB of temporaries): no ratio is claimed from it."""
-    n = jax.device_count()
-    mesh = ensemble.make_mesh(n)
-    w = ensemble.shard_members(jnp.ones((n, 1000)), mesh, n)
-    x = jax.device_put(jnp.ones((50,)), NamedSharding(mesh, PartitionSpec()))
-    step = jax.jit(
-        lambda w, x: w + jnp.sort(jnp.sin(w), axis=1)[:, ::-1] * x.mean(), donate_argnums=0
-    )
+    step, w, x = _donated_step(lambda w, x: w + jnp.sort(jnp.sin(w), axis=1)[:, ::-1] * x.mean())
     est = ensemble.compiled_memory(step, w, x)
     assert est.temp > est.argument / 2  # a step whose temporaries matter
     stats = _GpuLikeStats(earlier=0)
