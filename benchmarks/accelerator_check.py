@@ -696,43 +696,25 @@ def _json_default(x: Any) -> Any:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import OneLineParser, positive_float, writable_dir
 
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--dry", action="store_true", help="tiny sizes (automatic without an accelerator)"
     )
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument(
+        "--out",
+        type=writable_dir,
+        default=str(ROOT / "benchmarks" / "results"),
+        help="output folder",
+    )
     p.add_argument(
         "--check-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=240.0,
         help="seconds one check may take before it is reported as hung (default 240)",
     )
     return p.parse_args(argv)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _out_dir(path: str) -> Path | None:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"accelerator_check: cannot use --out {path}: {e.strerror or e}", file=sys.stderr)
-        return None
-    if not os.access(out, os.W_OK):
-        print(f"accelerator_check: --out {path} is not writable", file=sys.stderr)
-        return None
-    return out
 
 
 def write_report(out: Path, ctx: Context, title: str, rows: list[Row], start: float) -> int:
@@ -760,9 +742,7 @@ def write_report(out: Path, ctx: Context, title: str, rows: list[Row], start: fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    out = _out_dir(args.out)
-    if out is None:
-        return 2
+    out = args.out
     import rollout
 
     try:

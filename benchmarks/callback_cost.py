@@ -17,6 +17,7 @@ Run: ``python benchmarks/callback_cost.py`` (about half a minute). Writes
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -81,15 +82,32 @@ def _one(devices: int, work: str, steps: int) -> dict[str, float]:
     return json.loads(out.split("RESULT ", 1)[1])
 
 
+def callback_work(text: str) -> str:
+    """An argparse ``type``: ``spin:W`` or ``sleep:W``, W microseconds >= 0."""
+    from rollout.ppo._parser import non_negative_float
+
+    how, _, work_us = text.partition(":")
+    try:
+        non_negative_float(work_us)
+    except argparse.ArgumentTypeError:
+        how = ""
+    if how not in ("spin", "sleep"):
+        raise argparse.ArgumentTypeError(f"expected spin:W or sleep:W (W us >= 0), got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import OneLineParser, positive_int
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--work", nargs="+", default=["spin:0", "spin:30", "sleep:200"])
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--devices", type=positive_int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--work", type=callback_work, nargs="+", default=["spin:0", "spin:30", "sleep:200"]
+    )
+    p.add_argument("--steps", type=positive_int, default=3000)
+    p.add_argument("--repeats", type=positive_int, default=3)
     args = p.parse_args(argv)
+    p.results_dir(RESULTS)
     rows = []
     for work in args.work:
         for d in args.devices:

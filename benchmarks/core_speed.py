@@ -289,15 +289,16 @@ def _merge_write(part: str, data: Any, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import OneLineParser, positive_int
 
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("ops", "ppo"), required=True)
     p.add_argument("--old-root", type=pathlib.Path, help="old checkout (for --part ppo)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", type=int, default=4, help="PPO: timed calls per round")
-    p.add_argument("--k", type=int, default=10, help="PPO: updates per call")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--calls", type=positive_int, default=4, help="PPO: timed calls per round")
+    p.add_argument("--k", type=positive_int, default=10, help="PPO: updates per call")
     args = p.parse_args(argv)
+    p.results_dir(RESULTS)
     start = time.perf_counter()
     if args.part == "ppo":
         if args.old_root is None or not (args.old_root / "rollout").is_dir():

@@ -325,7 +325,7 @@ def _devices(members: int) -> int:
 
 
 def main() -> None:
-    from rollout.ppo._parser import OneLineParser, positive_int
+    from rollout.ppo._parser import OneLineParser, file_name, positive_int
 
     p = OneLineParser()
     p.add_argument(
@@ -351,8 +351,12 @@ def main() -> None:
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="interleaved rounds (medians reported)"
     )
-    p.add_argument("--out", default="envs", help="results' file name under benchmarks/results")
+    p.add_argument(
+        "--out", type=file_name, default="envs", help="results' file name under benchmarks/results"
+    )
     args = p.parse_args()
+    p.results_dir(RESULTS)
+    _check_settings(p, args)
     cores = len(os.sched_getaffinity(0))
     import rollout
 
@@ -365,6 +369,26 @@ def main() -> None:
             rows.append(measure(name, args.members, e, args.num_steps, calls, cores, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
     report(rows, args)
+
+
+def _check_settings(p, args: argparse.Namespace) -> None:
+    """Refuses, in one line, an env or a setting the PPO modes cannot run (before any timing):
+    builds one env of each to read its action space, compiles nothing."""
+    import dataclasses
+
+    from rollout.envs import HOST_PREFIXES
+    from rollout.ppo import PPOConfig
+
+    for name in args.envs:
+        if not name.startswith(HOST_PREFIXES):
+            p.error(f"--envs {name}: expected gymnasium:<id> or envpool:<task> (host envs)")
+        try:
+            cfg = PPOConfig.for_env(name, members=args.members, num_steps=args.num_steps,
+                                    total_steps=10**8)  # fmt: skip
+            for e in args.num_envs:
+                dataclasses.replace(cfg, num_envs=e).validate()
+        except ValueError as e:
+            p.error(f"--envs {name}: {str(e).splitlines()[0]}")
 
 
 def measure(name: str, n: int, e: int, num_steps: int, calls: int, cores: int, repeats: int):

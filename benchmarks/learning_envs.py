@@ -89,16 +89,17 @@ def summarise(env: str, out: Path, seconds: float, started_at: int = 0) -> dict:
 
 
 def main() -> None:
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import OneLineParser, positive_int, writable_dir
 
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--envs", nargs="+", default=list(RUNS))
-    p.add_argument("--members", type=int, default=4)
-    p.add_argument("--runs", default=str(ROOT / "runs" / "learning"))
+    p.add_argument("--envs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--members", type=positive_int, default=4)
+    p.add_argument("--runs", type=writable_dir, default=str(ROOT / "runs" / "learning"))
     args = p.parse_args()
+    p.results_dir(RESULTS)
     results = []
     for env in args.envs:
-        out = Path(args.runs) / env.replace(":", "_")
+        out = args.runs / env.replace(":", "_")
         seconds, started_at = run(env, RUNS[env][0], out, args.members)
         results.append(summarise(env, out, seconds, started_at))
     report(results)

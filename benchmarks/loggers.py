@@ -159,16 +159,25 @@ def row_cost(members: int, rows: int = 300) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    from rollout.ppo._parser import OneLineParser
+def _parse_args():
+    """The flags, checked; the results folder made and writable (before any training)."""
+    from rollout.ppo._parser import OneLineParser, non_negative_float, positive_int
 
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--members", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--updates", type=int, default=1024, help="PPO updates per run")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds of rest before each run")
-    p.add_argument("--num-steps", type=int, default=128, help="rollout length per update")
+    p.add_argument("--members", type=positive_int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=7)
+    p.add_argument("--updates", type=positive_int, default=1024, help="PPO updates per run")
+    p.add_argument(
+        "--settle", type=non_negative_float, default=2.0, help="seconds of rest before each run"
+    )
+    p.add_argument("--num-steps", type=positive_int, default=128, help="rollout length per update")
     args = p.parse_args()
+    p.results_dir(RESULTS)
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     import rollout
@@ -178,7 +187,7 @@ def main() -> None:
 
     from rollout.ppo import PPOConfig
 
-    devices = jax.devices()[: min(n_dev, args.members)]
+    devices = jax.devices()[: _whole_members(n_dev, args.members)]
     cfg = PPOConfig.for_env(
         "cartpole", members=args.members, num_steps=args.num_steps, updates_per_call=8
     )
@@ -216,6 +225,14 @@ def main() -> None:
     }
     (RESULTS / "loggers.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {RESULTS / 'loggers.json'}")
+
+
+def _whole_members(available: int, members: int) -> int:
+    """The most devices, at most ``available``, that each hold the same whole members."""
+    d = min(available, members)
+    while members % d:
+        d -= 1
+    return d
 
 
 def print_throughput(summary: dict, num_updates: int) -> None:

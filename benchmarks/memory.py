@@ -54,7 +54,7 @@ import optax
 
 import ensemble
 import ensemble.debug
-from rollout.ppo._parser import OneLineParser
+from rollout.ppo._parser import OneLineParser, positive_int, writable_dir
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import conv_models
@@ -380,29 +380,44 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
 
 def _parser() -> OneLineParser:
     parser = OneLineParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--out", type=writable_dir, default=str(pathlib.Path(__file__).parent / "results")
+    )
     parser.add_argument(
         "--api", choices=["linen", "nnx", "both"], help="only the MLP, with this API / both"
     )
     parser.add_argument("--models", nargs="+", choices=list(MEASURE), default=list(MEASURE))
-    parser.add_argument("--members", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=3, help="hidden layers per member")
-    parser.add_argument("--input-dim", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=32, help="shared batch size")
-    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--conv-batch", type=int, default=16, help="shared batch of conv nets")
-    parser.add_argument("--resnet-width", type=int, default=16, help="64 is the real ResNet-18")
-    parser.add_argument("--resnet-image", type=int, default=32, help="ResNet input side")
+    parser.add_argument("--members", type=positive_int, default=8)
+    parser.add_argument("--hidden", type=positive_int, default=1024)
+    parser.add_argument("--depth", type=positive_int, default=3, help="hidden layers per member")
+    parser.add_argument("--input-dim", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=32, help="shared batch size")
+    parser.add_argument(
+        "--devices",
+        type=positive_int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="divisors of --members",
+    )
+    parser.add_argument(
+        "--conv-batch", type=positive_int, default=16, help="shared batch of conv nets"
+    )
+    parser.add_argument(
+        "--resnet-width", type=positive_int, default=16, help="64 is the real ResNet-18"
+    )
+    parser.add_argument("--resnet-image", type=positive_int, default=32, help="ResNet input side")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = _parser()
     args = parser.parse_args(argv)
+    for d in args.devices:
+        if args.members % d:
+            parser.error(f"--devices {d} does not divide --members {args.members}")
     _simulate_cpu_devices(max(args.devices))
     available = jax.devices()
-    ds = [d for d in args.devices if d <= len(available) and args.members % d == 0]
+    ds = [d for d in args.devices if d <= len(available)]
     if not ds:
         parser.error(f"none of D={args.devices} fits {len(available)} devices / n={args.members}")
     apis = args.models if args.api is None else {"both": ["linen", "nnx"]}.get(args.api, [args.api])
@@ -426,8 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = _table(results)
     print()
     print(table)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "devices_used": ds,

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import jax  # noqa: E402
 
 import rollout  # noqa: E402
-from rollout.ppo._parser import OneLineParser  # noqa: E402
+from rollout.ppo._parser import OneLineParser, positive_int, writable_dir  # noqa: E402
 
 rollout.configure_cpu_devices()  # one CPU device and one thread per core, before JAX starts
 
@@ -80,11 +80,11 @@ def timeit(configs, reps: int) -> list[tuple[float, float]]:
 
 def main(argv=None) -> None:
     ap = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--samples", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[64, 256])
+    ap.add_argument("--samples", type=positive_int, default=2048)
+    ap.add_argument("--hidden", type=positive_int, default=32)
+    ap.add_argument("--reps", type=positive_int, default=7)
+    ap.add_argument("--out", type=writable_dir, default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
 
     cpus = jax.devices("cpu")
@@ -99,7 +99,6 @@ def main(argv=None) -> None:
     print_table(rows)
     print(f"load average before {load_before}, after {load_after} on {os.cpu_count()} cores")
 
-    os.makedirs(args.out, exist_ok=True)
     meta = dict(
         command=" ".join([os.path.relpath(sys.argv[0]), *(argv or sys.argv[1:])]),
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -194,18 +194,57 @@ def run_arms(args: argparse.Namespace, work: Path) -> dict[str, float]:
 
 
 def _parser():
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import (
+        OneLineParser,
+        file_name,
+        non_negative_int,
+        positive_int,
+        writable_dir,
+    )
 
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--total-steps", type=int, default=300_000, help="env steps per member")
-    p.add_argument("--interval", type=int, default=10, help="PPO updates between PBT steps")
-    p.add_argument("--tail", type=int, default=10, help="updates averaged for the final score")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--total-steps", type=positive_int, default=300_000, help="env steps per member")
+    p.add_argument(
+        "--interval", type=positive_int, default=10, help="PPO updates between PBT steps"
+    )
+    p.add_argument(
+        "--tail", type=positive_int, default=10, help="updates averaged for the final score"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--eval-episodes", type=int, default=500, help="held-out episodes per member")
-    p.add_argument("--work", default=str(ROOT / "runs" / "pbt_bench"), help="arm output dirs")
-    p.add_argument("--name", default="pbt", help="result files: benchmarks/results/NAME.*")
+    p.add_argument(
+        "--work",
+        type=writable_dir,
+        default=str(ROOT / "runs" / "pbt_bench"),
+        help="arm output dirs",
+    )
+    p.add_argument(
+        "--name", type=file_name, default="pbt", help="result files: benchmarks/results/NAME.*"
+    )
     p.add_argument("--report-only", action="store_true", help="re-read finished arms")
     return p
+
+
+def _check(parser, args: argparse.Namespace) -> None:
+    """Refuses, in one line, what would fail only after the arms have trained."""
+    if args.eval_episodes < 2:
+        parser.error(f"--eval-episodes must be >= 2, got {args.eval_episodes}")
+    parser.results_dir(RESULTS)
+    if args.report_only:
+        missing = [d for d in ("plain", "pbt") if not (args.work / d / "metrics.jsonl").exists()]
+        if missing:
+            parser.error(f"--report-only: no finished arm in {args.work / missing[0]}")
+        return
+    from rollout.ppo import PPOConfig
+
+    cfg = PPOConfig.for_env(
+        "pendulum", members=MEMBERS, total_steps=args.total_steps, seed=args.seed, pbt=True,
+        pbt_interval=args.interval, pbt_fraction=0.25, learning_rate=learning_rates(args.seed),
+    )  # fmt: skip
+    try:
+        cfg.validate()
+    except ValueError as e:
+        parser.error(f"the arms' config: {str(e).splitlines()[0]}")
 
 
 def build_result(args: argparse.Namespace, work: Path, runs: dict, walls: dict, load) -> dict:
@@ -263,10 +302,8 @@ def print_report(result: dict, tail: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.eval_episodes < 2:
-        parser.error(f"--eval-episodes must be >= 2, got {args.eval_episodes}")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    _check(parser, args)
+    work = args.work
     load = os.getloadavg()
     walls = {} if args.report_only else run_arms(args, work)
     runs = {

@@ -131,8 +131,9 @@ def learn(envs=("cartpole", "pendulum"), members: int = 4) -> list[dict]:
         cfg = PPOConfig.for_env(env, members=members, updates_per_call=10)
         out = ROOT / "runs" / f"bench_ppo_{env}"  # metrics + checkpoints (not committed)
         t0 = time.perf_counter()
+        devices = jax.devices()[: _fitting(len(jax.devices()), members)]
         _, metrics = train(
-            cfg, out, overwrite=True, progress=True, checkpoint_every=10**9, devices=jax.devices()
+            cfg, out, overwrite=True, progress=True, checkpoint_every=10**9, devices=devices
         )
         wall = time.perf_counter() - t0
         final = np.nanmean(np.array([r["returns"] for r in metrics[-10:]], dtype=float), axis=0)
@@ -147,7 +148,7 @@ def learn(envs=("cartpole", "pendulum"), members: int = 4) -> list[dict]:
             if env == "cartpole"
             else bool(final.mean() >= goal),
             "wall_s": wall,
-            "devices": jax.device_count(),
+            "devices": len(devices),
             "curve": [[r["env_steps"], r["returns"]] for r in metrics],
         }
         rows.append(row)
@@ -158,6 +159,15 @@ def learn(envs=("cartpole", "pendulum"), members: int = 4) -> list[dict]:
             flush=True,
         )
     return rows
+
+
+def _fitting(available: int, members: int) -> int:
+    """The most devices, at most ``available``, ``members`` spread over: whole members per
+    device, or each member over the same number of devices (``ensemble.layout``)."""
+    d = available
+    while members % d and d % members:
+        d -= 1
+    return d
 
 
 def _plot_speed(rows: list[dict]) -> None:
@@ -191,18 +201,20 @@ def _plot_speed(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    from rollout.ppo._parser import OneLineParser
+    from rollout.ppo._parser import OneLineParser, positive_int
 
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("all", "speed", "learn"), default="all")
-    p.add_argument("--envs", nargs="+", default=["cartpole", "pendulum"])
-    p.add_argument("--members", type=int, default=4)
+    p.add_argument(
+        "--envs", nargs="+", choices=("cartpole", "pendulum"), default=["cartpole", "pendulum"]
+    )
+    p.add_argument("--members", type=positive_int, default=4)
     p.add_argument("--no-cpu-env", action="store_true", help="skip the env_on='cpu' speed rows")
     args = p.parse_args()
+    p.results_dir(RESULTS)
     devices = _setup_devices()
     import jax
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "ppo.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data["machine"] = data.get("machine", {}) | {

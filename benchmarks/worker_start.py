@@ -71,14 +71,16 @@ def _available(kind: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
+    from rollout.ppo._parser import OneLineParser, positive_int, writable_dir
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 2)
+    p.add_argument("--repeats", type=positive_int, default=5, help="at least 2")
+    p.add_argument("--out", type=writable_dir, default=str(OUT))
+    p.add_argument("--child", nargs=1, choices=KINDS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.workers < 1 or args.repeats < 2:
-        p.error("--workers must be >= 1 and --repeats >= 2 (the first start is reported apart)")
+    if args.repeats < 2:
+        p.error(f"--repeats must be >= 2 (the first start is reported apart), got {args.repeats}")
     if args.child:
         print(json.dumps(_child(args.child[0], args.workers, args.repeats)))
         return 0
@@ -103,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['restart_wall_s']:8.2f} {r['restart_cpu_s']:9.2f}")  # fmt: skip
     text = "\n".join(lines)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cores": os.cpu_count(), "workers": args.workers, "repeats": args.repeats}
     (args.out / "worker_start.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

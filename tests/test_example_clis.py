@@ -4,22 +4,58 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from tempfile import gettempdir
 
 import pytest
 from subprocess_env import ROOT, clean_env
 
+# (script, args, what its one line says). Every benchmark has a bad value here, and a bad output
+# location where it has an output option; all fail while parsing, before any measurement.
+NOT_A_FOLDER = "'README.md' is a file, not a folder"
+CANNOT_CREATE = "cannot create the folder '/proc/x'"
+MISTAKES = [
+    ("examples/cpu_rollout.py", ["--nope"], "error: unrecognized arguments: --nope"),
+    ("examples/cpu_rollout.py", ["--workers", "0"], "error: --workers must be >= 1, got 0"),
+    ("examples/deep_ensemble.py", ["--members"], "error: argument --members: expected one"),
+    ("examples/memory_reduction.py", ["--batch", "-1"], "error: --batch must be >= 1"),
+    ("benchmarks/accelerator_check.py", ["--check-timeout", "0"], "expected a number > 0"),
+    ("benchmarks/accelerator_check.py", ["--out", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/callback_cost.py", ["--work", "spin:x"], "expected spin:W or sleep:W"),
+    ("benchmarks/callback_cost.py", ["--devices", "0"], "--devices: expected an integer >= 1"),
+    ("benchmarks/core_speed.py", ["--part", "ops", "--rounds", "0"], "--rounds: expected an"),
+    ("benchmarks/deep_ensemble.py", ["--members", "2,0"], "expected integers >= 1 like 2,8"),
+    ("benchmarks/deep_ensemble.py", ["--out", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/envs.py", ["--num-envs", "0"], "expected an integer >= 1, got '0'"),
+    ("benchmarks/envs.py", ["--envs", "bogus"], "--envs bogus: expected gymnasium:<id> or"),
+    ("benchmarks/envs.py", ["--envs", "gymnasium:Nope-v0"], "error: --envs gymnasium:Nope-v0: "),
+    ("benchmarks/envs.py", ["--out", "/proc/x"], "expected a file name without a folder"),
+    ("benchmarks/learning_envs.py", ["--envs", "bogus"], "invalid choice: 'bogus'"),
+    ("benchmarks/learning_envs.py", ["--runs", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/loggers.py", ["--settle", "-1"], "--settle: expected a number >= 0"),
+    ("benchmarks/loggers.py", ["--rounds", "-1"], "--rounds: expected an integer >= 1"),
+    ("benchmarks/memory.py", ["--devices", "3"], "--devices 3 does not divide --members 8"),
+    ("benchmarks/memory.py", ["--out", "/proc/x"], CANNOT_CREATE),
+    ("benchmarks/on_cpu_speed.py", ["--batches", "0"], "--batches: expected an integer >= 1"),
+    ("benchmarks/on_cpu_speed.py", ["--out", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/pbt.py", ["--seed", "-1"], "--seed: expected an integer >= 0"),
+    # Parsed in full, so --work is made if missing: given, lest the test leave a runs/ folder.
+    ("benchmarks/pbt.py", ["--total-steps", "100", "--work", gettempdir()], "total_steps=100 is"),
+    ("benchmarks/pbt.py", ["--work", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/pbt.py", ["--name", "/proc/x"], "expected a file name without a folder"),
+    ("benchmarks/ppo.py", ["--envs", "bogus"], "invalid choice: 'bogus'"),
+    ("benchmarks/ppo.py", ["--members", "0"], "--members: expected an integer >= 1"),
+    ("benchmarks/worker_start.py", ["--repeats", "1"], "--repeats must be >= 2"),
+    ("benchmarks/worker_start.py", ["--out", "/proc/x"], CANNOT_CREATE),
+]
+
+
+def test_every_benchmark_has_a_mistake_case():
+    benchmarks = {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")}
+    assert benchmarks <= {script for script, _, _ in MISTAKES}
+
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "script, args, message",
-    [
-        ("examples/cpu_rollout.py", ["--nope"], "error: unrecognized arguments: --nope"),
-        ("examples/cpu_rollout.py", ["--workers", "0"], "error: --workers must be >= 1, got 0"),
-        ("examples/deep_ensemble.py", ["--members"], "error: argument --members: expected one"),
-        ("examples/memory_reduction.py", ["--batch", "-1"], "error: --batch must be >= 1"),
-        ("benchmarks/envs.py", ["--num-envs", "0"], "expected an integer >= 1, got '0'"),
-    ],
-)
+@pytest.mark.parametrize("script, args, message", MISTAKES)
 def test_a_mistake_is_one_line_and_exit_code_2(script, args, message):
     proc = subprocess.run(
         [sys.executable, str(ROOT / script), *args],

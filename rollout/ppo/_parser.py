@@ -1,8 +1,16 @@
-"""The command lines' argument parser: a mistake is one line on stderr and exit code 2."""
+"""The command lines' argument parser: a mistake is one line on stderr and exit code 2.
+
+The ``type=`` functions below check a value when it is parsed, so a script refuses a mistake
+before any long work starts, e.g. ``p.add_argument("--out", type=writable_dir)``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -10,6 +18,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def results_dir(self, path: str | os.PathLike[str]) -> Path:
+        """``writable_dir(path)`` for a folder no flag names (a script's fixed results folder),
+        or exit 2 with one line; call it right after ``parse_args``, before the long work.
+
+        >>> out = OneLineParser().results_dir(tempfile.gettempdir())  # the folder, as a Path
+        """
+        try:
+            return writable_dir(os.fspath(path))
+        except argparse.ArgumentTypeError as e:
+            self.error(str(e))
+            raise  # not reached: error() exits
 
 
 def positive_int(text: str) -> int:
@@ -21,3 +41,69 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0 (``--epochs 0``: the default), else one line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (``--check-timeout 240``), else one line."""
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0 (``--settle 0``: no rest), else one line."""
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def writable_dir(text: str) -> Path:
+    """An argparse ``type``: a folder to write results in, created if missing, else one line.
+
+    ``p.add_argument("--out", type=writable_dir, default="benchmarks/results")`` refuses
+    ``--out /proc/x`` (cannot be created) or ``--out README.md`` (a file) while parsing, not
+    when the results are written at the end of a long run.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder, got ''")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = f"cannot create the folder {text!r}: {e.strerror or e}"
+        raise argparse.ArgumentTypeError(why) from None
+    try:
+        with tempfile.TemporaryFile(dir=path):  # the only sure test (root, read-only mounts)
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write in {text!r}: {e.strerror or e}") from None
+    return path
+
+
+def file_name(text: str) -> str:
+    """An argparse ``type``: a bare file name, no folder (``--name pbt``: results/pbt.json)."""
+    if text in ("", ".", "..") or "\0" in text or any(s and s in text for s in (os.sep, os.altsep)):
+        raise argparse.ArgumentTypeError(f"expected a file name without a folder, got {text!r}")
+    return text
