@@ -138,8 +138,12 @@ def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
     meta["action"] = {"low": [0.0, -1.0, None], "high": [None, 1.0, None]}  # as box is written
     written = export._metadata(learner.config, box, meta["network"], True, 0, 0, {})["action"]
     assert written == meta["action"]
-    meta_path.write_text(json.dumps(meta))
-    np.testing.assert_array_equal(export.read_member(path).clip_action(actions), want)
+    member = export.read_member(path)  # this box on a 1-dim action: a member in memory
+    member = dataclasses.replace(member, meta={**member.meta, "action": meta["action"]})
+    np.testing.assert_array_equal(member.clip_action(actions), want)
+    meta_path.write_text(json.dumps(meta))  # in the file, it disagrees with the network
+    with pytest.raises(export.NotAnExport, match=r"'action\.low' has 3 bounds but 'network\.acti"):
+        export.read_member(path)
 
 
 def test_export_takes_each_member_from_its_own_devices(cartpole):
@@ -165,7 +169,7 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
     with pytest.raises(export.NotAnExport, match=r"format version 3; .* reads 1, 2"):
         export.read_member(path)
     meta_path.write_text(json.dumps({**meta, "network": {**meta["network"], "kind": "GRU"}}))
-    with pytest.raises(export.NotAnExport, match=r"unknown network kind 'GRU'"):
+    with pytest.raises(export.NotAnExport, match=r"field 'network.kind' is \"GRU\", not 'Actor"):
         export.read_member(path)
 
 
@@ -495,3 +499,183 @@ def test_video_of_an_env_gymnasium_cannot_make_is_skipped_with_the_reason(env, t
         "the CartPole / Pendulum ports)"
     )
     assert not (tmp_path / "run.gif").exists()
+
+
+_DROP = object()
+
+
+def _with(field, value):
+    """A member.json edit: the dotted ``field`` set to ``value`` (``_DROP``: removed)."""
+
+    def edit(meta):
+        *parents, key = field.split(".")
+        for name in parents:
+            meta = meta[name]
+        if value is _DROP:
+            del meta[key]
+        else:
+            meta[key] = value
+
+    return edit
+
+
+#: Hand edits of member 0's member.json, and what the refusal says after the file's name.
+_EDITS = [
+    ("{not json", "not valid JSON (Expecting property name"),
+    ("[1, 2]", "not a rollout.ppo.member file (field 'format' is not an object)"),
+    (_with("format", "other"), """not a rollout.ppo.member file (field 'format' is "other")"""),
+    (_with("version", _DROP), "field 'version' is missing, not a format version number"),
+    (_with("version", "2"), """field 'version' is "2", not a format version number"""),
+    (_with("member", "0"), """field 'member' is "0", not a member index (an integer >= 0)"""),
+    (_with("env", "pendulum"), "field 'env' is \"pendulum\" but field 'config.env' is \"cartp"),
+    (
+        _with("gymnasium_id", "Pendulum-v1"),
+        'field \'gymnasium_id\' is "Pendulum-v1" but env "cartpole" is gymnasium\'s "CartPole-v1"',
+    ),
+    (
+        _with("network.obs_shape", [5]),
+        "field 'network.obs_shape' ([5]) does not match "
+        "params.npz: its actor_0/kernel has shape (4, 64), the field makes it (5, 64)",
+    ),
+    (_with("network.obs_shape", 4), "field 'network.obs_shape' is 4, not [D] (vector obs"),
+    (
+        _with("network.action_dim", 3),
+        "field 'network.action_dim' (3) does not match params.npz: "
+        "its actor_out/kernel has shape (64, 2), the field makes it (64, 3)",
+    ),
+    (
+        _with("network.hidden", [64]),
+        "field 'network.hidden' does not match params.npz (not in "
+        "the network: actor_1/bias, actor_1/kernel, critic_1/bias, critic_1/kernel)",
+    ),
+    (
+        _with("network.discrete", False),
+        "field 'network.discrete' does not match params.npz (missing from it: log_std)",
+    ),
+    (_with("network.activation", "relu"), 'field \'network.activation\' is "relu", not "tanh"'),
+    (_with("network", _DROP), "field 'network' is missing"),
+    (
+        _with("obs_norm.enabled", True),
+        "field 'obs_norm.enabled' is true but training did not normalise observations",
+    ),
+    (_with("obs_norm.clip", "10"), """field 'obs_norm.clip' is "10", not a positive number"""),
+    (_with("action.low", [-1.0]), "field 'action.low' is a box, but 'network.discrete' is true"),
+    (_with("hparams", [0.1]), "field 'hparams' is [0.1], not an object of numbers"),
+    (_with("network.kind", ["x"]), "field 'network.kind' is [\"x\"], not 'ActorCritic' or"),
+    (
+        _with("config.env_kwargs", "{bad"),
+        "field 'config' is not a training config (env_kwargs is not valid JSON",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+def test_a_hand_edited_member_json_is_one_line_naming_the_file_and_the_field(
+    cartpole, tmp_path, capsys
+):
+    """Fields that disagree with the format, each other or the arrays: not a traceback from
+    inside the policy, nor another env's episodes; the same line from Python and the CLI."""
+    learner, state = cartpole
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")  # a run's default export: the fix is one command
+    out = run / "export"
+    export.export_members(learner, state, out, members=[0, 1])
+    meta_path = out / "member_0" / "member.json"
+    original = meta_path.read_text()
+    again = f"; export the member again (python -m rollout.ppo.export {run})."
+    for edit, said in _EDITS:
+        if callable(edit):
+            meta = json.loads(original)
+            edit(meta)
+            edit = json.dumps(meta)
+        meta_path.write_text(edit)
+        with pytest.raises(export.NotAnExport) as e:
+            export.read_member(out / "member_0")
+        assert str(e.value).startswith(f"{meta_path}: {said}") and str(e.value).endswith(again)
+        assert evaluate.main([str(out), "--episodes", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {e.value}"], said
+    meta_path.write_text(original)
+    assert evaluate.main([str(out), "--episodes", "1"]) == 0  # the run's own file reads again
+    capsys.readouterr()
+
+
+@pytest.mark.timeout(180)
+def test_a_member_json_edited_to_another_env_is_refused_before_any_episode(cartpole, tmp_path):
+    """Every field of the env edited alike still disagrees with the network (and the env
+    itself): one line and exit 2 from the CLI, the same error from evaluate()."""
+    learner, state = cartpole
+    paths = export.export_members(learner, state, tmp_path, members=[0, 1])
+    for path in paths:
+        meta = json.loads((path / "member.json").read_text())
+        meta.update(env="pendulum", gymnasium_id="Pendulum-v1")
+        meta["config"]["env"] = "pendulum"
+        (path / "member.json").write_text(json.dumps(meta))
+    said = (
+        f"{paths[0] / 'member.json'}: its network takes observations (4,) and 2 discrete "
+        "actions, but pendulum has observations (3,) and 1-dim continuous actions: fields 'env' "
+        "and 'network' disagree (edited, or the env changed since training); export the member "
+        f"again (python -m rollout.ppo.export RUN_DIR --to {tmp_path})."
+    )
+    members = [export.read_member(p) for p in paths]  # each file agrees with itself
+    with pytest.raises(export.NotAnExport) as e:
+        evaluate.evaluate(members, episodes=1, seed=0)
+    assert str(e.value) == said
+    proc = _run_evaluate(tmp_path, "--episodes", "1", timeout=150)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {said}"]
+    assert proc.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_member_directory_without_member_json_is_refused_not_left_out(
+    cartpole, tmp_path, capsys, monkeypatch
+):
+    """An interrupted export leaves member_<i> without member.json: evaluating the rest would
+    quietly report a smaller ensemble. Exporting again repairs it."""
+    import shutil
+
+    learner, state = cartpole
+    out = tmp_path / "export"
+    export.export_members(learner, state, out, members=[0, 1])
+    (out / "member_2").mkdir()  # made, nothing written yet
+    again = f"export again (python -m rollout.ppo.export RUN_DIR --to {out}) or remove it."
+    said = f"{out / 'member_2'} has no member.json: an interrupted or partial export? {again}"
+    with pytest.raises(export.NotAnExport) as e:
+        export.member_dirs(out)
+    assert str(e.value) == said
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
+
+    # Cut short while writing over member 1: its old member.json is gone first, never left
+    # beside new arrays; the directory itself is refused the same way.
+    save = np.savez
+
+    def disk_full(file, **arrays):
+        if Path(file).name == "obs_norm.npz":
+            raise OSError(28, "No space left on device")
+        save(file, **arrays)
+
+    monkeypatch.setattr(export.np, "savez", disk_full)
+    with pytest.raises(OSError):
+        export.export_members(learner, state, out, members=[1])
+    monkeypatch.undo()
+    with pytest.raises(export.NotAnExport, match=r"member_1 \(and 1 more member_<i> directory\) "
+                       r"has no member.json: an interrupted or partial export\?"):  # fmt: skip
+        export.member_dirs(out)
+    assert evaluate.main([str(out / "member_1"), "--episodes", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {out / 'member_1'} has no member.json: an interrupted or partial export? {again}"
+    ]
+
+    export.export_members(learner, state, out)  # exporting again repairs both
+    assert [p.name for p in export.member_dirs(out)] == [f"member_{i}" for i in range(MEMBERS)]
+    assert not list(out.glob("*/*.tmp"))
+    # A member under another member's name (renamed or copied by hand) is refused too.
+    shutil.rmtree(out / "member_3")
+    (out / "member_2").rename(out / "member_3")
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {out / 'member_3' / 'member.json'}: field 'member' is 2 but its directory is "
+        "member_3: a member renamed or copied by hand? export the member again (python -m "
+        f"rollout.ppo.export RUN_DIR --to {out})."
+    ]

@@ -235,6 +235,7 @@ def evaluate(
         policies["ensemble"] = ensemble_act(members)
     env_id = members[0].meta["env"]
     kwargs = make_kwargs(members[0].meta)
+    check_env(members, kwargs)
     if is_functional(env_id):
         keys = reset_keys(seed, episodes)
         return {
@@ -255,6 +256,45 @@ def evaluate(
         name: gymnasium_returns(p, env_id, episodes, seed, kwargs, max_steps)
         for name, p in policies.items()
     }
+
+
+def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """The env of ``members[0]`` (made with ``kwargs``) must give the observations and take
+    the actions every member's network was exported for: an edited ``env``, or an env whose
+    spaces changed since training, would otherwise fail inside the jitted episodes."""
+    from rollout import envs
+    from rollout.ppo import export
+    from rollout.ppo._env import spec_of
+
+    env_id = members[0].meta["env"]
+    path = lambda m: getattr(m, "path", None)  # None: a member built in memory
+    where = lambda m: path(m) / "member.json" if path(m) else f"member {m.meta['member']}'s meta"
+    try:
+        spec = spec_of(envs.make(env_id, auto_reset=False, **kwargs))
+    except ValueError as e:  # unknown, or its library missing: the message says which
+        raise ValueError(f"{where(members[0])}: cannot make its env {env_id!r}: {e}") from None
+
+    def says(shape: Any, n: int, discrete: bool, scale: float) -> str:  # what goes in and out
+        pixels = "" if scale == 1 else f" scaled by {scale:.4g}"
+        acts = f"{n} discrete actions" if discrete else f"{n}-dim continuous actions"
+        return f"observations {tuple(shape)}{pixels} and {acts}"
+
+    has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale)
+    for m in members:
+        net = m.meta["network"]  # (an MLP has no obs_scale: it takes the env's as it comes)
+        scale = net.get("obs_scale", spec.obs_scale)
+        takes = says(net["obs_shape"], net["action_dim"], net["discrete"], scale)
+        if takes != has:
+            again = (
+                export.export_command(path(m).parent)
+                if path(m)
+                else "python -m rollout.ppo.export RUN_DIR"
+            )
+            raise export.NotAnExport(
+                f"{where(m)}: its network takes {takes}, but {env_id} has {has}: fields 'env' "
+                f"and 'network' disagree (edited, or the env changed since training); export "
+                f"the member again ({again})."
+            )
 
 
 def _gymnasium_id(meta: dict[str, Any]) -> str:
@@ -351,6 +391,13 @@ def _load(directory: str) -> list[Any]:
                 "of the run: a copy would count twice in the ensemble; remove one."
             )
         seen[m.meta.get("member")] = path
+    for path, m in zip(dirs, members):  # one member's files under another's name
+        if path != Path(directory) and path.name != f"member_{m.meta['member']}":
+            raise export.NotAnExport(
+                f"{path / 'member.json'}: field 'member' is {m.meta['member']} but its directory "
+                f"is {path.name}: a member renamed or copied by hand? export the member again "
+                f"({export.export_command(path.parent)})."
+            )
     for m in members[1:]:
         # One run's checkpoint: same env, network, config and training steps (members exported
         # into one directory from two runs or two checkpoints are not one ensemble).

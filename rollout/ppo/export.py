@@ -25,6 +25,10 @@
 - ``obs_norm.npz``: ``mean``, ``var`` (observation shape) and ``count`` of the running
   observation statistics.
 
+``member.json`` is removed first and written last (whole), so a ``member_<i>`` without one is an
+export cut short. Readers refuse it in one line, as they do a ``member.json`` at odds with the
+format, with itself or with the arrays (:class:`NotAnExport`, naming the field).
+
 The policy is: ``z = clip((obs - mean) / sqrt(var + epsilon), -clip, clip)`` when
 ``obs_norm.enabled`` (else ``z = obs``); then
 
@@ -63,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 import zipfile
@@ -146,7 +151,8 @@ def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike)
 
 def _other_run_member(export: Path, config: dict[str, Any]) -> Path | None:
     """The first member directory in ``export`` exported from a run of another config (None if
-    all are this run's); members whose ``member.json`` cannot be read are not counted."""
+    all are this run's); members whose ``member.json`` cannot be read, or that have none (an
+    interrupted export, which exporting again repairs), are not counted."""
     for meta_file in sorted(export.glob("member_*/member.json")):
         try:
             other = json.loads(meta_file.read_text()).get("config")
@@ -183,6 +189,9 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
         params, stats, hparams = member_arrays(state, i)
         path = root / f"member_{i}"
         path.mkdir(exist_ok=True)
+        # member.json goes first and comes back last: an export cut short leaves a directory
+        # without one (refused as partial), never old metadata beside new arrays.
+        (path / "member.json").unlink(missing_ok=True)
         flat = _flatten(jax.device_get(params))
         _check_layout(flat, network)
         np.savez(path / "params.npz", **flat)
@@ -195,7 +204,9 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
         )
         hparams = jax.device_get(hparams)
         meta = _metadata(config, spec, network, normalize_obs, i, env_steps, hparams)
-        (path / "member.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp = path / "member.json.tmp"  # whole or absent, never a truncated member.json
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, path / "member.json")
         paths.append(path)
     return paths
 
@@ -333,6 +344,8 @@ class ExportedMember:
     params: dict[str, jax.Array]
     obs_mean: jax.Array
     obs_var: jax.Array
+    #: The directory it was read from (None: built in memory).
+    path: Path | None = None
 
     @property
     def discrete(self) -> bool:
@@ -392,31 +405,262 @@ class ExportedMember:
         return self.clip_action(head)
 
 
+def export_command(export: Path) -> str:
+    """The command that writes the export ``export`` again: ``python -m rollout.ppo.export
+    RUN`` where it is a run's default ``RUN/export``, else with ``RUN_DIR`` and ``--to``."""
+    q = lambda p: shlex.quote(str(p))  # a command to paste into a shell
+    if export.name == "export" and (export.parent / "run.json").is_file():
+        return f"python -m rollout.ppo.export {q(export.parent)}"
+    return f"python -m rollout.ppo.export RUN_DIR --to {q(export)}"
+
+
+def _partial(member: Path, others: int = 0) -> str:
+    """Says a member directory has no ``member.json`` (``others``: more such directories)."""
+    also = f" (and {others} more member_<i> director{'ies' if others > 1 else 'y'})"
+    return (
+        f"{member}{also if others else ''} has no member.json: an interrupted or partial "
+        f"export? export again ({export_command(member.parent)}) or remove it."
+    )
+
+
+def _edited(meta_path: Path, what: str) -> NotAnExport:
+    """A ``member.json`` at odds with the format, itself, its arrays or its env: one line
+    naming the file and the field, and how to get a good one."""
+    return NotAnExport(
+        f"{meta_path}: {what}; export the member again ({export_command(meta_path.parent.parent)})."
+    )
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)  # as it reads in the file (true, null)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_MISSING = object()
+_KINDS = ("ActorCritic", "ImageActorCritic")
+_num = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+_int = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low
+#: A list of positive integers (of a length in ``n``, if given).
+_dims = lambda v, n=None: (
+    isinstance(v, list) and (n is None or len(v) in n) and all(_int(d, 1) for d in v)
+)
+_box = lambda v: v is None or (isinstance(v, list) and all(x is None or _num(x) for x in v))
+_object = (lambda v: isinstance(v, dict), "an object")
+#: member.json's fields: (dotted name, check, what it must be), parents before their fields.
+_FIELDS = (
+    ("member", lambda v: _int(v, 0), "a member index (an integer >= 0)"),
+    ("env", lambda v: isinstance(v, str) and v != "", "an env name"),
+    ("gymnasium_id", lambda v: v is None or isinstance(v, str), "a gymnasium id or null"),
+    ("env_steps", lambda v: _int(v, 0), "an integer >= 0"),
+    ("network", *_object),
+    ("network.kind", lambda v: v in _KINDS, " or ".join(map(repr, _KINDS))),
+    ("network.action_dim", lambda v: _int(v, 1), "a positive integer"),
+    ("network.discrete", lambda v: isinstance(v, bool), "true or false"),
+    ("obs_norm", *_object),
+    ("obs_norm.enabled", lambda v: isinstance(v, bool), "true or false"),
+    ("obs_norm.clip", lambda v: _num(v) and v > 0, "a positive number"),
+    ("obs_norm.epsilon", lambda v: _num(v) and v >= 0, "a number >= 0"),
+    ("action", *_object),
+    ("action.low", _box, "null or a list of numbers (null: unbounded)"),
+    ("action.high", _box, "null or a list of numbers (null: unbounded)"),
+    (
+        "hparams",
+        lambda v: isinstance(v, dict) and all(map(_num, v.values())),
+        "an object of numbers",
+    ),
+    ("config", *_object),
+)
+#: The fields of each network kind (its activation is part of the format).
+_NETWORK_FIELDS = {
+    "ActorCritic": (
+        ("network.obs_shape", lambda v: _dims(v, (1,)), "[D] (vector observations)"),
+        ("network.hidden", lambda v: _dims(v), "a list of layer widths"),
+        ("network.activation", lambda v: v == "tanh", '"tanh" (ActorCritic\'s)'),
+    ),
+    "ImageActorCritic": (
+        ("network.obs_shape", lambda v: _dims(v, (3,)), "[H, W, C] or [C, H, W]"),
+        (
+            "network.convs",
+            lambda v: isinstance(v, list) and v and all(_dims(c, (3,)) for c in v),
+            "a list of [features, kernel size, stride]",
+        ),
+        ("network.dense", lambda v: _int(v, 1), "a positive integer"),
+        ("network.channels_first", lambda v: isinstance(v, bool), "true or false"),
+        ("network.obs_scale", lambda v: _num(v) and v > 0, "a positive number"),
+        ("network.activation", lambda v: v == "relu", '"relu" (ImageActorCritic\'s)'),
+    ),
+}
+
+
+def _field(meta: dict[str, Any], name: str) -> Any:
+    for key in name.split("."):
+        meta = meta.get(key, _MISSING) if isinstance(meta, dict) else _MISSING
+    return meta
+
+
+def _check_fields(meta_path: Path, meta: Any) -> None:
+    """The format, a readable version, then every field present and of its kind."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        what = "not an object" if not isinstance(meta, dict) else _show(meta.get("format"))
+        raise _edited(meta_path, f"not a {FORMAT} file (field 'format' is {what})")
+    version = meta.get("version", _MISSING)
+    if not _int(version, 0):
+        shown = "missing" if version is _MISSING else _show(version)
+        raise _edited(meta_path, f"field 'version' is {shown}, not a format version number")
+    if version not in READABLE_VERSIONS:
+        raise NotAnExport(
+            f"{meta_path} has format version {version}; this version of the library reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: read it with the version that wrote "
+            f"it, or export the member again ({export_command(meta_path.parent.parent)})."
+        )
+    kind = _field(meta, "network.kind")  # (checked first in the loop; may be any JSON value)
+    per_kind = _NETWORK_FIELDS.get(kind, ()) if isinstance(kind, str) else ()
+    for name, ok, what in (*_FIELDS, *per_kind):
+        value = _field(meta, name)
+        if value is _MISSING:
+            raise _edited(meta_path, f"field {name!r} is missing")
+        if not ok(value):
+            raise _edited(meta_path, f"field {name!r} is {_show(value)}, not {what}")
+
+
+def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
+    """Fields that must agree with each other (a hand edit of one of them would run another
+    env, or clip actions to a box of the wrong size)."""
+    from rollout.ppo._config import PPOConfig
+
+    env, network = meta["env"], meta["network"]
+    try:
+        config = PPOConfig.from_dict(meta["config"])
+        config.make_kwargs()
+    except (TypeError, ValueError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise _edited(meta_path, f"field 'config' is not a training config ({why})") from None
+    if config.env != env:
+        raise _edited(
+            meta_path, f"field 'env' is {_show(env)} but field 'config.env' is {_show(config.env)}"
+        )
+    if meta["gymnasium_id"] not in (None, gymnasium_id(env)):
+        raise _edited(
+            meta_path,
+            f"field 'gymnasium_id' is {_show(meta['gymnasium_id'])} but env {_show(env)} is "
+            f"gymnasium's {_show(gymnasium_id(env))}",
+        )
+    for side in ("low", "high"):
+        box, n = meta["action"][side], network["action_dim"]
+        if box is not None and network["discrete"]:
+            what = "is a box, but 'network.discrete' is true (discrete actions have none)"
+            raise _edited(meta_path, f"field 'action.{side}' {what}")
+        if box is not None and len(box) != n:
+            what = f"has {len(box)} bounds but 'network.action_dim' is {n}"
+            raise _edited(meta_path, f"field 'action.{side}' {what}")
+
+
+def _check_obs_norm(meta_path: Path, meta: dict[str, Any]) -> None:
+    """``obs_norm.enabled`` is what training did: ``config.normalize_obs``, or by default
+    for continuous actions on vector observations (``rollout.ppo._env.normalize_obs``)."""
+    norm, network = meta["config"].get("normalize_obs"), meta["network"]
+    if norm is not None and not isinstance(norm, bool):
+        raise _edited(meta_path, f"field 'config.normalize_obs' is {_show(norm)}, not a bool")
+    by = "by its 'config.normalize_obs'"
+    if norm is None:
+        norm = not network["discrete"] and len(network["obs_shape"]) == 1
+        by = "by default for its 'network' (only continuous actions on vectors are)"
+    if meta["obs_norm"]["enabled"] != norm:
+        did = "normalised" if norm else "did not normalise"
+        enabled = _show(meta["obs_norm"]["enabled"])
+        raise _edited(
+            meta_path, f"field 'obs_norm.enabled' is {enabled} but training {did} observations {by}"
+        )
+
+
+def _array_shapes(network: dict[str, Any]) -> dict[str, tuple[tuple[int, str], ...]]:
+    """The arrays of params.npz for ``network``: per axis, its size and the field setting it."""
+    shapes: dict[str, tuple[tuple[int, str], ...]] = {}
+    obs, convs = network["obs_shape"], "network.convs"
+
+    def dense(name: str, fan_in: tuple[int, str], width: tuple[int, str]) -> None:
+        shapes[f"{name}/kernel"], shapes[f"{name}/bias"] = (fan_in, width), (width,)
+
+    if network["kind"] == "ActorCritic":
+        for tower in ("actor", "critic"):
+            top = (obs[0], "network.obs_shape")
+            for k, width in enumerate(network["hidden"]):
+                dense(f"{tower}_{k}", top, (width, "network.hidden"))
+                top = (width, "network.hidden")
+    else:
+        channels, rows, cols = obs if network["channels_first"] else (obs[2], *obs[:2])
+        top = (channels, "network.obs_shape")
+        for k, (features, size, stride) in enumerate(network["convs"]):
+            out = (features, convs)
+            shapes[f"convs_{k}/kernel"] = ((size, convs), (size, convs), top, out)
+            shapes[f"convs_{k}/bias"], top = (out,), out
+            rows, cols = (rows - size) // stride + 1, (cols - size) // stride + 1
+        pixels = (max(rows, 0) * max(cols, 0) * features, "network.obs_shape")
+        dense("dense", pixels, (network["dense"], "network.dense"))
+        top = (network["dense"], "network.dense")
+    dense("actor_out", top, (network["action_dim"], "network.action_dim"))
+    dense("critic_out", top, (1, "network"))
+    if not network["discrete"]:
+        shapes["log_std"] = ((network["action_dim"], "network.action_dim"),)
+    return shapes
+
+
+def _check_arrays(meta_path: Path, network: dict[str, Any], params: dict, mean, var) -> None:
+    """params.npz and obs_norm.npz must be the arrays member.json's network describes (an
+    edited size would otherwise fail inside the policy, or read the wrong arrays)."""
+    want = _array_shapes(network)
+    missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+    if missing or extra:
+        odd = {name.split("/")[0] for name in missing + extra}
+        tower = r"(actor|critic)_\d+" if network["kind"] == "ActorCritic" else r"convs_\d+"
+        field = "network.hidden" if network["kind"] == "ActorCritic" else "network.convs"
+        if odd == {"log_std"}:
+            field = "network.discrete"
+        elif not all(re.fullmatch(tower, layer) for layer in odd):
+            field = "network.kind"
+        named = (("missing from it", missing), ("not in the network", extra))
+        parts = [f"{how}: {', '.join(names)}" for how, names in named if names]
+        raise _edited(meta_path, f"field {field!r} does not match params.npz ({'; '.join(parts)})")
+    for name, axes in want.items():
+        shape, sizes = tuple(params[name].shape), tuple(size for size, _ in axes)
+        if shape != sizes:
+            bad = [f for (size, f), got in zip(axes, shape) if size != got] or ["network"]
+            value = (
+                "" if bad[0] == "network" else f" ({_show(_field({'network': network}, bad[0]))})"
+            )
+            raise _edited(
+                meta_path,
+                f"field {bad[0]!r}{value} does not match params.npz: its {name} has shape "
+                f"{shape}, the field makes it {sizes}",
+            )
+    for name, array in (("mean", mean), ("var", var)):
+        if tuple(array.shape) != tuple(network["obs_shape"]):
+            raise _edited(
+                meta_path,
+                f"field 'network.obs_shape' ({_show(network['obs_shape'])}) does not match "
+                f"obs_norm.npz: its {name} has shape {tuple(array.shape)}",
+            )
+
+
 def read_member(directory: str | os.PathLike, device: jax.Device | None = None) -> ExportedMember:
     """Reads one member directory; its arrays go to ``device`` (default: the first device).
 
-    Raises :class:`NotAnExport` (a ``ValueError``) when ``directory`` is not an exported member.
+    Raises :class:`NotAnExport` (a ``ValueError``) when ``directory`` is not an exported member,
+    or one whose ``member.json`` disagrees with the format, with itself or with its arrays (a
+    hand edit): one line naming the file and the field.
     """
     path = Path(directory)
     meta_path = path / "member.json"
     if not meta_path.is_file():
+        if (path / "params.npz").exists() or (path / "obs_norm.npz").exists():
+            raise NotAnExport(_partial(path))
         raise NotAnExport(f"{path} is not an exported member (no member.json).")
     try:
         meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise NotAnExport(f"{meta_path} is not valid JSON ({e}).") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise NotAnExport(f"{meta_path} is not a {FORMAT} file.")
-    if meta.get("version") not in READABLE_VERSIONS:
-        raise NotAnExport(
-            f"{meta_path} has format version {meta.get('version')}; this version of the "
-            f"library reads {', '.join(map(str, READABLE_VERSIONS))}."
-        )
-    network = meta.get("network") or {}
-    if network.get("kind", "ActorCritic") not in ("ActorCritic", "ImageActorCritic"):
-        raise NotAnExport(f"{meta_path}: unknown network kind {network.get('kind')!r}.")
-    if network.get("activation") not in _ACTIVATIONS:
-        raise NotAnExport(f"{meta_path}: unknown activation {network.get('activation')}.")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise _edited(meta_path, f"not valid JSON ({e})") from None
+    _check_fields(meta_path, meta)
+    _check_agreement(meta_path, meta)
     device = device or jax.devices()[0]
     try:
         with np.load(path / "params.npz") as f:
@@ -426,7 +670,9 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
         # (a truncated or empty .npz: NumPy raises zipfile's error or EOFError)
         raise NotAnExport(f"{path}: cannot read the member's arrays ({e}).") from None
-    return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var)
+    _check_arrays(meta_path, meta["network"], params, mean, var)
+    _check_obs_norm(meta_path, meta)  # after the arrays: an edited 'discrete' is named there
+    return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var, path=path)
 
 
 def load_member(
@@ -452,32 +698,44 @@ def _export_of(export: Path, run: Path) -> bool:
 
 def member_dirs(directory: str | os.PathLike) -> list[Path]:
     """The member directories of an export: ``directory`` itself if it is one, else its
-    ``member_<i>`` subdirectories in member order. Raises :class:`NotAnExport` if none."""
+    ``member_<i>`` subdirectories in member order. Raises :class:`NotAnExport` if none, or if
+    one has no ``member.json`` (an interrupted export: leaving it out would quietly make the
+    ensemble smaller)."""
     path = Path(directory)
     if not path.is_dir():
         raise NotAnExport(f"{path} is not a directory.")
     if (path / "member.json").is_file():
         return [path]
-    found = [p for p in path.glob("member_*") if (p / "member.json").is_file()]
-    if not found:
-        if (path / "run.json").is_file():  # a training run's --out
-            export = path / "export"
-            q = lambda p: shlex.quote(str(p))  # commands to paste into a shell
-            command = f"python -m rollout.ppo.export {q(path)}"
-            how = f"export it ({command}), then "
-            if export.is_dir() and _export_of(export, path):
-                how = ""
-            elif export.is_dir():
-                how = f"its export holds another run's members: export again ({command}), then "
-            raise NotAnExport(
-                f"{path} is a training run, not an export: {how}evaluate {q(export)}."
-            )
-        raise NotAnExport(
-            f"{path} holds no exported members (member_<i>/member.json); write them with "
-            "python -m rollout.ppo.export RUN_DIR or rollout.ppo.export.export_members."
-        )
+    if (path / "params.npz").exists() or (path / "obs_norm.npz").exists():
+        raise NotAnExport(_partial(path))  # a member directory itself, cut short
     index = lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1
-    return sorted(found, key=lambda p: (index(p), p.name))
+    found = sorted(
+        (p for p in path.glob("member_*") if p.is_dir()), key=lambda p: (index(p), p.name)
+    )
+    partial = [p for p in found if not (p / "member.json").is_file()]
+    if partial:
+        raise NotAnExport(_partial(partial[0], len(partial) - 1))
+    if not found:
+        raise NotAnExport(_no_members(path))
+    return found
+
+
+def _no_members(path: Path) -> str:
+    """Why a directory without member directories is not an export, and what to do."""
+    if (path / "run.json").is_file():  # a training run's --out
+        export = path / "export"
+        q = lambda p: shlex.quote(str(p))  # commands to paste into a shell
+        command = f"python -m rollout.ppo.export {q(path)}"
+        how = f"export it ({command}), then "
+        if export.is_dir() and _export_of(export, path):
+            how = ""
+        elif export.is_dir():
+            how = f"its export holds another run's members: export again ({command}), then "
+        return f"{path} is a training run, not an export: {how}evaluate {q(export)}."
+    return (
+        f"{path} holds no exported members (member_<i>/member.json); write them with "
+        "python -m rollout.ppo.export RUN_DIR or rollout.ppo.export.export_members."
+    )
 
 
 # ---------------------------------------------------------------------- from a run directory
