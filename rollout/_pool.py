@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 
 from rollout._devices import with_thread_flag
-from rollout._spawn import exit_text, reap, spawn
+from rollout._spawn import STOPPED_LIMIT_S, exit_text, note_stopped, reap, spawn
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 WORKER_NAME = "on_cpu-worker"  # a forked worker's process name (its cmdline is the template's)
@@ -281,16 +281,19 @@ class ProcessPool:
             ]
 
     def _collect(self, pending: dict, key: object, timeout: float | None, call_id: int) -> None:
-        """Wait for every worker's answer; raise what failed (killing the pool if one died or
-        ran out of time, since its peers would otherwise keep computing a dropped result).
+        """Wait for every worker's answer; raise what failed (killing the pool if one died, ran
+        out of time or stayed stopped, since its peers would otherwise keep computing a dropped
+        result).
 
         Answers to an earlier call are skipped: a call interrupted while it waited (Ctrl-C in an
         eager call) leaves its workers finishing it, and their late "ok" is not this call's."""
         errors: list[str] = []
         broken: type[WorkerError] | None = None
         started: dict = {}  # conn -> when its worker started executing
+        halted: dict = {}  # conn -> since when its worker has been seen stopped
         while pending:
-            for conn in wait(list(pending), timeout=_POLL_S):
+            ready = wait(list(pending), timeout=_POLL_S)
+            for conn in ready:
                 w = pending[conn]
                 try:
                     msg = conn.recv()
@@ -317,25 +320,42 @@ class ProcessPool:
                     pending.pop(conn)
                     errors.append(dead)
                     broken = broken or WorkerError
-            now = time.monotonic()
-            late = [
-                w
-                for c, w in pending.items()
-                if timeout is not None and c in started and now - started[c] > timeout
-            ]
-            if late:
-                errors.append(
-                    f"on_cpu worker {late[0].index} (pid {late[0].pid}) did not finish within "
-                    f"timeout={timeout:g} s of starting to execute; the workers were stopped and "
-                    "restart on the next call"
-                )
-                broken = WorkerTimeout
+            if not ready:  # quiet for _POLL_S: look for stopped workers (off the fast path)
+                note_stopped({c: w.pid for c, w in pending.items()}, halted, time.monotonic())
+            overdue = _overdue(pending, started, halted, timeout)
+            if overdue is not None:
+                errors.append(overdue[1])
+                broken = overdue[0]
             if broken is not None:
                 break  # the call cannot complete: do not wait for the other workers
         if broken is not None:
             self._shutdown(kill=True)
         if errors:
             raise (broken or WorkerError)("; ".join(errors))
+
+
+def _overdue(
+    pending: dict, started: dict, halted: dict, timeout: float | None
+) -> tuple[type[WorkerError], str] | None:
+    """The error for a worker past ``timeout`` of executing, or stopped for longer than
+    ``timeout`` (``STOPPED_LIMIT_S`` without one); None while every worker is within its time."""
+    now = time.monotonic()
+    for conn, w in pending.items():
+        if timeout is not None and conn in started and now - started[conn] > timeout:
+            return WorkerTimeout, (
+                f"on_cpu worker {w.index} (pid {w.pid}) did not finish within "
+                f"timeout={timeout:g} s of starting to execute; the workers were stopped and "
+                "restart on the next call"
+            )
+        limit = STOPPED_LIMIT_S if timeout is None else timeout
+        if conn in halted and now - halted[conn] > limit:
+            what = f"timeout={timeout:g} s" if timeout is not None else f"{limit:g} s"
+            return (WorkerTimeout if timeout is not None else WorkerError), (
+                f"on_cpu worker {w.index} (pid {w.pid}) stayed stopped (SIGSTOP or SIGTSTP) for "
+                f"over {what} during a call, so it could not answer; the workers were killed and "
+                "restart on the next call (a SIGCONT within that time lets the call go on)"
+            )
+    return None
 
 
 def _layout(items: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:

@@ -51,6 +51,37 @@ def exit_text(code: int | None, running: str) -> str:
     return f"exited with code {code}"
 
 
+#: How long a worker may stay stopped (SIGSTOP / SIGTSTP) while it owes an answer to a call that
+#: has no timeout before the call fails: it would never answer, and a hang is worse than an error.
+STOPPED_LIMIT_S = 30.0
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP): state ``T`` in /proc.
+
+    A stopped worker neither answers nor dies, so only this tells it from a slow one. False
+    where /proc cannot say (not Linux, the process gone).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    end = stat.rfind(b")")  # the state follows the command name, which may hold spaces or ')'
+    return stat[end + 2 : end + 3] == b"T"
+
+
+def note_stopped(pids: dict, halted: dict, now: float) -> None:
+    """Record in ``halted`` since when each process of ``pids`` (key -> pid) has been seen
+    stopped; forget those running again. A caller waiting on workers calls it when they are
+    quiet, and fails the wait for one stopped too long (see ``STOPPED_LIMIT_S``)."""
+    for key, pid in pids.items():
+        if stopped(pid):
+            halted.setdefault(key, now)
+        else:
+            halted.pop(key, None)
+
+
 def reap(procs: Iterable[subprocess.Popen | ForkedProcess], grace: float = 5.0) -> None:
     """Waits for ``procs`` to exit, ``grace`` seconds for all of them together; kills the rest."""
     deadline = time.monotonic() + grace

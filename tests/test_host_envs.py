@@ -694,6 +694,34 @@ def test_a_worker_in_a_stuck_step_ends_soon_after_its_parent_is_sigkilled(walk_m
 
 
 @pytest.mark.timeout(60)
+def test_a_stopped_worker_is_an_error_not_a_hang(monkeypatch):
+    """No timeout is set, but a SIGSTOPped worker never answers: after STOPPED_LIMIT_S
+    (shortened here) the step fails naming it, instead of waiting forever."""
+    import rollout.hostenv._group as group
+
+    monkeypatch.setattr(group, "STOPPED_LIMIT_S", 1.5)
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    victim = None
+    try:
+        keys = jax.random.split(jax.random.key(0), (2, 2))
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        victim = host.groups[1].pids[0]
+        os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=rf"pid {victim}\) stayed stopped .* over 1.5 s"):
+            step = _step_fn(host, mesh)
+            jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
+        assert time.monotonic() - start < 20
+    finally:
+        host.close()
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+    assert not alive_after([victim], 5)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("child_holds_socket", [False, True])
 def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, step_path):
     # child_holds_socket: a process forked by the env inherits the worker's socket, so the

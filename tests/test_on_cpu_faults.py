@@ -343,6 +343,56 @@ def test_process_timeout_fires_on_time_and_the_wrapper_stays_usable(jitted):
         f.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout", [1.0, None])
+def test_a_stopped_worker_fails_the_call_within_its_limit(timeout, monkeypatch):
+    """A SIGSTOPped worker neither answers nor dies: with ``timeout=`` the call fails after it,
+    without one after ``STOPPED_LIMIT_S`` (shortened here), never a hang; the next call works."""
+    import rollout._pool
+
+    monkeypatch.setattr(rollout._pool, "STOPPED_LIMIT_S", 1.5)
+    f = on_cpu(spin, in_axes=(0, None), workers=W, executor="process", timeout=timeout)
+    x = jnp.ones((4, 3))
+    try:
+        same(f(x, 10), spin(x, 10))
+        victim = f.pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        kind = rollout.WorkerTimeout if timeout else rollout.WorkerError
+        what = "timeout=1 s" if timeout else "1.5 s"
+        start = time.monotonic()
+        with pytest.raises(kind, match=rf"pid {victim}\) stayed stopped .* for over {what}"):
+            f(x, 10)
+        assert time.monotonic() - start < 10
+        assert not alive_after([victim], 5)  # SIGKILL ends a stopped process too
+        same(f(x, 12), spin(x, 12))
+    finally:
+        for pid in f.pids:
+            os.kill(pid, signal.SIGCONT)
+        f.close()
+
+
+def test_stopped_reads_the_process_state():
+    from rollout._spawn import stopped
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not stopped(proc.pid)  # gone: False, not an error
+
+
 class _FakeWorker:
     """The parent side of a worker whose answers a thread scripts: (delay, message) pairs."""
 

@@ -30,7 +30,7 @@ import jax  # noqa: F401  (before this module registers _close_all: see there)
 import numpy as np
 
 from rollout._relay import finish_dispatched
-from rollout._spawn import exit_text, reap, spawn
+from rollout._spawn import STOPPED_LIMIT_S, exit_text, note_stopped, reap, spawn
 from rollout.hostenv import _fast
 from rollout.hostenv._fast import Control
 from rollout.hostenv._worker import (
@@ -270,9 +270,10 @@ class WorkerGroup:
         answers: dict[int, Any] = {}
         errors: list[str] = []
         pending = list(workers)
+        halted: dict[int, float] = {}  # worker index -> since when it has been seen stopped
 
         def waiting() -> None:  # between the pieces of an answer that has begun
-            self._sweep(pending, start, deadline, what, errors, part_way=pending[0])
+            self._sweep(pending, start, deadline, what, errors, halted, part_way=pending[0])
             if errors:
                 raise _GiveUp
 
@@ -287,11 +288,11 @@ class WorkerGroup:
                 errors.append(f"{self._where(w)} {self._exit(w)}")
                 continue
             if msg is None:
-                self._sweep(pending, start, deadline, what, errors)
+                self._sweep(pending, start, deadline, what, errors, halted)
                 continue
             kind, _, payload = msg
             if kind != ERR and deadline is not None and time.monotonic() > deadline:
-                self._sweep(pending, start, deadline, what, errors)  # a late answer is too late
+                self._sweep(pending, start, deadline, what, errors, halted)  # too late
                 continue
             pending.pop(0)
             if kind == ERR:
@@ -314,23 +315,35 @@ class WorkerGroup:
         deadline: float | None,
         what: str,
         errors: list[str],
+        halted: dict[int, float],
         part_way: _Worker | None = None,
     ) -> None:
         """Moves the dead among ``pending`` to ``errors``, and all of them once past
-        ``deadline``; ``part_way``: the worker whose answer had begun."""
+        ``deadline``, or without one, a worker stopped (SIGSTOP) for over ``STOPPED_LIMIT_S``,
+        which would never answer; ``halted``: since when each was seen stopped; ``part_way``:
+        the worker whose answer had begun."""
         for w in list(pending):
             if w.proc.poll() is not None:
                 pending.remove(w)
                 errors.append(f"{self._where(w)} {self._exit(w)}")
-        if deadline is not None and pending and time.monotonic() > deadline:
+        now = time.monotonic()
+        if deadline is not None and pending and now > deadline:
             verb = "start" if what == "start" else f"answer a {what}"
             names = ", ".join(f"worker {w.index} (pid {w.pid})" for w in pending)
             late = f"{names} did not {verb} within {deadline - start:g} s"
             if part_way in pending:
                 late += f" (worker {part_way.index} stopped part-way through its answer)"
-            errors.append(f"host env {self.backend}:{self.env_id}, {self.label}: {late}")
-            for w in pending:
-                w.proc.kill()  # stuck (or stopped): closing would wait for them in vain
+        elif deadline is None and (frozen := _frozen(pending, halted, now)):
+            late = (
+                f"worker {frozen.index} (pid {frozen.pid}) stayed stopped (SIGSTOP or SIGTSTP) "
+                f"for over {STOPPED_LIMIT_S:g} s while it owed an answer to a {what}, so it could "
+                "not answer (a SIGCONT within that time lets the run go on)"
+            )
+        else:
+            return
+        errors.append(f"host env {self.backend}:{self.env_id}, {self.label}: {late}")
+        for w in pending:
+            w.proc.kill()  # stuck (or stopped): closing would wait for them in vain
 
     @staticmethod
     def _exit(w: _Worker) -> str:
@@ -339,6 +352,13 @@ class WorkerGroup:
         except subprocess.TimeoutExpired:
             pass
         return _exit_text(w.proc.poll())
+
+
+def _frozen(pending: list[_Worker], halted: dict[int, float], now: float) -> _Worker | None:
+    """The first of ``pending`` stopped for over ``STOPPED_LIMIT_S`` (``halted``: since when
+    each is seen stopped, updated here)."""
+    note_stopped({w.index: w.pid for w in pending}, halted, now)
+    return next((w for w in pending if now - halted.get(w.index, now) > STOPPED_LIMIT_S), None)
 
 
 def _shared_dir() -> str:
