@@ -93,8 +93,10 @@ def test_port_in_use_and_bad_port_in_the_api():
             launcher.launch([sys.executable, "-c", "pass"], 1, **kw)
 
 
-# Rank 1 fails with code 3 and ends at once; rank 0 notices the closed connection and ends 20 ms
-# later with code 1: both within one of the launcher's 50 ms polls.
+# Rank 1 fails with code 3 and ends at once; rank 0 notices the closed connection and ends 100 ms
+# later with code 1: both well within the grace period, and far enough apart that a loaded
+# machine's scheduling (20 ms gaps were misordered in CI under a load of 6 on 2 cores) cannot
+# swap the order in which the launcher's threads see them end.
 _CASCADE = (
     "import os, socket, sys, time\n"
     "rank, port = os.environ['ENSEMBLE_PROCESS_ID'], int(os.environ['PEER_PORT'])\n"
@@ -102,7 +104,7 @@ _CASCADE = (
     "    s = socket.socket(); s.bind(('127.0.0.1', port)); s.listen()\n"
     "    conn, _ = s.accept(); conn.recv(1)\n"
     "    if os.environ.get('SAY'): print(os.environ['SAY'], file=sys.stderr, flush=True)\n"
-    "    time.sleep(0.02); os._exit(1)\n"
+    "    time.sleep(0.1); os._exit(1)\n"
     "if rank == '1':\n"
     "    while True:\n"
     "        try: c = socket.create_connection(('127.0.0.1', port)); break\n"
