@@ -39,6 +39,8 @@ the step counter and the last observation (used when the envs restart, see ``Hos
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import secrets
 import threading
 import warnings
@@ -88,6 +90,8 @@ def _space(space: Any, what: str, env_name: str) -> Space:
             )
         low = np.asarray(space.low, np.float64).ravel()
         high = np.asarray(space.high, np.float64).ravel()
+        if what == "action":
+            low, high = _float32_inside(low, high)
         # uint8 observations (pixels) travel as uint8, a quarter of float32's bytes; anything
         # else as float32, the networks' input type.
         uint8 = what == "observation" and np.dtype(space.dtype) == np.uint8
@@ -96,6 +100,16 @@ def _space(space: Any, what: str, env_name: str) -> Space:
         f"{env_name}: {what} space {space} is not supported (observations: a Box, or for "
         "gymnasium ids any space gymnasium can flatten; actions: a Box or a Discrete)."
     )
+
+
+def _float32_inside(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Action bounds as float32 values inside ``[low, high]``: the learner clips its float32
+    actions to them, and a float64 bound such as -0.1 rounds to the float32 -0.10000000149,
+    outside the env's box, so a clipped action failed the env's ``action_space.contains``."""
+    low32, high32 = low.astype(np.float32), high.astype(np.float32)
+    low32 = np.where(low32 < low, np.nextafter(low32, np.float32(np.inf)), low32)
+    high32 = np.where(high32 > high, np.nextafter(high32, np.float32(-np.inf)), high32)
+    return low32.astype(np.float64), high32.astype(np.float64)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,9 +147,12 @@ class HostEnv:
     def __post_init__(self) -> None:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
+        _check_layer_kwargs(self.name, self.workers_per_device, self.timeout)
         obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
         if not _in_process(self):
             _check_picklable(self.name, dict(self.kwargs))
+            if self.backend == "gymnasium":
+                _check_registered_outside_main(self.env_id)
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("observation_space", _space(obs_space, "observation", self.name))
         set_("action_space", _space(act_space, "action", self.name))
@@ -152,6 +169,27 @@ class HostEnv:
     def bind(self, mesh: Mesh, members: int, num_envs: int) -> HostEnvs:
         """The envs of ``members`` agents (``num_envs`` each) on ``mesh``'s devices' workers."""
         return HostEnvs(self, mesh, members, num_envs)
+
+
+def _check_layer_kwargs(name: str, workers: Any, timeout: Any) -> None:
+    """The host layer's own make kwargs, refused here in one line: they arrive from
+    ``--env-kwargs`` JSON as anything, and a bad one would fail later, deep in the worker
+    group (a traceback for ``"timeout": "60"``, an error at every reset for a negative one)."""
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0
+    ):
+        raise ValueError(
+            f"{name}: workers_per_device must be an int >= 0 (0: the envs step in this "
+            f"process), got {workers!r}"
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < float(timeout) < math.inf
+    ):
+        raise ValueError(
+            f"{name}: timeout must be a number of seconds > 0 (or None: no limit), got {timeout!r}"
+        )
 
 
 #: EnvPool ``make`` arguments the host layer sets itself.
@@ -216,10 +254,48 @@ def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:
 
     from rollout.hostenv._worker import make_gymnasium
 
+    _import_env_module(env_id)
     try:
         return make_gymnasium(env_id, **kwargs)
     except (gymnasium.error.Error, ModuleNotFoundError) as e:
         raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
+    except (AssertionError, TypeError, ValueError) as e:
+        # What gymnasium.make or the env's constructor refuse in the kwargs (gymnasium asserts
+        # max_episode_steps > 0; a bare AssertionError named neither the env nor the kwargs).
+        if str(e).startswith(f"gymnasium:{env_id}:"):
+            raise  # make_gymnasium's own message, already naming the env
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"gymnasium cannot make {env_id!r} with {kwargs}: {type(e).__name__}: {why}"
+        ) from None
+
+
+def _import_env_module(env_id: str) -> None:
+    """Imports the module of a ``'module:EnvId-v0'`` id here first. Gymnasium would let an
+    error inside the user's module through as itself (a bare ``NameError`` naming neither the
+    module nor the id) and fail on a malformed id (``':X-v0'``, ``'a:b:X-v0'``) with Python's
+    "Empty module name" or an unpacking error."""
+    import importlib
+
+    if ":" not in env_id:
+        return
+    module, _, name = env_id.partition(":")
+    if not module.strip() or not name.strip() or ":" in name:
+        raise ValueError(
+            f"gymnasium cannot make {env_id!r}: an id with a module is 'module:EnvId-v0' (e.g. "
+            "'my_package.envs:MyEnv-v0'), one module, then the id it registers."
+        )
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+        if missing is not None and (module + ".").startswith(missing + "."):
+            return  # the module itself is missing: gymnasium's own message says so
+        why = (str(e).splitlines() or [""])[0]
+        raise ValueError(
+            f"gymnasium cannot make {env_id!r}: importing {module!r} raised "
+            f"{type(e).__name__}: {why}"
+        ) from None
 
 
 def _in_process(env: HostEnv) -> bool:
@@ -241,6 +317,24 @@ def _check_picklable(name: str, kwargs: dict[str, Any]) -> None:
                 "not a lambda or local function), or step the envs in this process with "
                 "workers_per_device=0."
             ) from None
+
+
+def _check_registered_outside_main(env_id: str) -> None:
+    """Refuses, before anything starts, an id whose env class lives in the running script's
+    ``__main__``: the worker processes never run that script, so they cannot make it (they
+    would fail at the first reset, inside the compiled update)."""
+    import gymnasium
+
+    spec = gymnasium.envs.registration.registry.get(env_id.partition(":")[2] or env_id)
+    entry = getattr(spec, "entry_point", None)
+    where = entry.partition(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
+    if where == "__main__":
+        raise ValueError(
+            f"gymnasium:{env_id}: its env is defined in the script being run (__main__), which "
+            "the env worker processes do not run: move the env and its gymnasium.register into "
+            "a module and give the id as 'gymnasium:<module>:<id>', or step the envs in this "
+            "process with workers_per_device=0."
+        )
 
 
 def _default_workers(groups: int) -> int:

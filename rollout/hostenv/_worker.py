@@ -156,11 +156,13 @@ class SharedArrays:
 def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
     """``gymnasium.make(env_id, **kwargs)``, its observations made one flat vector where they
     are not a ``Box`` (``Discrete``: one-hot; ``Tuple``, ``Dict``, ``MultiDiscrete``,
-    ``MultiBinary``: concatenated) by gymnasium's own ``FlattenObservation``. The learner, the
-    workers and ``evaluate`` all make their envs here, so they see the same observations."""
+    ``MultiBinary``: concatenated) by gymnasium's own ``FlattenObservation``, and a
+    ``Discrete(n, start=k)`` action space made ``Discrete(n)`` (see :func:`_actions_from_zero`).
+    The learner, the workers and ``evaluate`` all make their envs here, so they see the same
+    observations and take the same actions."""
     import gymnasium
 
-    env = gymnasium.make(env_id, **kwargs)
+    env = _actions_from_zero(gymnasium.make(env_id, **kwargs))
     if not isinstance(env.observation_space, gymnasium.spaces.Box):
         try:
             env = gymnasium.wrappers.FlattenObservation(env)
@@ -171,6 +173,22 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
                 f"flattened into a vector ({type(e).__name__}: {e})"
             ) from None
     return env
+
+
+def _actions_from_zero(env: Any) -> Any:
+    """``env``, its ``Discrete(n, start=k)`` actions (k != 0) taken as ``Discrete(n)``: the
+    policy's categorical head picks indices 0..n-1, and action i reaches the env as i + k.
+    Without the shift a policy's 0 would be stepped as action 0, not the space's first action
+    (or be outside the space, for k > 0)."""
+    import gymnasium
+
+    space = env.action_space
+    if not isinstance(space, gymnasium.spaces.Discrete) or int(space.start) == 0:
+        return env
+    start, n = int(space.start), int(space.n)
+    return gymnasium.wrappers.TransformAction(
+        env, lambda a: int(a) + start, gymnasium.spaces.Discrete(n)
+    )
 
 
 def _check_discrete(actions: np.ndarray, n: int | None) -> None:
@@ -193,7 +211,16 @@ class _Gymnasium:
     def __init__(self, env_id: str, kwargs: dict, num_envs: int, threads: int = 1):
         import gymnasium
 
-        self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
+        try:
+            self.envs = [make_gymnasium(env_id, **kwargs) for _ in range(num_envs)]
+        except gymnasium.error.UnregisteredEnv as e:
+            # The learner made this id before starting us, so only its registration is missing
+            # here: it ran in a script's __main__, or in a module imported there but not here.
+            raise ValueError(
+                f"{env_id!r} is not registered in the env worker processes ({e}), only in the "
+                "learner's: register it in a module and give the id as "
+                "'gymnasium:<module>:<id>', which every worker imports"
+            ) from None
         space = self.envs[0].action_space
         self.discrete = isinstance(space, gymnasium.spaces.Discrete)
         self.actions = int(space.n) if self.discrete else None
@@ -208,8 +235,12 @@ class _Gymnasium:
         obs, reward, term, trunc, final = out
         _check_discrete(actions, self.actions)
         for i, env in enumerate(self.envs):
-            action = int(actions[i]) if self.discrete else actions[i]
-            o, r, te, tr, _ = env.step(action)
+            # Each env its own writable action: in this process (workers_per_device=0) the
+            # rows are the callback's read-only view, and an env that scales its action in
+            # place failed there with NumPy's "output array is read-only" (not in a worker).
+            action = int(actions[i]) if self.discrete else np.array(actions[i])
+            o, r, te, tr, _ = _five(env.step(action))
+            te, tr = _flag(te, "terminated"), _flag(tr, "truncated")
             final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), _number(r), te, tr
             obs[i] = self._checked(_reset_obs(env), "reset") if (te or tr) else o
 
@@ -245,6 +276,33 @@ def _reset_obs(env: Any, **kwargs: Any) -> Any:
             "API has it (an env written for gym < 0.26 returns the observation alone)"
         )
     return out[0]
+
+
+def _five(out: Any) -> tuple:
+    """``env.step``'s result, refused by name where it is not gymnasium's 5-tuple: an env
+    written for gym < 0.26 returns ``(obs, reward, done, info)``, which would otherwise fail
+    as "not enough values to unpack", naming nothing."""
+    if isinstance(out, tuple) and len(out) == 5:
+        return out
+    what = f"a {len(out)}-tuple" if isinstance(out, tuple) else f"a {type(out).__name__}"
+    raise ValueError(
+        f"step returned {what}, not gymnasium's (obs, reward, terminated, truncated, info) "
+        "(gym < 0.26 returned (obs, reward, done, info))"
+    )
+
+
+def _flag(value: Any, name: str) -> bool:
+    """``terminated`` / ``truncated`` as a bool; anything but a bool (or a 0 / 1) is refused:
+    NumPy stores None as False (an episode that never ends) and the string 'no' as True."""
+    if value is True or value is False:  # the usual case, first: this runs every env step
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype == bool:
+        return bool(value)
+    raise ValueError(f"step returned {name}={value!r} ({type(value).__name__}); {name} is a bool")
 
 
 def _number(reward: Any) -> float:

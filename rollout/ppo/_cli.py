@@ -733,8 +733,12 @@ def _print_header(args: argparse.Namespace, config: Any, info: Any, n_dev: int) 
 
     from rollout.envs import HOST_PREFIXES
 
-    # Host envs always step in CPU worker processes; env_on only places functional envs.
-    where = "cpu-workers" if config.env.startswith(HOST_PREFIXES) else config.env_on
+    # Host envs step in CPU worker processes, or in this one with workers_per_device=0 (which
+    # the header called cpu-workers too); env_on only places functional envs.
+    where = config.env_on
+    if config.env.startswith(HOST_PREFIXES):
+        in_process = config.make_kwargs().get("workers_per_device") == 0
+        where = "this-process" if in_process else "cpu-workers"
     print(
         f"ensemble PPO: env={config.env} members={config.members} processes={info.num_processes} "
         f"devices={n_dev}x{jax.default_backend()} envs_on={where} "
