@@ -26,8 +26,10 @@ inputs into traced arrays and static Python values, checks on member-major and d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -215,10 +217,26 @@ def check_inputs(
     devices other than the mesh's."""
     for pos, (arg, ax) in enumerate(zip(args, axes)):
         if ax == 0:
+            check_no_python_values(arg, f"{what} {pos} (per-member)", per_member_fix)
             check_member_major(arg, n, f"{what} {pos} (per-member)", per_member_fix)
         else:
             check_shared(arg, n, f"{what} {pos}", shared_fix)
         check_on_mesh(arg, mesh, f"{what} {pos}")
+
+
+def check_no_python_values(tree: Any, what: str, hint: str) -> None:
+    """Refuses a Python value (a bool, a number, a list of n numbers) in a per-member input.
+    Python values are static: every member would get all of it, not its own part (NNX gave
+    each member the whole per-member array beside it, a silent wrong number), so a per-member
+    input must be arrays only."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):  # arrays, specs
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} = {leaf!r} is a Python value, not an "
+                "array, so it has no member axis: per-member values must be arrays with a "
+                "leading axis of n (jnp.asarray(...)); a value shared by all members goes at a "
+                f"position with in_axes=None (e.g. in_axes=(0, None)) or as a keyword. {hint}"
+            )
 
 
 def check_shared_kwargs(kwargs: Mapping[str, Any], n: int, mesh: Mesh) -> None:
@@ -350,6 +368,64 @@ def check_live(tree: Any, what: str, fix: str = _USE_RETURNED) -> None:
             )
 
 
+class ProgramCache(collections.OrderedDict):
+    """Jitted programs by static configuration, at most ``size``, the least recently used
+    dropped first. Each new static value (a Python number, a function given as ``method=``)
+    makes a program; kept forever, a loop passing a new one per call (``scale=float(t)``, a
+    lambda written in the call) grew host memory by a compiled program per call (about
+    1.6 MB for a Dense layer) and slowed every call down. The first drop warns."""
+
+    def __init__(self, size: int = 64) -> None:
+        super().__init__()
+        self.size = size
+        self.warned = False
+
+    def get_or_make(self, key: Hashable, make: Callable[[], Any], stacklevel: int = 4) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        while len(self) > self.size:
+            self.popitem(last=False)
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"an ensemble call compiled its {self.size + 1}th program, one per new "
+                    "combination of Python values in its inputs (static: train=True, a number, "
+                    "a function as method=); the least recently used are now dropped and "
+                    "compiled again when needed. Pass a number that changes between calls as "
+                    "an array (jnp.asarray(x)): arrays are traced and compile once.",
+                    stacklevel=stacklevel,  # the user's call
+                )
+        return value
+
+
+# jax 0.10.2 lowers jax.debug.print / jax.debug.callback inside a partly manual shard_map with
+# ``lax.axis_index(*auto_axes)``, a TypeError as soon as two mesh axes are automatic, as a
+# member's 'data' and 'model' always are. Users put such prints in models to debug them, and
+# the bare error names neither the print nor a way out, so the entry points say both.
+_DEBUG_CALLBACK_BUG = "axis_index() takes 1 positional argument"
+
+
+@contextlib.contextmanager
+def explained_errors() -> Iterator[None]:
+    """Re-raises JAX's error for a ``jax.debug.print`` / ``jax.debug.callback`` inside a member
+    (see ``_DEBUG_CALLBACK_BUG``) with what it is and what to do; other errors pass unchanged."""
+    try:
+        yield
+    except TypeError as e:
+        if _DEBUG_CALLBACK_BUG not in str(e):
+            raise
+        raise TypeError(
+            "jax.debug.print / jax.debug.callback inside an ensemble member cannot be compiled "
+            f"with jax {jax.__version__} (its lowering inside a partly manual shard_map calls "
+            "lax.axis_index wrongly: the error above). To look at a value, return it (or sow "
+            "it, mutable=['intermediates']) and print it outside the call, or run one member "
+            "as the plain model outside the ensemble: ens.model.apply(ens.member(variables, i), "
+            "x) (NNX: ens.member(i)(x))."
+        ) from e
+
+
 # ------------------------------------------------------------------------------------------------
 # The member runner
 # ------------------------------------------------------------------------------------------------
@@ -430,7 +506,7 @@ class Members:
             axis_names={MEMBER_AXIS},
             check_vma=False,
         )
-        with self.scope():
+        with self.scope(), explained_errors():
             # Under jit always (inlined when already tracing one): a partially manual shard_map
             # is only supported as part of a compiled program.
             return jax.jit(run)(*args)

@@ -27,6 +27,7 @@ from ensemble._core import (
     INPUT_FIXES,
     InAxes,
     Members,
+    ProgramCache,
     abstract_signature,
     arg_axes,
     batch_default,
@@ -36,6 +37,7 @@ from ensemble._core import (
     check_member_major,
     check_on_mesh,
     check_shared_kwargs,
+    explained_errors,
     join_static,
     split_static,
     stream_keys,
@@ -109,7 +111,8 @@ class LinenEnsemble:
         self._in_axes = check_in_axes(in_axes)
         self._shared_rngs = frozenset(shared_rngs)
         self._members = Members(int(n), mesh, merge_rules(rules), axis_name, bool(data_parallel))
-        self._cache: dict[Hashable, Any] = {}
+        self._cache = ProgramCache()
+        self._warned_method = False
 
     # ------------------------------------------------------------------ properties
 
@@ -169,7 +172,8 @@ class LinenEnsemble:
           the member axis (and further mesh axes through logical annotations and rules).
         """
         jitted, _, call_args = self._init_program(rng, args, kwargs)
-        return jitted(*call_args)
+        with explained_errors():
+            return jitted(*call_args)
 
     def init_shardings(self, rng: RngLike, *args: Any, **kwargs: Any) -> Any:
         """The ``NamedSharding`` of every leaf that :meth:`init` returns (nothing is computed).
@@ -190,9 +194,8 @@ class LinenEnsemble:
         (arrays, kw_arrays), static = self._split(args, kwargs)
         call_args = (keys, arrays, kw_arrays)
         cache_key = ("init", static, abstract_signature(call_args))
-        if cache_key not in self._cache:
-            self._cache[cache_key] = self._make_init(axes, static, call_args)
-        jitted, shardings = self._cache[cache_key]
+        make = lambda: self._make_init(axes, static, call_args)
+        jitted, shardings = self._cache.get_or_make(cache_key, make)
         return jitted, shardings, call_args
 
     def _make_init(self, axes, static, call_args) -> tuple[Any, Any]:
@@ -278,10 +281,12 @@ class LinenEnsemble:
             mutable = tuple(mutable)
         (arrays, kw_arrays), static = self._split(args, kwargs)
         cache_key = ("apply", static, mutable, method, tuple(sorted(keys)), axes)
-        jitted = self._cache.get(cache_key)
-        if jitted is None:
-            jitted = self._cache[cache_key] = self._make_apply(static, mutable, method, axes)
-        return jitted(variables, keys, arrays, kw_arrays)
+        if cache_key not in self._cache:
+            self._warn_new_function(method)
+        make = lambda: self._make_apply(static, mutable, method, axes)
+        jitted = self._cache.get_or_make(cache_key, make, stacklevel=3)
+        with explained_errors():
+            return jitted(variables, keys, arrays, kw_arrays)
 
     def _make_apply(self, static, mutable, method, axes) -> Callable[..., Any]:
         model, members = self._model, self._members
@@ -299,6 +304,25 @@ class LinenEnsemble:
             return members.map(one, run_args, run_axes, batched=batched)
 
         return jax.jit(apply_fn)
+
+    def _warn_new_function(self, method: Any) -> None:
+        """Warns (once) when ``method`` is a new function object with the code of one already
+        compiled: a lambda written in the call, compiled anew on every call (a plain
+        ``model.apply`` takes it for free), about ten times the time of a compiled call."""
+        code = getattr(method, "__code__", None)
+        if code is None or self._warned_method:
+            return
+        if any(
+            k[0] == "apply" and k[3] is not method and getattr(k[3], "__code__", None) is code
+            for k in self._cache
+        ):
+            self._warned_method = True
+            warnings.warn(
+                f"ens.apply got a new function object as method= ({method.__qualname__}) with "
+                "the code of one it already compiled; each new function compiles anew. Define "
+                "it once, outside the loop, or pass a method name (method='encode').",
+                stacklevel=3,
+            )
 
     @staticmethod
     def _split(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Hashable]:

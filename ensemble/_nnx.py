@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jex_core
 import numpy as np
 import optax
 from flax import nnx
@@ -36,14 +38,17 @@ from ensemble._core import (
     INPUT_FIXES,
     InAxes,
     Members,
+    ProgramCache,
     arg_axes,
     as_key,
     batch_default,
     check_in_axes,
     check_inputs,
     check_live,
+    check_member_major,
     check_not_donated,
     check_shared_kwargs,
+    explained_errors,
     join_static,
     split_loss,
     split_static,
@@ -158,7 +163,8 @@ class NNXEnsemble(nnx.Module):
             if split is not None:
                 self._check_inputs(args, self.in_axes, kwargs)
                 dynamic, static = split
-                return _compiled_call(self, dynamic, static)
+                with explained_errors():
+                    return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
 
     def map(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -230,7 +236,9 @@ class NNXEnsemble(nnx.Module):
         self, args: tuple[Any, ...], in_axes: InAxes, kwargs: Mapping[str, Any]
     ) -> None:
         axes = arg_axes(in_axes, len(args))
-        axes = tuple(ax if _is_array_tree(x) else None for x, ax in zip(args, axes))
+        # Member keys (an nnx.Rngs passed in) are split per member by the call itself. Any
+        # other input at a per-member position is checked, Python values too (refused there).
+        axes = tuple(None if isinstance(x, _MemberKeys) else ax for x, ax in zip(args, axes))
         check_inputs(args, axes, self.n, "input", *INPUT_FIXES, mesh=self.mesh)
         check_shared_kwargs(kwargs, self.n, self.mesh)
 
@@ -400,10 +408,18 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
         return None
 
 
-@functools.partial(nnx.jit, static_argnums=2)
+# One nnx.jit program per static configuration, at most ProgramCache.size: as one nnx.jit with
+# the static part as a static argument, every new Python value (scale=float(t) each call)
+# stayed compiled forever, host memory growing by a program per call.
+_PROGRAMS = ProgramCache()
+
+
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
-    args, kwargs = join_static(dynamic, static)
-    return ens._map(_call_module, args, kwargs, ens.in_axes)
+    def call(ens: NNXEnsemble, dynamic: list) -> Any:
+        args, kwargs = join_static(dynamic, static)
+        return ens._map(_call_module, args, kwargs, ens.in_axes)
+
+    return _PROGRAMS.get_or_make(static, lambda: nnx.jit(call))(ens, dynamic)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -535,6 +551,7 @@ def _plan(
     with nnx.use_eager_sharding(False):
         abstract_module = nnx.eval_shape(create, keys)
     _check_no_raw_arrays(abstract_module)
+    _warn_if_rngs_unused(make_member, keys, members.n)
     graphdef, abstract = nnx.split(abstract_module)
     _warn_unmapped_nnx(abstract, members)
     shardings = _member_shardings(abstract, members.mesh, n, members.rules)
@@ -579,6 +596,39 @@ def _checked(make_member: Callable[[nnx.Rngs], Any]) -> Callable[[nnx.Rngs], nnx
         return module
 
     return make
+
+
+def _warn_if_rngs_unused(make_member: Callable[[nnx.Rngs], Any], keys: Any, n: int) -> None:
+    """Warns when the factory draws no key from the rngs it is given and no state it makes
+    depends on them (a factory that builds from its own ``nnx.Rngs(0)``, say): all n members
+    are then the same model, dropout masks included, and train as one, without any error."""
+    if n == 1:
+        return
+    drew = []
+
+    def leaves(member_keys: dict[str, jax.Array]) -> list[jax.Array]:
+        rngs = nnx.Rngs(**member_keys)
+        counts = [rngs[s].count.get_value() for s in member_keys]
+        with nnx.use_eager_sharding(False):
+            out = jax.tree.leaves(nnx.state(make_member(rngs)))
+        drew.append(any(rngs[s].count.get_value() is not c for s, c in zip(member_keys, counts)))
+        return out
+
+    jaxpr = jax.make_jaxpr(leaves)(keys).jaxpr
+    # Conservative: an equation with any key-dependent input makes all its outputs so.
+    dependent = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jex_core.Literal) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    outs = [v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)]
+    if drew == [False] and jaxpr.outvars and not any(v in dependent for v in outs):
+        warnings.warn(
+            f"the factory draws no key from the nnx.Rngs it is given and no state it makes "
+            f"depends on them, so all {n} members are the same model (same initial "
+            "parameters, same dropout masks). Build the module from the factory's rngs, e.g. "
+            "lambda rngs: MyModel(..., rngs=rngs), not from an nnx.Rngs made inside it.",
+            stacklevel=4,
+        )
 
 
 def _warn_unmapped_nnx(abstract: Any, members: Members) -> None:
@@ -786,7 +836,8 @@ class NNXTrainStep:
         check_live((ens_state, opt_state), "ensemble or optimizer state ")
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
-        out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
+        with explained_errors():
+            out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
         nnx.update(optimizer, new_opt)
@@ -870,6 +921,15 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
             f"expected an nnx.Optimizer second (from ensemble.nnx_optimizer), got "
             f"{type(optimizer).__name__}."
         )
+    # An optimizer made for an ensemble of another n otherwise fails deep in optax's update,
+    # naming the value= argument that the step passes, not the optimizer.
+    check_member_major(
+        nnx.state(optimizer).get("opt_state", {}),  # none for a stateless tx (sgd)
+        ens.n,
+        "optimizer state leaf opt_state",
+        "The optimizer was made for another ensemble: make it for this one, with "
+        "ensemble.nnx_optimizer(ens, tx) or step.init() of ens.train_step(loss_fn, tx).",
+    )
 
 
 def nnx_train_step(

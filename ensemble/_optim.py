@@ -107,7 +107,9 @@ def _check_extra_args(extra_args: dict[str, Any], n: int) -> None:
                     f"per_member: extra update argument {name!r} must be arrays with one slice "
                     f"per member (leading axis {n}), e.g. value=losses of shape ({n},); got "
                     f"{type(leaf).__name__} of shape {np.shape(leaf)}. Functions such as "
-                    "value_fn are passed by ensemble's own linen train step only."
+                    "value_fn are passed by ensemble's own linen train step only. (The train "
+                    "steps pass value= themselves, each member's loss: if you did not, this "
+                    f"optimizer was made for n={n} members, not for this ensemble.)"
                 )
 
 

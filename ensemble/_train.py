@@ -41,6 +41,7 @@ from ensemble._core import (
     check_member_major,
     check_not_donated,
     check_on_mesh,
+    explained_errors,
     split_loss,
 )
 from ensemble._mesh import check_mesh, member_sharding, merge_rules
@@ -137,7 +138,8 @@ class TrainStep:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
-        return self._program(params, opt_state, batch)(params, opt_state, *batch)
+        with explained_errors():
+            return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
     def scan(
         self, params: Any, opt_state: Any, *batches: Any, stacked: bool | Sequence[bool] = True
@@ -167,7 +169,8 @@ class TrainStep:
           (4, 10)
         """
         flags = stacked_flags(stacked, len(batches))
-        return self._program(params, opt_state, batches, flags)(params, opt_state, *batches)
+        with explained_errors():
+            return self._program(params, opt_state, batches, flags)(params, opt_state, *batches)
 
     def lower(
         self, params: Any, opt_state: Any, *batch: Any, stacked: bool | Sequence[bool] | None = None
