@@ -129,14 +129,27 @@ def live_memory(tree: Any = None) -> dict[jax.Device, int]:
         leaves = jax.tree_util.tree_leaves(_as_tree(tree))
         arrays = [x for x in leaves if isinstance(x, jax.Array)]
     out: dict[jax.Device, int] = {d: 0 for d in jax.local_devices()}
-    seen: set[int] = set()
+    # A buffer counts once, however many arrays show it: reading a sharded array's shards
+    # makes one live array per shard, which jax.live_arrays() lists beside the array itself
+    # (a second call counted them twice).
+    seen: set[tuple[jax.Device, int]] = set()
     for a in arrays:
-        if id(a) in seen or isinstance(a, jax.core.Tracer) or a.is_deleted():
+        if isinstance(a, jax.core.Tracer) or a.is_deleted():
             continue
-        seen.add(id(a))
         for shard in a.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + _nbytes(shard.data)
+            buffer = (shard.device, _buffer_id(shard.data))
+            if buffer not in seen:
+                seen.add(buffer)
+                out[shard.device] = out.get(shard.device, 0) + _nbytes(shard.data)
     return out
+
+
+def _buffer_id(x: jax.Array) -> int:
+    """The device buffer behind a single-device array (its own id where none can be read)."""
+    try:
+        return int(x.unsafe_buffer_pointer())
+    except Exception:  # typed PRNG keys, backends without pointers
+        return id(x)
 
 
 def _nbytes(x: jax.Array) -> int:

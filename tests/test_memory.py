@@ -1,5 +1,7 @@
 """Per-device memory: live bytes from shards, compiled bytes from XLA, and the printed table."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,12 +46,31 @@ def test_live_memory_counts_what_the_runtime_stores(dtype):
 
 
 def test_live_memory_all_live_arrays_and_deleted():
-    x = jax.device_put(jnp.ones((1000,)), jax.devices()[3])
-    before = ensemble.live_memory()[jax.devices()[3]]
-    assert before >= 4000
-    x.delete()
-    assert ensemble.live_memory({"x": x})[jax.devices()[3]] == 0
-    assert ensemble.live_memory()[jax.devices()[3]] == before - 4000
+    # Every live array counts: garbage of earlier tests (module cycles, collected whenever
+    # Python's collector runs) must go first and not go in between the two readings.
+    gc.collect()
+    gc.disable()
+    try:
+        x = jax.device_put(jnp.ones((1000,)), jax.devices()[3])
+        before = ensemble.live_memory()[jax.devices()[3]]
+        assert before >= 4000
+        x.delete()
+        assert ensemble.live_memory({"x": x})[jax.devices()[3]] == 0
+        assert ensemble.live_memory()[jax.devices()[3]] == before - 4000
+    finally:
+        gc.enable()
+
+
+def test_live_memory_counts_a_sharded_array_once_on_every_call():
+    # Reading shards makes a live array per shard; a second call must not count them again.
+    mesh = ensemble.make_mesh(4)
+    y = jax.device_put(jnp.ones((4, 100)), NamedSharding(mesh, P(ensemble.MEMBER_AXIS)))
+    d = y.addressable_shards[0].device
+    first = ensemble.live_memory()[d]
+    assert first >= 400
+    for _ in range(2):
+        assert ensemble.live_memory()[d] == first
+    assert ensemble.live_memory({"y": y, "again": y})[d] == 400
 
 
 def test_live_memory_nnx_module():
