@@ -289,6 +289,11 @@ class _Run:
                     for t in self.pumps[r]:
                         t.join(timeout=0.5)
                 waited = time.monotonic() - failed_at
+                if len(done) == len(self.procs):
+                    # All have ended, each blaming a peer (JAX's shutdown barrier failing aborts
+                    # every process so): nobody is left to wait for, and a run whose processes
+                    # all failed must not end with code 0.
+                    waited = math.inf
                 first = _first_failure(failed, self.followers, waited, self.grace)
             if first is not None and code == 0 and not self.received:
                 code = self._stop_after(first, done)

@@ -150,6 +150,30 @@ def test_a_rank_that_reports_a_dead_peer_is_not_blamed_though_it_ends_first():
 
 
 @pytest.mark.timeout(60)
+def test_a_run_whose_processes_all_blame_a_peer_fails_with_the_first_code():
+    # What a failed JAX shutdown barrier does (a rank that called sys.exit(3) waits there for
+    # the others): every process prints JAX's peer-failure line and aborts. The launcher used
+    # to wait for a root cause that never came, and returned 0 once all had ended.
+    script = (
+        "import os, sys, time\n"
+        "rank = int(os.environ['ENSEMBLE_PROCESS_ID'])\n"
+        "time.sleep(0.1 * (1 - rank))\n"
+        "print('This most likely indicates that another task died', file=sys.stderr, flush=True)\n"
+        "os._exit(7 if rank == 1 else 5)\n"
+    )
+    err = io.BytesIO()
+    start = time.monotonic()
+    code = launcher.launch(
+        [sys.executable, "-c", script], 2, env=clean_env(), stdout=io.BytesIO(), stderr=err,
+        grace=30,
+    )  # fmt: skip
+    text = err.getvalue().decode()
+    assert code == 7, text
+    assert "exit code 7: rank 1 failed first (exited with code 7)" in text, text
+    assert time.monotonic() - start < 20  # not the 30 s grace: nobody was left to wait for
+
+
+@pytest.mark.timeout(60)
 def test_launcher_cli_mistakes_are_one_line_exit_2():
     many = ["-n", "100000", "--", "true"]  # refused, not 100000 processes started
     for args in (["-n", "2"], ["-n", "x", "--", "true"], ["-n", "0", "--", "true"], many):
