@@ -701,24 +701,31 @@ def test_a_stopped_worker_is_an_error_not_a_hang(monkeypatch):
 
     monkeypatch.setattr(group, "STOPPED_LIMIT_S", 1.5)
     host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
-    victim = None
+    victims: list[int] = []
     try:
-        keys = jax.random.split(jax.random.key(0), (2, 2))
-        with jax.set_mesh(mesh):
-            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
-        victim = host.groups[1].pids[0]
-        os.kill(victim, signal.SIGSTOP)
-        start = time.monotonic()
-        with pytest.raises(Exception, match=rf"pid {victim}\) stayed stopped .* over 1.5 s"):
-            step = _step_fn(host, mesh)
-            jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
-        assert time.monotonic() - start < 20
+        stopped = r"pid {}\) stayed stopped .* over 1.5 s"
+        _signal_a_worker_then_step(host, mesh, signal.SIGSTOP, stopped, victims)
     finally:
         host.close()
-        if victim is not None:
+        for pid in victims:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGCONT)
-    assert not alive_after([victim], 5)
+                os.kill(pid, signal.SIGCONT)
+    assert not alive_after(victims, 5)
+
+
+def _signal_a_worker_then_step(host, mesh, sig, error: str, victims: list[int]) -> None:
+    """Resets, sends ``sig`` to a worker of device group 1 (noted in ``victims`` first, for the
+    caller's cleanup), then a step must raise ``error`` (``{}``: the pid) within 20 s."""
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    with jax.set_mesh(mesh):
+        state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+    victims.append(victim := host.groups[1].pids[0])
+    os.kill(victim, sig)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=error.format(victim)):
+        step = _step_fn(host, mesh)
+        jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
+    assert time.monotonic() - start < 20
 
 
 @pytest.mark.timeout(60)
@@ -729,17 +736,10 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
     pid_file = tmp_path / "child"
     extra = {"fork_child": str(pid_file)} if child_holds_socket else {}
     host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1, **extra)
+    victims: list[int] = []
     try:
-        keys = jax.random.split(jax.random.key(0), (2, 2))
-        with jax.set_mesh(mesh):
-            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
-        victim = host.groups[1].pids[0]
-        os.kill(victim, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(Exception, match=rf"pid {victim}.*was killed by signal SIGKILL"):
-            step = _step_fn(host, mesh)
-            jax.block_until_ready(step(state, jnp.zeros((2, 2), jnp.int32), keys))
-        assert time.monotonic() - start < 20
+        killed = r"pid {}.*was killed by signal SIGKILL"
+        _signal_a_worker_then_step(host, mesh, signal.SIGKILL, killed, victims)
         if child_holds_socket:
             assert all(alive(int(pid)) for pid in pid_file.read_text().split())
     finally:
@@ -748,7 +748,7 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert not alive(victim)
+    assert victims and not alive(victims[0])
     assert not alive_after(children, 5)  # SIGKILL is delivered, not awaited
 
 
