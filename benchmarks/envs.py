@@ -130,6 +130,7 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, mode="u
     and no gradient steps; ``'layer'``, the learner's envs alone (see ``_layer_program``).
     """
     import jax
+    from accelerator_check import whole_members  # a script beside this one
 
     from rollout import envs
     from rollout.ppo import Learner, PPOConfig
@@ -138,7 +139,9 @@ def ppo(name: str, workers=None, *, members, num_envs, num_steps, calls, mode="u
         name, members=members, num_envs=num_envs, num_steps=num_steps, total_steps=10**8, **over
     )
     env = envs.make(name, workers_per_device=workers)
-    learner = Learner(cfg, devices=jax.devices()[: _devices(members)], env=env)
+    learner = Learner(
+        cfg, devices=jax.devices()[: whole_members(members, len(jax.devices()))], env=env
+    )
     programs = {"rollout": _rollout_program, "layer": _layer_program}
     run = (lambda state: learner.update(state, 1)) if mode == "update" else programs[mode](learner)
     box = {}
@@ -313,15 +316,6 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
         return steps * n * e / (time.perf_counter() - start)
 
     return timed, vec.close
-
-
-def _devices(members: int) -> int:
-    import jax
-
-    d = min(len(jax.devices()), members)
-    while members % d:
-        d -= 1
-    return d
 
 
 def main() -> None:

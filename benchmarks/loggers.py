@@ -184,10 +184,11 @@ def main() -> None:
 
     n_dev = rollout.configure_cpu_devices(os.cpu_count() or 1)
     import jax
+    from accelerator_check import whole_members  # a script beside this one
 
     from rollout.ppo import PPOConfig
 
-    devices = jax.devices()[: _whole_members(n_dev, args.members)]
+    devices = jax.devices()[: whole_members(args.members, n_dev)]
     cfg = PPOConfig.for_env(
         "cartpole", members=args.members, num_steps=args.num_steps, updates_per_call=8
     )
@@ -225,14 +226,6 @@ def main() -> None:
     }
     (RESULTS / "loggers.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {RESULTS / 'loggers.json'}")
-
-
-def _whole_members(available: int, members: int) -> int:
-    """The most devices, at most ``available``, that each hold the same whole members."""
-    d = min(available, members)
-    while members % d:
-        d -= 1
-    return d
 
 
 def print_throughput(summary: dict, num_updates: int) -> None:
