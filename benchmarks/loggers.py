@@ -39,6 +39,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 ARMS = ("none", "tensorboard", "wandb", "tensorboard,wandb", "tensorboard,wandb/every-row")
 
 
+UPDATES_PER_CALL = 8
+
+
 def _run(learner, arm: str, config, settle_s: float = 0.0) -> dict:
     """One training run with the loggers of ``arm``; the loop's env steps/s and close time.
 
@@ -172,6 +175,10 @@ def _parse_args():
     )
     p.add_argument("--num-steps", type=positive_int, default=128, help="rollout length per update")
     args = p.parse_args()
+    if args.updates < 2 * UPDATES_PER_CALL:  # the first call compiles and has no rate
+        p.error(
+            f"--updates must be >= {2 * UPDATES_PER_CALL} (two timed calls), got {args.updates}"
+        )
     p.results_dir(RESULTS)
     return args
 
@@ -190,13 +197,16 @@ def main() -> None:
 
     devices = jax.devices()[: whole_members(args.members, n_dev)]
     cfg = PPOConfig.for_env(
-        "cartpole", members=args.members, num_steps=args.num_steps, updates_per_call=8
+        "cartpole",
+        members=args.members,
+        num_steps=args.num_steps,
+        updates_per_call=UPDATES_PER_CALL,
     )
     cfg = PPOConfig.for_env(
         "cartpole",
         members=args.members,
         num_steps=args.num_steps,
-        updates_per_call=8,
+        updates_per_call=UPDATES_PER_CALL,
         total_steps=args.updates * cfg.batch_size,
     )
     print(

@@ -33,6 +33,7 @@ MISTAKES = [
     ("benchmarks/learning_envs.py", ["--runs", "README.md"], NOT_A_FOLDER),
     ("benchmarks/loggers.py", ["--settle", "-1"], "--settle: expected a number >= 0"),
     ("benchmarks/loggers.py", ["--rounds", "-1"], "--rounds: expected an integer >= 1"),
+    ("benchmarks/loggers.py", ["--updates", "8"], "--updates must be >= 16 (two timed calls)"),
     ("benchmarks/memory.py", ["--devices", "3"], "--devices 3 does not divide --members 8"),
     ("benchmarks/memory.py", ["--out", "/proc/x"], CANNOT_CREATE),
     ("benchmarks/on_cpu_speed.py", ["--batches", "0"], "--batches: expected an integer >= 1"),
