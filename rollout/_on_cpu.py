@@ -70,6 +70,23 @@ def _mesh_info(mesh: Any) -> tuple[int, str | None, bool]:
     return mesh.size, platform, manual
 
 
+def _refuse_partly_manual(mesh: Any) -> None:
+    """One line instead of JAX's lowering error: a callback needs every mesh axis manual."""
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    manual = [a for a, t in types.items() if t == AxisType.Manual]
+    if manual and len(manual) < len(types):
+        rest = [a for a in types if a not in manual]
+        # Not NotImplementedError: callers that retry on it (a fallback from vmap) would
+        # only trace fn again.
+        raise ValueError(
+            f"on_cpu(fn) cannot run inside a partly manual shard_map (manual axes {manual}, "
+            f"automatic {rest}), such as an ensemble member: jax {jax.__version__} compiles a "
+            "host callback only where every mesh axis is manual. Call it outside the member "
+            "(in the jitted step, on the ensemble's stacked outputs), or inside a jax.shard_map "
+            "whose axis_names cover every axis of the mesh."
+        )
+
+
 def _caller(leaves: Sequence[Any]) -> tuple[str, int, Any]:
     """Platform and device count of the calling program, plus an Auto mesh spanning several devices.
 
@@ -339,10 +356,17 @@ class _Request:
                 x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(self.b, other.b)
             )
             and all(
-                x is y or (x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
+                x is y or (x.shape == y.shape and x.dtype == y.dtype and _same_bits(x, y))
                 for x, y in zip(self.s, other.s)
             )
         )
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    """Bit for bit: -0.0 is not 0.0 to a function that divides by it (np.array_equal says
+    they are equal)."""
+    as_bytes = lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return np.array_equal(as_bytes(x), as_bytes(y))
 
 
 class _Coalescer:
@@ -430,6 +454,11 @@ class OnCpu:
         weakref.finalize(self, self._exports.clear)  # a dropped wrapper frees worker memory
         self._lock = threading.Lock()
         self._token = next(_tokens)  # names this wrapper's programs inside shared workers
+        # Argument structures by equality (as jax.jit keys them), each named by a number that is
+        # never reused: a structure's text can stay the same while its static part changes (a
+        # new lambda at a freed lambda's address, a field left out of a dataclass's repr).
+        self._structures = _LRU(cache_size)
+        self._structures_lock = threading.Lock()  # traces may run in several threads
         self._coalescer = _Coalescer()
         functools.update_wrapper(self, fn, updated=())
 
@@ -570,6 +599,8 @@ class OnCpu:
         # program per new shape), so errors reach the caller unwrapped and no callback is
         # compiled per call.
         eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
+        if not eager:
+            _refuse_partly_manual(jax.sharding.get_abstract_mesh())
         xp = np if eager else jnp
         batched = [xp.moveaxis(raw[i], axes[i], 0) for i in b_idx]
         shared = [raw[i] for i in s_idx]
@@ -589,7 +620,8 @@ class OnCpu:
         # The program depends on the weak types and on x64 too (a float64 input means float32
         # without it): a call under another setting must not reuse another's export.
         x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
-        call.sig = (self._token, str(treedef), tuple(axes), tuple(map(str, keys)), weak_in, x64)
+        structure = self._structure_id(treedef)
+        call.sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in, x64)
         call.weak = weak_in
         if kind == "process" and not eager:
             # Exported now, at trace time (and cached for a run in one chunk): what the workers
@@ -609,6 +641,18 @@ class OnCpu:
             for o, k in zip(outs, out_info["keys"])
         ]
         return jax.tree.unflatten(out_info["tree"], outs)
+
+    def _structure_id(self, treedef: Any) -> int:
+        """A number for this argument structure: the same for equal structures while cached."""
+        with self._structures_lock:
+            try:
+                known = self._structures.get(treedef)
+            except (TypeError, ValueError):  # unhashable or uncomparable static data
+                return next(_tokens)  # never reused: compiled again on each call, correctly
+            if known is None:
+                known = next(_tokens)
+                self._structures.put(treedef, known)
+            return known
 
     def _prepare(self, kind, flat_fn, nb, specs, out_specs, platform, eager) -> _Call:
         timeout, message = self.timeout, ""

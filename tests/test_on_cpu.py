@@ -7,6 +7,7 @@ exactly the case in which the naive pure_callback + pmap pattern deadlocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from subprocess_env import workers_of
@@ -214,6 +216,70 @@ def test_pytrees_in_axes_and_keys(rollout_fn):
     assert got["n"].dtype == jnp.int32 and (got["n"] == want["n"]).all()
     assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
     assert (jax.random.key_data(got["k"]) == jax.random.key_data(want["k"])).all()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Physics:  # static config whose repr leaves out the value that matters
+    name: str
+    gain: float = dataclasses.field(repr=False)
+
+
+@struct.dataclass
+class _State:
+    x: jax.Array
+    physics: _Physics = struct.field(pytree_node=False)
+
+
+@pytest.mark.timeout(120)
+def test_static_parts_of_arguments_are_compared_by_equality_as_jit_does():
+    # Keyed on the structure's text, a changed static part that prints the same (a repr=False
+    # field; a new lambda at a freed one's address) silently reused the first program.
+    by_gain = lambda s: s.x * s.physics.gain
+    f = on_cpu(by_gain, workers=W)
+    g = on_cpu(lambda p, x: p(x), in_axes=(None, 0), workers=W)
+    try:
+        x = jnp.arange(4.0)
+        for gain in (2.0, 3.0):
+            s = _State(x, _Physics("p", gain))
+            close(f(s), by_gain(s))
+            close(jax.jit(f)(s), by_gain(s))
+        for k in range(3):
+            p = jax.tree_util.Partial(lambda x, k=k: x + k)
+            close(g(p, x), x + k)
+    finally:
+        f.close()
+        g.close()
+
+
+@pytest.mark.timeout(120)
+def test_per_device_shared_arguments_differing_only_in_the_sign_of_zero_stay_apart(monkeypatch):
+    import rollout._on_cpu as impl
+
+    monkeypatch.setattr(impl, "_COALESCE_S", 10.0)  # every device's call in one merge attempt
+    divide = lambda w, x: x / w
+    f = on_cpu(divide, in_axes=(None, 0), workers=W)
+    try:
+        w, x = jnp.array([0.0, -0.0] * 4), jnp.ones((8, 1))
+        specs = dict(mesh=mesh8(), in_specs=(P("d"), P("d")), out_specs=P("d"))
+        got = jax.jit(jax.shard_map(lambda w, x: f(w[0], x), **specs))(w, x)
+        np.testing.assert_array_equal(np.asarray(got).ravel(), [np.inf, -np.inf] * 4)
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_call_inside_a_partly_manual_shard_map_is_one_line():
+    f = on_cpu(jnp.tanh, workers=W)
+    try:
+        mesh = jax.make_mesh((4, 2), ("m", "d"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        member = lambda x: f(x[0])[None]
+        specs = dict(mesh=mesh, in_specs=P("m"), out_specs=P("m"))
+        with pytest.raises(ValueError, match=r"partly manual shard_map \(manual axes \['m'\]"):
+            jax.jit(jax.shard_map(member, axis_names={"m"}, **specs))(jnp.ones((4, 3)))
+        got = jax.jit(jax.shard_map(member, **specs))(jnp.ones((4, 3)))
+        close(got, jnp.tanh(jnp.ones((4, 3))))
+    finally:
+        f.close()
 
 
 @pytest.mark.timeout(180)
