@@ -221,7 +221,7 @@ def check_inputs(
             check_member_major(arg, n, f"{what} {pos} (per-member)", per_member_fix)
         else:
             check_shared(arg, n, f"{what} {pos}", shared_fix)
-        check_on_mesh(arg, mesh, f"{what} {pos}")
+        check_on_mesh(arg, mesh, f"{what} {pos}", member_major=ax == 0)
 
 
 def check_no_python_values(tree: Any, what: str, hint: str) -> None:
@@ -260,30 +260,52 @@ def _device_ids(devices: Any) -> str:
     return ", ".join(map(str, ids))
 
 
-def check_on_mesh(tree: Any, mesh: Mesh, what: str) -> None:
+def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) -> None:
     """Refuses an array committed to devices other than the ensemble's (one device, say, after
-    ``ens.member(v, i)`` or a gather): a compiled call cannot take it, and JAX's own error
-    names no fix. Uncommitted arrays (numpy, ``jnp.ones``) are placed by the call itself."""
-    devices = None
+    ``ens.member(v, i)`` or a gather), or to the same devices in another order (another
+    ensemble's mesh): a compiled call cannot take it, and JAX's own error names no fix.
+    Uncommitted arrays (numpy, ``jnp.ones``) are placed by the call itself. ``member_major``:
+    the tree has a leading member axis (params, optimizer state), which the fix keeps split."""
+    order = None
 
     def misplaced(leaf: Any) -> bool:
-        nonlocal devices
+        nonlocal order
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
             return False
         sharding = leaf.sharding
         if getattr(sharding, "mesh", None) is mesh:  # the usual case, in O(1)
             return False
-        devices = set(mesh.devices.flat) if devices is None else devices
-        return leaf.committed and not leaf.is_deleted() and sharding.device_set != devices
+        if not leaf.committed or leaf.is_deleted():
+            return False
+        order = tuple(mesh.devices.flat) if order is None else order
+        if sharding.device_set != set(order):
+            return True
+        # Same devices, another order: jit refuses to mix device assignments.
+        other = getattr(sharding, "mesh", None)
+        return len(order) > 1 and other is not None and tuple(other.devices.flat) != order
 
     if not any(misplaced(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
         return
     path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if misplaced(x))
+    fix = (
+        "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
+        if member_major
+        else "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
+        "jax.sharding.PartitionSpec())))"
+    )
+    if leaf.sharding.device_set == set(order):
+        where = (
+            f"is on this ensemble's devices ({_device_ids(order)}) in another order (another "
+            "ensemble's mesh), which a compiled call cannot mix with this one's"
+        )
+    else:
+        where = (
+            f"is committed to device(s) {_device_ids(leaf.sharding.device_set)}, but this "
+            f"ensemble runs on devices {_device_ids(order)}"
+        )
     raise ValueError(
-        f"{what}{jax.tree_util.keystr(path)} is committed to device(s) "
-        f"{_device_ids(leaf.sharding.device_set)}, but this ensemble runs on devices "
-        f"{_device_ids(devices)}; pass it uncommitted (np.asarray(x)) or move it there "
-        "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, jax.sharding.PartitionSpec())))."
+        f"{what}{jax.tree_util.keystr(path)} {where}; pass it uncommitted (np.asarray(x)) or "
+        f"move it there {fix}."
     )
 
 

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ensemble._core import check_live
 from ensemble._mesh import MEMBER_AXIS, check_mesh
 
 logger = logging.getLogger(__name__)
@@ -324,6 +325,8 @@ def save_checkpoint(
     """
     import orbax.checkpoint as ocp
 
+    # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
+    check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
     path = os.path.abspath(os.fspath(directory))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, tree, force=force, custom_metadata=metadata)
@@ -355,8 +358,35 @@ def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
     path = os.path.abspath(os.fspath(directory))
+    like = jax.tree_util.tree_map(abstract, like)
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(path, jax.tree_util.tree_map(abstract, like))
+        _check_shapes(path, checkpointer.metadata(path).item_metadata, like)
+        return checkpointer.restore(path, like)
+
+
+def _check_shapes(path: str, stored: Any, like: Any) -> None:
+    """One line for a leaf whose shape differs from the checkpoint's (orbax's own error
+    suggests padding or truncating it, which would silently drop or invent members)."""
+    shapes = {
+        jax.tree_util.keystr(p): tuple(m.shape)
+        for p, m in jax.tree_util.tree_leaves_with_path(stored)
+        if getattr(m, "shape", None) is not None
+    }
+    for p, x in jax.tree_util.tree_leaves_with_path(like):
+        key, want = jax.tree_util.keystr(p), tuple(x.shape)
+        have = shapes.get(key, want)
+        if have == want:
+            continue
+        members = ""
+        if len(have) == len(want) and have[1:] == want[1:]:
+            members = (
+                f": the checkpoint holds {have[0]} members and like {want[0]}; restore into a "
+                f"like of {have[0]} members (ensemble.build(model, {have[0]}))"
+            )
+        raise ValueError(
+            f"restore_checkpoint({path}): like{key} has shape {want}, the checkpoint "
+            f"{have}{members}."
+        )
 
 
 # -- internals -------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ class LinenEnsemble:
             Python values are static (a new value compiles once); arrays are traced.
         """
         self._check_variables(variables)
-        check_on_mesh(variables, self.mesh, "variables")
+        check_on_mesh(variables, self.mesh, "variables", member_major=True)
         axes = self._check_args(args)
         check_shared_kwargs(kwargs, self.n, self.mesh)
         if rngs is not None and not isinstance(rngs, Mapping):

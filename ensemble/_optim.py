@@ -128,6 +128,16 @@ def _check_injected(state: Any, names: list[str]) -> None:
             f"per-member values were given for {unknown}, which tx does not inject (its "
             f"injected hyperparameters: {sorted(injected)})."
         )
+    holders = [k for _, hp in get(state, "hyperparams") for k in hp]
+    repeated = sorted({k for k in names if holders.count(k) > 1})
+    if repeated:
+        raise ValueError(
+            f"per-member values for {repeated} are ambiguous: tx injects each in "
+            f"{max(holders.count(k) for k in repeated)} places (inject_hyperparams in several "
+            "branches, e.g. of optax.multi_transform). Inject it in one branch only (e.g. "
+            "optax.sgd(1e-2) without inject_hyperparams in the other), or set the values on the "
+            "optimizer state yourself (optax.tree_utils.tree_set)."
+        )
     scheduled = sorted({k for _, hs in get(state, "hyperparams_states") for k in hs} & set(names))
     if scheduled:
         raise ValueError(

@@ -214,8 +214,8 @@ class TrainStep:
         axes = self._batch_axes(len(batch))
         one = batch if stacked is None else one_step_of(batch, stacked)
         check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES, mesh=self.mesh)
-        check_on_mesh(params, self.mesh, "params")
-        check_on_mesh(opt_state, self.mesh, "opt_state")
+        check_on_mesh(params, self.mesh, "params", member_major=True)
+        check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)

@@ -181,6 +181,16 @@ def test_single_process_helpers(tmp_path):
     assert back.sharding == x.sharding
     np.testing.assert_array_equal(np.asarray(back), local)
 
+    # A like of another n: one line, not orbax's advice to pad or truncate (members made up or
+    # silently dropped). Donated arrays: one line before orbax starts (it left a temp folder).
+    fewer = distributed.member_batch_from_local({"x": local[:4]}, make_mesh(4), 4)
+    with pytest.raises(ValueError, match=r"the checkpoint holds 8 members and like 4"):
+        distributed.restore_checkpoint(path, fewer)
+    x.delete()
+    with pytest.raises(ValueError, match=r"tree\['x'\] was donated to an earlier call"):
+        distributed.save_checkpoint(tmp_path / "ckpt2", {"x": x})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
 
 def test_initialize_too_late_says_what_to_do():
     jnp.zeros(1).block_until_ready()  # the backend is up

@@ -127,3 +127,25 @@ def test_duplicate_devices_are_refused():
     d0 = jax.devices()[0]
     with pytest.raises(ValueError, match="more than once"):
         ensemble.build(nn.Dense(1), 2, devices=[d0, d0])
+
+
+def test_another_ensembles_params_on_the_same_devices_in_another_order_are_one_line():
+    """Same devices, another order (an ensemble built with devices=jax.devices()[::-1]): jit
+    cannot mix the two device assignments, and its error names no fix. The fix the message
+    gives for member-major state keeps the members split (not replicated on every device)."""
+    import jax.numpy as jnp
+    import optax
+
+    x = jnp.ones((4, 3))
+    theirs = ensemble.build(nn.Dense(2), 8, devices=jax.devices()[::-1])
+    ours = ensemble.build(nn.Dense(2), 8)
+    v = theirs.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"variables\['params'\]\['bias'\] is on this ensemble's"):
+        ours.apply(v, x)
+    loss = lambda p, x: jnp.mean(ours.model.apply({"params": p}, x) ** 2)
+    step = ours.train_step(loss, optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"in another order .*shard_members\(x, ens\.mesh"):
+        step(v["params"], step.init(ours.init(jax.random.key(0), x)["params"]), x)
+    params = ensemble.sharding.shard_members(v["params"], ours.mesh, ours.n)  # the fix
+    params, _, _ = step(params, step.init(params), x)
+    ensemble.debug.assert_no_replicated_members(params, ours.n)

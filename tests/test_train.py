@@ -261,6 +261,22 @@ def test_train_step_errors():
     )
     with pytest.raises(ValueError, match=r"\['learning_rate'\] of tx are schedules"):
         step.init(params)
+    # Injected in two branches: which one the values are for is unclear (optax's own error
+    # dumped the whole state).
+    inject = optax.inject_hyperparams
+    tx = optax.multi_transform(
+        {"a": inject(optax.sgd)(1e-2), "b": inject(optax.adam)(1e-2)},
+        lambda p: {
+            k: jax.tree.map(lambda _, k=k: "a" if k == "Dense_0" else "b", v) for k, v in p.items()
+        },
+    )
+    step = ensemble.train_step(
+        mse, tx, n=n, mesh=ens.mesh, hyperparams={"learning_rate": [0.1] * n}
+    )
+    with pytest.raises(
+        ValueError, match=r"\['learning_rate'\] are ambiguous: tx injects each in 2"
+    ):
+        step.init(params)
 
 
 def test_step_peak_per_device_falls_with_devices():
