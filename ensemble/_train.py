@@ -44,7 +44,7 @@ from ensemble._core import (
     explained_errors,
     split_loss,
 )
-from ensemble._mesh import check_mesh, member_sharding, merge_rules
+from ensemble._mesh import MEMBER_AXIS, check_mesh, member_sharding, merge_rules
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
 from ensemble._steps import one_step_of, scan_steps, stacked_flags
 
@@ -272,11 +272,15 @@ class TrainStep:
         )
 
     def _sharding_of(self, x: Any, abstract: Any) -> NamedSharding:
-        # Keep a member-major array where it is; place anything else (host arrays) on the member
-        # axis.
+        # Keep a member-major array where it is (split on 'model' too, say); place anything
+        # else on the member axis: host arrays, and arrays whose members are not split (a
+        # replicated copy would stay on every device, n times the memory, step after step).
         sharding = getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
-            return sharding
+            first = sharding.spec[0] if len(sharding.spec) else None
+            names = first if isinstance(first, tuple) else (first,)
+            if MEMBER_AXIS in names or self.mesh.shape[MEMBER_AXIS] == 1:
+                return sharding
         return member_sharding(self.mesh, len(np.shape(abstract)), None, self._members.rules)
 
     def _check_member_major(self, tree: Any, what: str) -> None:

@@ -149,3 +149,27 @@ def test_another_ensembles_params_on_the_same_devices_in_another_order_are_one_l
     params = ensemble.sharding.shard_members(v["params"], ours.mesh, ours.n)  # the fix
     params, _, _ = step(params, step.init(params), x)
     ensemble.debug.assert_no_replicated_members(params, ours.n)
+
+
+def test_replicated_params_come_out_of_the_step_split_over_the_members():
+    """Params replicated on the ensemble's mesh (jax.device_put(x, NamedSharding(mesh, P())))
+    used to stay replicated step after step: every device held all n members."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    x = jnp.ones((4, 3))
+    ens = ensemble.build(nn.Dense(2), 8)
+    params = ens.init(jax.random.key(0), x)["params"]
+    loss = lambda p, x: jnp.mean(ens.model.apply({"params": p}, x) ** 2)
+    step = ens.train_step(loss, optax.adam(1e-3), donate=False)
+    want, _, _ = step(params, step.init(params), x)
+    copied = jax.device_put(params, NamedSharding(ens.mesh, PartitionSpec()))
+    state = step.init(copied)
+    ensemble.debug.assert_no_replicated_members(state, ens.n)
+    got, state, _ = step(copied, state, x)
+    ensemble.debug.assert_no_replicated_members((got, state), ens.n)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want
+    )
