@@ -75,6 +75,23 @@ def test_adapter_equals_gymnax_called_directly(name, T):
     assert env.observation_space.shape == np.shape(as_ours(np.zeros(raw.shape, raw.dtype)))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["Reacher-misc", "PointRobot-misc", "Swimmer-misc"])
+def test_envs_whose_spaces_gymnax_builds_with_jnp_step_inside_jit(name):
+    # Their action bounds are jnp arrays: read inside the jitted step they were tracers, and
+    # the adapter failed (TracerArrayConversionError) before any training.
+    B, T = 3, 20
+    env = envs.make(f"gymnax:{name}")
+    genv, params = gymnax.make(name)
+    space = env.action_space
+    low, high = np.asarray(space.low), np.asarray(space.high)
+    actions = jax.random.uniform(jax.random.key(1), (T, B, *space.shape), minval=low, maxval=high)
+    keys = jax.random.split(jax.random.key(0), (T + 1, B))
+    _, (mine, theirs) = jax.jit(_both, static_argnums=(0, 1))(env, genv, params, keys, actions)
+    for what, a, b in zip(("obs", "reward", "term", "trunc"), mine, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+
+
 def test_gymnax_spaces_and_bad_names():
     env = envs.make("gymnax:Pendulum-v1")
     assert isinstance(env.action_space, Box) and env.action_space.high == (2.0,)

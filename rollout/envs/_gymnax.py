@@ -73,6 +73,7 @@ class GymnaxEnv(Env):
     _params: Any = dataclasses.field(init=False, repr=False)
     _one_hot: int = dataclasses.field(init=False, repr=False)  # n of a Discrete observation
     _obs_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False)
+    _spaces: tuple[Box, Space] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         gymnax = _gymnax()
@@ -92,8 +93,13 @@ class GymnaxEnv(Env):
         object.__setattr__(self, "_params", params)
         raw = env.observation_space(params)
         object.__setattr__(self, "_one_hot", int(raw.n) if type(raw).__name__ == "Discrete" else 0)
-        # Read here, not while traced (gymnax builds its spaces with jnp).
-        object.__setattr__(self, "_obs_shape", self.observation_space.shape)
+        # Read once here, not while traced: gymnax builds some spaces with jnp, whose arrays
+        # are tracers inside a jitted step (Reacher-misc's action bounds).
+        with jax.ensure_compile_time_eval():
+            obs_space = _space(env.observation_space(params), "observation", self.env_id)
+            action_space = _space(env.action_space(params), "action", self.env_id)
+        object.__setattr__(self, "_spaces", (_flat_space(obs_space), action_space))
+        object.__setattr__(self, "_obs_shape", self._spaces[0].shape)
 
     def _obs(self, obs: jax.Array) -> jax.Array:
         """gymnax's observation as :attr:`observation_space` describes it: a Discrete one
@@ -113,12 +119,11 @@ class GymnaxEnv(Env):
 
     @property
     def observation_space(self) -> Box:
-        raw = _space(self._env.observation_space(self._params), "observation", self.env_id)
-        return _flat_space(raw)  # type: ignore[arg-type]
+        return self._spaces[0]
 
     @property
     def action_space(self) -> Space:
-        return _space(self._env.action_space(self._params), "action", self.env_id)
+        return self._spaces[1]
 
     @property
     def max_episode_steps(self) -> int:
