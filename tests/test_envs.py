@@ -342,6 +342,16 @@ def test_make_names_and_errors():
     assert hash(envs.make("cartpole")) == hash(envs.make("cartpole"))
 
 
+def test_a_box_with_low_above_high_or_nan_bounds_is_refused():
+    # Accepted before: the learner clipped every action to `high`, whatever the policy chose.
+    with pytest.raises(ValueError, match=r"low <= high .* element 1 \(of 1 such\) has low=5.0"):
+        envs.Box((2,), (0.0, 5.0), (1.0, 0.0))
+    with pytest.raises(ValueError, match=r"element 0 .* low=nan"):
+        envs.Box((1,), (float("nan"),), (1.0,))
+    box = envs.Box((2,), (-float("inf"), 3.0), (float("inf"), 3.0))  # unbounded, or one point
+    assert box.low == (-float("inf"), 3.0)
+
+
 # ------------------------------------------------------------------------------------------
 # The audio env (GRU synthesiser whose weights are a per-step input)
 # ------------------------------------------------------------------------------------------

@@ -68,6 +68,14 @@ class Box:
             value = np.broadcast_to(np.asarray(getattr(self, name), np.float64), (size,))
             object.__setattr__(self, name, tuple(float(v) for v in value))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        # Caught here: clipping to an inverted box sends `high` whatever the policy chose.
+        bad = [i for i, (lo, hi) in enumerate(zip(self.low, self.high)) if not lo <= hi]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"Box bounds must have low <= high (and no NaN) in every element; element {i} "
+                f"(of {len(bad)} such) has low={self.low[i]}, high={self.high[i]}"
+            )
 
     @staticmethod
     def uniform(shape: tuple[int, ...], low: float, high: float) -> Box:
