@@ -464,6 +464,14 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     )
     line = _cli_error(["--out", str(moved), "--resume", "--env", "cartpole"], capsys)
     assert "(env 'gymnasium:CartPole-v1' -> 'cartpole')" in line  # not about its env_kwargs
+    # A change that would also break the saved config is named as a change (it gave
+    # "learning_rate has 2 values but there are members=4").
+    lrs = tmp_path / "lrs_run"
+    shutil.copytree(out, lrs)
+    lr_record = {**record, "config": {**record["config"], "learning_rate": [1e-3, 2e-3]}}
+    (lrs / "run.json").write_text(json.dumps(lr_record))
+    line = _cli_error(["--out", str(lrs), "--resume", "--members", "4"], capsys)
+    assert "another config (members 2 -> 4); only --total-steps may grow" in line
     # The saved config (and flags equal to it) resume; the run is complete: nothing to do.
     rows = (out / "metrics.jsonl").read_text()
     assert main(["--out", str(out), "--resume", "--members", "2", "--no-progress"]) == 0

@@ -920,6 +920,11 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
             same = lambda k, v: isinstance(v, tuple) and all(x == getattr(saved, k) for x in v)
             given = {k: getattr(saved, k) if same(k, v) else v for k, v in given.items()}
             config = dataclasses.replace(saved, **given)
+            # A change is refused as one, before what it breaks is judged (--members 4 on a run
+            # of two per-member learning rates: "learning_rate has 2 values").
+            diffs = config_differences(found.record["config"], config.to_dict())
+            if diffs:
+                refuse_changed(args.out, diffs)
         else:
             given = {**{k: v for k, v in _DEFAULTS.items() if k not in given}, **given}
             config = PPOConfig.for_env(given.pop("env"), **given)
