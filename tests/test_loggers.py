@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,6 +157,64 @@ def test_a_resumed_run_replaces_the_stopped_runs_events_and_continues_its_wandb_
         _loggers.WandbLogger(tmp_path / "run", {}, resume)
     ids = [kw["id"] for kw in FakeWandb.runs]
     assert ids[0] == ids[1] != ids[2] and {kw["resume"] for kw in FakeWandb.runs} == {"allow"}
+
+
+def _shown_by_tensorboard(directory: Path) -> dict[int, float]:
+    """member_0/return per step as TensorBoard shows it: files in order, a session start at
+    step s dropping what came before at steps >= s."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    shown: dict[int, float] = {}
+    for path in sorted(directory.glob("events.*")):
+        for record in _tfrecords(path):
+            event = Event.FromString(record)
+            if event.session_log.status == SessionLog.START:
+                shown = {s: v for s, v in shown.items() if s < event.step}
+            for value in event.summary.value:
+                if value.tag == "member_0/return":
+                    shown[event.step] = value.simple_value
+    return shown
+
+
+def test_a_resumed_run_writes_again_the_rows_its_killed_loggers_had_lost(tmp_path, monkeypatch):
+    # Killed after 768 steps, its loggers had got only 256 (rows still queued, events not
+    # flushed); the checkpoint was at 512, so the resumed run computes 768 on. The rows up to
+    # 512 exist only in metrics.jsonl: restore() writes them again.
+    first = _loggers.TensorBoardLogger(tmp_path / "tb")
+    first.write({"env_steps": 256, "returns": [1.0]})
+    first.close()
+    time.sleep(1.1)  # event file names hold the second they were made
+    restored = [{"env_steps": s, "returns": [1.0]} for s in (256, 512)]
+    second = _loggers.TensorBoardLogger(tmp_path / "tb")
+    with _loggers.Loggers([second, _Rows()], interval_s=3600) as logs:  # _Rows: no restore()
+        logs.restore(restored)
+        for steps in (768, 1024):
+            logs.write({"env_steps": steps, "returns": [2.0]})
+    assert _shown_by_tensorboard(tmp_path / "tb") == {256: 1.0, 512: 1.0, 768: 2.0, 1024: 2.0}
+
+    class FakeRun:  # a resumed online W&B run knows the step after its last; offline: 0
+        def __init__(self, step):
+            self.step, self.logged = step, []
+
+        def log(self, scalars, step):
+            self.logged.append(step)
+
+    for known, want in ((300, [512]), (0, [256, 512])):
+        logger = object.__new__(_loggers.WandbLogger)
+        logger._run = FakeRun(known)
+        logger.restore(restored)
+        assert logger._run.logged == want
+
+
+def test_train_hands_the_restored_rows_to_on_resume(tmp_path):
+    from rollout.ppo import PPOConfig, train
+
+    cfg = PPOConfig.for_env("cartpole", members=2, total_steps=256, num_envs=2, num_steps=32)
+    _, rows = train(cfg, tmp_path / "run", progress=False, checkpoint_every=1)
+    longer = dataclasses.replace(cfg, total_steps=512)
+    got: list = []
+    _, more = train(longer, tmp_path / "run", resume=True, progress=False, on_resume=got.append)
+    assert got == [rows] and more[: len(rows)] == rows and len(more) > len(rows)
 
 
 def test_log_flag_names_and_errors():

@@ -113,6 +113,7 @@ def train(
     devices: Sequence[Any] | None = None,
     learner: Any = None,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    on_resume: Callable[[list[dict[str, Any]]], None] | None = None,
     stop: Callable[[], int | None] | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> tuple[Any, list[dict[str, Any]]]:
@@ -129,10 +130,12 @@ def train(
     or ``env_on='cpu'`` worker that fails raises its own ``HostEnvError`` / ``WorkerError``
     (``rollout.worker_errors``), not JAX's wrapper of it. ``learner``: reuse an existing
     :class:`Learner` for ``config`` (and its compiled programs). ``on_update``: called with each
-    metric row as it arrives. ``stop``: polled after every jitted call; when it returns a signal
-    number, a checkpoint is written and :class:`Interrupted` raised. ``warn``: where one-line
-    notes go (default stderr). A member whose losses turn NaN or infinite stops the run with
-    :class:`Diverged` (its metric rows written, that state not saved).
+    metric row as it arrives; ``on_resume``: with ``resume=True``, called once with the rows
+    restored with the checkpoint, before training continues. ``stop``: polled after every
+    jitted call; when it returns a signal number, a checkpoint is written and
+    :class:`Interrupted` raised. ``warn``: where one-line notes go (default stderr). A member
+    whose losses turn NaN or infinite stops the run with :class:`Diverged` (its metric rows
+    written, that state not saved).
 
     Example:
       >>> import jax
@@ -164,6 +167,8 @@ def train(
             learner = Learner(config, devices=devices)
         with worker_errors():
             state, rows = run.open(learner) if run is not None else (learner.init(), [])
+            if resume and on_resume is not None:
+                on_resume(list(rows))
             return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
     finally:
         if owned and learner is not None:
@@ -719,6 +724,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         stop=signals.received,
         warn=lambda line: print(line, file=sys.stderr) if info.is_main else None,
         on_update=logs.write,
+        on_resume=logs.restore,  # rows a killed run's loggers had not written yet
     )
     logs.close()  # (also at exit if training raised)
     if rows and info.is_main:

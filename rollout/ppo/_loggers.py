@@ -38,7 +38,10 @@ _RENAME = {"returns": "return"}
 
 
 class Logger(Protocol):
-    """Anything that takes metric rows: ``write(row)`` per update, ``close()`` at the end."""
+    """Anything that takes metric rows: ``write(row)`` per update, ``close()`` at the end.
+
+    A logger may also have ``restore(rows)``: on a resumed run, it gets the rows restored with
+    the checkpoint first, to write those the stopped run did not get to write."""
 
     def write(self, row: Mapping[str, Any]) -> None: ...
 
@@ -146,6 +149,14 @@ class TensorBoardLogger:
         )
         self._writer.add_summary(summary, global_step=int(row["env_steps"]))
 
+    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Writes a resumed run's rows again, from its first: events the stopped run had not
+        flushed (up to 30 s of them) were lost with it, and the session start at the first
+        row makes TensorBoard drop every older event for these."""
+        self._started = False  # the session start goes at the first row written again
+        for row in rows:
+            self.write(row)
+
     def close(self) -> None:
         self._writer.close()
 
@@ -178,6 +189,16 @@ class WandbLogger:
 
     def write(self, row: Mapping[str, Any]) -> None:
         self._run.log(scalars(row), step=int(row["env_steps"]))
+
+    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Logs a resumed run's rows that W&B has not got: the rows still queued when the
+        stopped run was killed were lost with it. A resumed online run starts at the step after
+        W&B's last; an offline one knows none (step 0), so it gets them all (W&B drops the
+        steps it already has when the two are synced)."""
+        first = int(self._run.step)
+        for row in rows:
+            if int(row["env_steps"]) >= first:
+                self.write(row)
 
     def close(self) -> None:
         self._run.finish()
@@ -245,6 +266,12 @@ class Loggers:
         self.loggers, self._live = [], []
         atexit.unregister(self.close)
 
+    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A resumed run's metric rows so far, for loggers to write what they missed (every
+        logger that has a ``restore`` method), before any new row and whatever the interval."""
+        if self._thread is not None and rows:
+            self._queue.put(("restore", [dict(r) for r in rows]))
+
     def __enter__(self) -> Loggers:
         return self
 
@@ -255,7 +282,13 @@ class Loggers:
         while (row := self._queue.get()) is not None:
             start = time.thread_time()
             for logger in list(self._live):
-                if not _report(logger, "write", lambda lg=logger: lg.write(row)):
+                if isinstance(row, tuple):  # ("restore", rows)
+                    if not hasattr(logger, "restore"):
+                        continue
+                    ok = _report(logger, "restore", lambda lg=logger: lg.restore(row[1]))
+                else:
+                    ok = _report(logger, "write", lambda lg=logger: lg.write(row))
+                if not ok:
                     self._live.remove(logger)
             self.cpu_s += time.thread_time() - start
 
