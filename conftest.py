@@ -43,6 +43,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 import jax  # noqa: E402  (after the environment above is set)
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Started now: the CLI's main() called in-process sets the device count itself while JAX has not
+# started, so an xdist worker whose first test was such a run kept that count (2 on a 2-core
+# machine) and later tests in it found D=2 instead of 8.
+jax.devices()
 
 
 def _marked_processes() -> tuple[list[str], bool]:

@@ -293,6 +293,10 @@ def test_an_extended_run_takes_the_pbt_step_at_its_old_last_update(tmp_path):
         (["--pbt-factors", "0.8,-1"], "pbt_factors must be positive finite"),
         (["--pbt-interval", "0"], "pbt_interval must be a positive integer"),
         (["--pbt-window", "-2"], "pbt_window must be a positive integer"),
+        (  # PBT would never act: it used to run silently without it
+            ["--total-steps", "4096", "--pbt-interval", "100"],
+            r"pbt_interval=100 updates is more than the run's \d+ updates",
+        ),
     ],
 )
 def test_cli_bad_pbt_flags_are_one_line_errors(tmp_path, capsys, flags, match):

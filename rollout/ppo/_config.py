@@ -328,6 +328,12 @@ def _validate_pbt(cfg: PPOConfig) -> None:
         raise ValueError(f"pbt needs at least 2 members to rank, got members={cfg.members}.")
     _positive_int(cfg, "pbt_interval")
     _positive_int(cfg, "pbt_window")
+    if cfg.pbt_interval > cfg.num_updates:
+        raise ValueError(
+            f"pbt_interval={cfg.pbt_interval} updates is more than the run's {cfg.num_updates} "
+            f"updates, so PBT would never act; give at most {cfg.num_updates} (e.g. "
+            f"{max(1, cfg.num_updates // 10)}) or raise total_steps."
+        )
     f = cfg.pbt_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 0.5:
         raise ValueError(f"pbt_fraction must be in (0, 0.5] (bottom copies top), got {f!r}.")
