@@ -25,6 +25,7 @@ member's ``rngs={'dropout': k}``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from ensemble._core import (
     explained_errors,
     split_loss,
 )
-from ensemble._mesh import MEMBER_AXIS, check_mesh, member_sharding, merge_rules
+from ensemble._mesh import MEMBER_AXIS, MODEL_AXIS, check_mesh, member_sharding, merge_rules
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
 from ensemble._steps import one_step_of, scan_steps, stacked_flags
 
@@ -117,7 +118,16 @@ class TrainStep:
 
     def _opt_shardings(self, params: Any) -> Any:
         abstract = jax.eval_shape(self._tx.init, params)
-        default = lambda x: member_sharding(self.mesh, len(x.shape), None, self._members.rules)
+        rules = self._members.rules
+
+        def default(x: Any) -> Any:  # only the member axis; empty nodes (optax.MaskedNode) kept
+            return member_sharding(self.mesh, len(x.shape), None, rules) if _shaped(x) else x
+
+        def like_param(leaf: Any, sharding: Any, shape: Any) -> Any:
+            if not _shaped(leaf):  # the masked-out parameters of optax.masked / multi_transform
+                return leaf
+            return sharding if leaf.shape == shape else default(leaf)
+
         shapes = jax.tree.map(np.shape, params)
         param_shardings = jax.tree.map(lambda p: self._sharding_of(p, p), params)
         try:
@@ -125,14 +135,22 @@ class TrainStep:
             # 'model' too); everything else only the member axis.
             return optax.tree_utils.tree_map_params(
                 self._member_tx,
-                lambda leaf, sharding, shape: sharding if leaf.shape == shape else default(leaf),
+                like_param,
                 abstract,
                 param_shardings,
                 shapes,
                 transform_non_params=default,
                 is_leaf=lambda x: isinstance(x, NamedSharding | tuple),
             )
-        except Exception:  # an exotic state layout: fall back to the member axis only
+        except Exception as e:  # an exotic state layout: the member axis only
+            if self.mesh.shape[MODEL_AXIS] > 1:
+                warnings.warn(
+                    f"train_step: the optimizer state's layout is not one optax can map onto "
+                    f"the parameters ({type(e).__name__}: {e}), so its moments are split over "
+                    "the members only, not over the 'model' devices like the parameters: each "
+                    "of a member's devices holds them whole.",
+                    stacklevel=3,
+                )
             return jax.tree.map(default, abstract)
 
     # ------------------------------------------------------------------ the step
@@ -286,6 +304,10 @@ class TrainStep:
     def _check_member_major(self, tree: Any, what: str) -> None:
         hint = "Pass the ensemble's variables['params'] and step.init(params)."
         check_member_major(tree, self.n, f"{what} leaf ", hint)
+
+
+def _shaped(x: Any) -> bool:
+    return hasattr(x, "shape")
 
 
 def _member_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:

@@ -86,3 +86,43 @@ def test_member_split_equals_flax_resolution_and_outputs_match():
     lowered = jax.jit(tp.apply).lower({"params": params}, x)
     assert ensemble.debug.collectives(lowered) != {}
     assert ensemble.debug.collectives(lowered, across_members=True) == {}
+
+
+def test_masked_optimizer_moments_are_split_like_their_parameters():
+    """optax.masked / multi_transform leave MaskedNode placeholders in the state, which the
+    moments' sharding used to fail on, silently falling back to the member axis only: each of
+    a member's devices then held its moments whole (the step's peak as without parallelism)."""
+    import optax
+
+    x = jnp.array([[1, 2, 3, 4], [5, 6, 7, 12]])
+    model = Block()
+    tp = ensemble.build(model, 4, model_parallel=2, rules=RULES)
+    params = tp.init(jax.random.key(0), x)["params"]
+    kernels = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)  # one member's params
+    labels = lambda p: jax.tree.map(lambda a: "adam" if a.ndim >= 2 else "sgd", p)
+    loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+    for tx in (
+        optax.masked(optax.adam(1e-3), kernels),
+        optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2)}, labels),
+    ):
+        step = tp.train_step(loss, tx, donate=False)
+        state = step.init(params)
+        moments = optax.tree_utils.tree_get_all_with_path(state, "mu")
+        assert moments
+        pairs = [  # (moment spec, its parameter's spec); masked-out parameters have none
+            (m.sharding.spec, p.sharding.spec)
+            for _, mu in moments
+            for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(mu, is_leaf=_masked))
+            if not _masked(m)
+        ]
+        assert all(m == p for m, p in pairs), pairs
+        assert sum("model" in m for m, _ in pairs) == 6  # the kernels split on 'model'
+        new, _, _ = step(params, state, x)
+        for p, q in zip(jax.tree.leaves(new), jax.tree.leaves(params), strict=True):
+            assert p.sharding.spec == q.sharding.spec
+
+
+def _masked(x):
+    import optax
+
+    return isinstance(x, optax.MaskedNode)
