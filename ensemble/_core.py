@@ -96,7 +96,8 @@ def split_static(tree: Any, what: str, is_leaf: Callable[[Any], bool] | None = N
     string or a dict of settings stays a Python value, so ``if train:`` works in the module.
     :func:`join_static` puts them back together. Refuses an unhashable non-array leaf."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    mask = tuple(isinstance(x, jax.Array | np.ndarray) for _, x in leaves)
+    # Shape structs too: lower_init / init_shardings / compiled_memory take them for arrays.
+    mask = tuple(isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) for _, x in leaves)
     fixed = tuple(None if d else x for (_, x), d in zip(leaves, mask))
     for path, x in (leaf for leaf, d in zip(leaves, mask) if not d):
         try:

@@ -174,6 +174,14 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
       >>> (s.argument, s.output, s.alias, s.peak)
       (4000, 4000, 4000, 4000)
     """
+    if callable(fn) and not _is_function(fn):
+        # jax.jit(module) closes over its state: compiled in as constants, the state's bytes
+        # missing from every figure (and the whole ensemble's weights in each device's program).
+        raise TypeError(
+            f"compiled_memory: fn is an nnx.Module ({type(fn).__name__}), whose state jax.jit "
+            "would compile in as constants, missing from the figures; pass it as an argument "
+            "of a jitted function instead: compiled_memory(nnx.jit(lambda m, x: m(x)), ens, x)."
+        )
     try:
         if isinstance(fn, jax.stages.Compiled):
             compiled = fn

@@ -228,6 +228,12 @@ def test_init_holds_only_a_devices_share():
     assert peak <= 1.05 * peak_one / D
     shardings = ens.init_shardings(jax.random.key(0), x)
     assert jax.tree_util.tree_leaves(shardings)[0].spec[0] == MEMBER_AXIS
+    # Shape structs instead of arrays (a model too big to make its input): the same program.
+    # They were taken for static Python values and handed to the model (a TypeError in Flax).
+    spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    same = ens.lower_init(jax.random.key(0), spec).compile().memory_analysis()
+    assert same.output_size_in_bytes == stats.output_size_in_bytes
+    assert ens.init_shardings(jax.random.key(0), spec) == shardings
 
 
 def test_apply_compiles_once_per_static_config():
