@@ -447,6 +447,34 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     assert not Path(out).exists()  # nothing written by a refused command
 
 
+def test_cli_ppo_settings_reach_the_config_and_resume_refuses_their_change(tmp_path, capsys):
+    """Every PPOConfig setting has a flag (CleanRL's are the defaults); a bad value is one line,
+    and a resume that changes one is refused like any other change."""
+    out = tmp_path / "run"
+    flags = ["--members", "2", "--num-envs", "2", "--num-steps", "16", "--total-steps", "64"]
+    tuned = ["--update-epochs", "2", "--num-minibatches", "2", "--gamma", "0.9", "--gae-lambda",
+             "0.8", "--vf-coef", "0.25", "--max-grad-norm", "1.5", "--hidden", "16,8",
+             "--no-anneal-lr", "--no-norm-adv", "--no-clip-vloss", "--normalize-obs",
+             "--normalize-reward", "--no-bootstrap-truncation"]  # fmt: skip
+    assert main(["--out", str(out), *flags, *tuned, "--no-progress"]) == 0
+    capsys.readouterr()
+    saved = json.loads((out / "run.json").read_text())["config"]
+    want = dict(update_epochs=2, num_minibatches=2, gamma=0.9, gae_lambda=0.8, vf_coef=0.25,
+                max_grad_norm=1.5, hidden=[16, 8], anneal_lr=False, norm_adv=False,
+                clip_vloss=False, normalize_obs=True, normalize_reward=True,
+                bootstrap_truncation=False)  # fmt: skip
+    assert {k: saved[k] for k in want} == want
+    line = _cli_error(["--out", str(out), "--resume", "--gamma", "0.99"], capsys)
+    assert "another config (gamma 0.9 -> 0.99)" in line
+    for bad, match in [
+        (["--gamma", "1.5"], "gamma must be in [0, 1], got 1.5"),
+        (["--hidden", "64,0"], "'64,0' is not a list of positive widths like 64,64"),
+        (["--num-minibatches", "3"], "num_minibatches=3 must divide the batch"),
+        (["--max-grad-norm", "0"], "max_grad_norm must be finite and > 0"),
+    ]:
+        assert match in _cli_error(["--out", str(tmp_path / "bad"), *flags, *bad], capsys)
+
+
 def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, capsys):
     out = tmp_path / "run"
     cfg = _tiny()

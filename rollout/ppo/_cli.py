@@ -518,6 +518,26 @@ def _floats(text: str) -> float | tuple[float, ...]:
 _DEFAULTS = {"env": "cartpole", "members": 4, "seed": 0, "env_on": "device"}
 #: config flags: (flag attribute, PPOConfig field).
 _PBT_OPTIONS = ("pbt_interval", "pbt_fraction", "pbt_factors", "pbt_window")  # tune --pbt
+#: PPOConfig fields with a flag of their own name (default: CleanRL's for the env).
+_TUNING = (
+    "update_epochs",
+    "num_minibatches",
+    "gamma",
+    "gae_lambda",
+    "vf_coef",
+    "max_grad_norm",
+    "hidden",
+    *(
+        _SWITCHES := (
+            "anneal_lr",
+            "norm_adv",
+            "clip_vloss",
+            "normalize_obs",
+            "normalize_reward",
+            "bootstrap_truncation",
+        )
+    ),
+)
 _CONFIG_FLAGS = (
     ("env", "env"),
     ("env_kwargs", "env_kwargs"),
@@ -531,6 +551,7 @@ _CONFIG_FLAGS = (
     ("num_envs", "num_envs"),
     ("num_steps", "num_steps"),
     ("updates_per_call", "updates_per_call"),
+    *((flag, flag) for flag in _TUNING),
     ("pbt", "pbt"),
     *((flag, flag) for flag in _PBT_OPTIONS),
 )
@@ -542,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an ensemble of PPO agents, one per device (CleanRL defaults per env).",
         epilog="--resume takes the config from the run in --out; only --total-steps may grow.",
     )
-    for add in (_run_args, _ppo_args, _output_args, _process_args):
+    for add in (_run_args, _ppo_args, _tuning_args, _output_args, _process_args):
         add(p)
     return p
 
@@ -597,6 +618,46 @@ def _ppo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pbt-fraction", type=float, default=None, help="bottom/top fraction (0.25)")
     p.add_argument("--pbt-factors", type=_floats, default=None, help="perturbations (0.8,1.2)")
     p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking")
+
+
+def _tuning_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "PPO settings", "default: CleanRL's ppo.py / ppo_continuous_action.py for the env"
+    )
+    g.add_argument("--update-epochs", type=int, default=None, help="epochs over each batch")
+    g.add_argument("--num-minibatches", type=int, default=None, help="minibatches per epoch")
+    g.add_argument("--gamma", type=float, default=None, help="discount factor")
+    g.add_argument("--gae-lambda", type=float, default=None, help="GAE lambda")
+    g.add_argument("--vf-coef", type=float, default=None, help="value loss coefficient")
+    g.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping norm")
+    g.add_argument("--hidden", type=_widths, default=None, help="MLP widths, e.g. 64,64")
+    for name in _SWITCHES:
+        g.add_argument(
+            f"--{name.replace('_', '-')}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_SWITCH_HELP[name],
+        )
+
+
+_SWITCH_HELP = {
+    "anneal_lr": "learning rate decays linearly to 0",
+    "norm_adv": "advantages normalised per minibatch",
+    "clip_vloss": "clipped value loss",
+    "normalize_obs": "running mean/std of observations (default: on for continuous actions)",
+    "normalize_reward": "rewards scaled by the return's std (default: on for continuous)",
+    "bootstrap_truncation": "bootstrap the value at a time limit instead of a terminal state",
+}
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive widths like 64,64")
+    return widths
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
