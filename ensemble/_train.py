@@ -196,7 +196,16 @@ class TrainStep:
         """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``; with
         ``stacked`` (as for :meth:`scan`), the lowered :meth:`scan`."""
         flags = None if stacked is None else stacked_flags(stacked, len(batch))
+        # Shape structs without a sharding stand for the state where the step keeps it (on the
+        # member axis): lowered as unplaced inputs instead, the step lost its donation and
+        # compiled_memory over-reported its peak (by a third for a small MLP).
+        params, opt_state = jax.tree.map(self._placed_spec, (params, opt_state))
         return self._program(params, opt_state, batch, flags).lower(params, opt_state, *batch)
+
+    def _placed_spec(self, x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._sharding_of(x, x))
+        return x
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
         pmb = self._per_member_batch
