@@ -139,6 +139,8 @@ def initialize(
     if coordinator_address and _is_loopback(coordinator_address):
         # JAX binds the coordinator on every interface by default; one machine needs loopback.
         bind = os.environ.get(ENV_COORDINATOR_BIND_ADDRESS) or coordinator_address
+    if process_id == 0:
+        _check_coordinator_port(bind or coordinator_address)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -180,8 +182,16 @@ def resolve_settings(
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR_ADDRESS)
     if num_processes is None:
         num_processes = _env_int(ENV_NUM_PROCESSES)
+    launched = _env_int(ENV_PROCESS_ID)
     if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
+        process_id = launched
+    elif launched is not None and launched != process_id:
+        # Under ensemble.launch every process would take the one id: no process 0, so no
+        # coordinator, and all of them wait to abort.
+        raise ValueError(
+            f"process_id={process_id} contradicts ${ENV_PROCESS_ID}={launched} (set by "
+            "ensemble.launch for each process): leave the process id out under the launcher."
+        )
     if not _joins_a_run(coordinator_address, num_processes, process_id):
         return None
     return coordinator_address, num_processes, process_id
@@ -455,6 +465,23 @@ def _fail_fast_on_uncaught_exceptions() -> None:
         os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
+
+
+def _check_coordinator_port(address: str | None) -> None:
+    """Process 0 binds the coordinator's port: a taken one made JAX 0.10.2 crash the process
+    (a segfault, or "Failed to start RPC server") and left the others waiting to abort."""
+    from ensemble.launch import port_in_use
+
+    if not address or ":" not in address:
+        return
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    local = "0.0.0.0" if not _is_loopback(address) else "127.0.0.1" if host == "localhost" else host
+    if port.isdigit() and ":" not in local and port_in_use(int(port), local):
+        raise OSError(
+            f"the coordinator's port {port} is already in use on this machine (another run's "
+            "coordinator?); nothing was started. Give process 0's address another port."
+        )
 
 
 def _is_loopback(address: str) -> bool:

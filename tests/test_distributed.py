@@ -209,6 +209,43 @@ def test_initialize_with_half_the_settings_says_what_is_missing():
     assert "process_id=None" in res.stderr and "ENSEMBLE_PROCESS_ID" in res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_taken_coordinator_port_is_one_line_not_a_crash(tmp_path):
+    # JAX 0.10.2 segfaulted process 0 (or failed to start its RPC server) and left the others
+    # waiting 120 s to abort; the launcher checked its own --port, initialize did not.
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        script = f"from ensemble import distributed; distributed.initialize({address!r}, 2, 0)"
+        res = subprocess.run(
+            [sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert res.returncode == 1 and "OSError: the coordinator's port" in res.stderr, res.stderr
+        out = tmp_path / "run"
+        argv = ["--coordinator", address, "--num-processes", "2", "--process-id", "0",
+                "--members", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "rollout.ppo", *argv], env=clean_env(), capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines()[-1].startswith("error: the coordinator's port")
+    assert not out.exists()  # the run directory the check made is gone again
+
+
+def test_a_process_id_that_contradicts_the_launchers_is_refused(monkeypatch):
+    # Every process given --process-id 1 under the launcher: no process 0, so no coordinator,
+    # and each waited 120 s to abort with a C++ stack trace.
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    with pytest.raises(ValueError, match=r"process_id=1 contradicts \$ENSEMBLE_PROCESS_ID=0"):
+        distributed.resolve_settings("127.0.0.1:1", 2, 1)
+    assert distributed.resolve_settings("127.0.0.1:1", 2, 0) == ("127.0.0.1:1", 2, 0)
+
+
 def test_loopback_detection():
     assert distributed._is_loopback("127.0.0.1:1234") and distributed._is_loopback("[::1]:1")
     assert distributed._is_loopback("localhost:80")

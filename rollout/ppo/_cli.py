@@ -7,6 +7,7 @@ line first, configures the CPU devices, and only then imports the learner.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -884,6 +885,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         ckpt.check_resume(found, config.to_dict())
     else:
         ckpt.check_fresh(found, args.overwrite)
+    made = not os.path.exists(args.out)
     ckpt.check_writable(args.out)
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.
     if joining is not None and joining[1] and joining[1] > 1:
@@ -895,7 +897,13 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
             file=sys.stderr,
             flush=True,
         )
-    info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    try:
+        info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except OSError as e:  # the coordinator's port is taken
+        if made:  # by check_writable just now, and still empty
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
+        raise UsageError(f"{e} On the command line: --coordinator HOST:PORT.") from None
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
     if args.devices and devices is not None and n_dev < args.devices * info.num_processes:
