@@ -363,7 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = pathlib.Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file; give a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out} cannot be made ({e.strerror or e}); give another folder")
 
     start = time.perf_counter()
     results: dict[str, dict[int, dict[str, Any]]] = {"naive": {}, "advice": {}, "ensemble": {}}

@@ -18,6 +18,7 @@ MISTAKES = [
     ("examples/cpu_rollout.py", ["--workers", "0"], "error: --workers must be >= 1, got 0"),
     ("examples/deep_ensemble.py", ["--members"], "error: argument --members: expected one"),
     ("examples/memory_reduction.py", ["--batch", "-1"], "error: --batch must be >= 1"),
+    ("examples/memory_reduction.py", ["--out", "/proc/x/y"], "--out /proc/x/y cannot be made"),
     ("benchmarks/accelerator_check.py", ["--check-timeout", "0"], "expected a number > 0"),
     ("benchmarks/accelerator_check.py", ["--out", "README.md"], NOT_A_FOLDER),
     ("benchmarks/callback_cost.py", ["--work", "spin:x"], "expected spin:W or sleep:W"),

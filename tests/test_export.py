@@ -679,3 +679,18 @@ def test_a_member_directory_without_member_json_is_refused_not_left_out(
         "member_3: a member renamed or copied by hand? export the member again (python -m "
         f"rollout.ppo.export RUN_DIR --to {out})."
     ]
+
+
+def test_the_note_on_cut_gymnasium_episodes_names_the_policy(capsys):
+    # One per policy (each member and the ensemble): three identical lines, before, could not
+    # be told apart.
+    import jax.numpy as jnp
+
+    push_left = lambda obs: jnp.zeros(obs.shape[:1], jnp.int32)  # a batch of one
+    returns = evaluate.gymnasium_returns(push_left, "CartPole-v1", 2, 0, max_steps=3, name="m1")
+    assert list(returns) == [3.0, 3.0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "note: m1: 2 of 2 episodes of CartPole-v1 had not ended after 3 steps; their return "
+        "counts those steps (--max-steps sets the cap)"
+    ]

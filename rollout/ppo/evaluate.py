@@ -167,9 +167,11 @@ def gymnasium_returns(
     seed: int,
     kwargs: dict[str, Any] | None = None,
     max_steps: int | None = None,
+    name: str = "the policy",
 ) -> np.ndarray:
     """Returns of ``episodes`` gymnasium episodes (seeds ``seed``, ``seed + 1``, ...), each
-    cut after :func:`step_cap` steps (said on stderr) if it has not ended by then."""
+    cut after :func:`step_cap` steps (said on stderr, naming the policy) if it has not ended by
+    then."""
     import jax
 
     from rollout.hostenv._host import make_gymnasium_or_explain
@@ -184,7 +186,8 @@ def gymnasium_returns(
     cut = sum(c for _, c in runs)
     if cut:
         print(
-            f"note: {cut} of {episodes} episodes of {env_id} had not ended after {cap} steps; "
+            f"note: {name}: {cut} of {episodes} episodes of {env_id} had not ended after {cap} "
+            "steps; "
             "their return counts those steps (--max-steps sets the cap)",
             file=sys.stderr,
         )
@@ -246,14 +249,14 @@ def evaluate(
         if max_steps is not None:
             raise ValueError(
                 "--max-steps is not applied to envpool: ids; set EnvPool's own limit when "
-                "training (--env-kwargs max_episode_steps=N)."
+                """training (--env-kwargs '{"max_episode_steps": N}')."""
             )
         return {
             name: envpool_returns(p, env_id, episodes, seed, kwargs) for name, p in policies.items()
         }
     env_id = _gymnasium_id(members[0].meta)
     return {
-        name: gymnasium_returns(p, env_id, episodes, seed, kwargs, max_steps)
+        name: gymnasium_returns(p, env_id, episodes, seed, kwargs, max_steps, name)
         for name, p in policies.items()
     }
 
