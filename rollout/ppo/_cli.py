@@ -519,7 +519,16 @@ def _floats(text: str) -> float | tuple[float, ...]:
 _DEFAULTS = {"env": "cartpole", "members": 4, "seed": 0, "env_on": "device"}
 #: config flags: (flag attribute, PPOConfig field).
 _PBT_OPTIONS = ("pbt_interval", "pbt_fraction", "pbt_factors", "pbt_window")  # tune --pbt
-#: PPOConfig fields with a flag of their own name (default: CleanRL's for the env).
+#: PPOConfig fields with a flag of their own name (default: CleanRL's for the env); the
+#: switches have --name / --no-name.
+_SWITCHES = (
+    "anneal_lr",
+    "norm_adv",
+    "clip_vloss",
+    "normalize_obs",
+    "normalize_reward",
+    "bootstrap_truncation",
+)
 _TUNING = (
     "update_epochs",
     "num_minibatches",
@@ -528,16 +537,7 @@ _TUNING = (
     "vf_coef",
     "max_grad_norm",
     "hidden",
-    *(
-        _SWITCHES := (
-            "anneal_lr",
-            "norm_adv",
-            "clip_vloss",
-            "normalize_obs",
-            "normalize_reward",
-            "bootstrap_truncation",
-        )
-    ),
+    *_SWITCHES,
 )
 _CONFIG_FLAGS = (
     ("env", "env"),

@@ -193,8 +193,7 @@ class WandbLogger:
     def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Logs a resumed run's rows that W&B has not got: the rows still queued when the
         stopped run was killed were lost with it. A resumed online run starts at the step after
-        W&B's last; an offline one knows none (step 0), so it gets them all (W&B drops the
-        steps it already has when the two are synced)."""
+        W&B's last; an offline one knows none (step 0), so it gets them all again."""
         first = int(self._run.step)
         for row in rows:
             if int(row["env_steps"]) >= first:
