@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -131,6 +132,8 @@ def typed(value: Any) -> Hashable:
         return type(value), tuple(typed(v) for v in value)
     if isinstance(value, dict):
         return type(value), tuple((k, typed(v)) for k, v in value.items())
+    if isinstance(value, float):  # -0.0 == 0.0, yet x / -0.0 is -inf: the sign is kept apart
+        return type(value), value, math.copysign(1.0, value)
     return type(value), value
 
 

@@ -273,6 +273,18 @@ def test_static_values_equal_in_python_but_of_other_types_compile_apart():
     nnx_ens = ensemble.build(lambda rngs: ScaledNNX(rngs), D, rngs=0)
     for k in (1.0, 1, True):
         assert nnx_ens(x, k).dtype == nnx_ens.member(0)(x, k).dtype, k
+    # 0.0 and -0.0 are equal too, yet x / -0.0 is -inf: the second reused the first's program.
+    divided = ensemble.build(Divided(), D)
+    v = divided.init(0, x)
+    for s in (0.0, -0.0):
+        want = Divided().apply(divided.member(v, 0), x, s=s)
+        np.testing.assert_array_equal(divided.apply(v, x, s=s)[0], want)
+
+
+class Divided(nn.Module):
+    @nn.compact
+    def __call__(self, x, s=1.0):
+        return nn.Dense(2)(x) / s
 
 
 class ScaledNNX(nnx.Module):
