@@ -99,7 +99,9 @@ class NNXEnsemble(nnx.Module):
 
     Calling the ensemble runs every member and returns outputs with a leading axis of size n,
     sharded on the member axis. It is an ordinary ``nnx.Module``: ``nnx.jit``, ``nnx.grad``,
-    ``nnx.Optimizer``, ``.train()`` / ``.eval()`` and ``nnx.state`` all work on it. An
+    ``.train()`` / ``.eval()`` and ``nnx.state`` all work on it (its optimizer comes from
+    :func:`nnx_optimizer`, whose optax state is per member; the train step refuses a plain
+    ``nnx.Optimizer``). An
     ``nnx.Rngs`` passed to a call (``ens(x, rngs=nnx.Rngs(0))``, as the Flax tutorials write
     Dropout) gives member i the streams ``jax.random.split(rngs[stream](), n)[i]``.
 
@@ -297,6 +299,26 @@ def _check_no_raw_arrays(module: nnx.Module) -> None:
             )
 
 
+def _check_single_array_variables(module: nnx.Module) -> None:
+    """Refuses a Variable whose value is a pytree (an RNN carry kept as ``nnx.Cache((h, c))``):
+    the member axis, the placement and the write-back after a call all go one array per
+    Variable, and such a value crashed every call (or, under ``python -O``, wrote changes
+    into other Variables)."""
+    for path, node in nnx.iter_graph(module):
+        if not isinstance(node, nnx.Variable):
+            continue
+        value = node.get_value()
+        leaves = jax.tree.leaves(value)
+        if leaves and not (len(leaves) == 1 and leaves[0] is value):
+            name = ".".join(map(str, path))
+            kind = type(node).__name__
+            raise TypeError(
+                f"the factory's module keeps a {type(value).__name__} of arrays in the "
+                f"{kind} {name!r}; ensemble members need one array per Variable: keep each "
+                f"part in its own (e.g. self.h = nnx.{kind}(h); self.c = nnx.{kind}(c))."
+            )
+
+
 def _check_same_structure(graphdef: Any, state: Any, new_graphdef: Any, new_state: Any) -> None:
     """Refuses a member call that changed the module's structure: a Variable it created
     (``self.sow``, a lazily made cache) or a Python attribute it set (``self.calls += 1``).
@@ -331,7 +353,11 @@ def _write_back(members: nnx.Module, state: Any, changed: list[bool], new: list[
     plain module, an ensemble that only reads its parameters can be called inside
     ``jax.jit`` / ``jax.grad`` (setting them from another trace level is an error in NNX)."""
     flat = list(nnx.to_flat_state(state))
-    assert len(flat) == len(changed), (len(flat), len(changed))
+    if len(flat) != len(changed):  # not an assert: under python -O it would write elsewhere
+        raise RuntimeError(
+            f"ensemble: {len(flat)} Variables but {len(changed)} changed flags; a Variable "
+            "holds more than one array."
+        )
     paths = [path for (path, _), c in zip(flat, changed) if c]
     if paths:
         nnx.update(members, nnx.from_flat_state(list(zip(paths, new, strict=True))))
@@ -551,6 +577,7 @@ def _plan(
     with nnx.use_eager_sharding(False):
         abstract_module = nnx.eval_shape(create, keys)
     _check_no_raw_arrays(abstract_module)
+    _check_single_array_variables(abstract_module)
     _warn_if_rngs_unused(make_member, keys, members.n)
     graphdef, abstract = nnx.split(abstract_module)
     _warn_unmapped_nnx(abstract, members)
@@ -921,6 +948,16 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
             f"expected an nnx.Optimizer second (from ensemble.nnx_optimizer), got "
             f"{type(optimizer).__name__}."
         )
+    update = getattr(getattr(optimizer, "tx", None), "update", None)
+    if getattr(update, "__code__", None) is not _PER_MEMBER:
+        # Its tx would see all members at once: clip_by_global_norm clipped each member by
+        # the norm over every member, silently.
+        raise ValueError(
+            "this nnx.Optimizer was not made with ensemble.nnx_optimizer: its optax "
+            "transformation sees every member at once (clip_by_global_norm would clip each "
+            "member by the norm over all of them; Adam would keep no state per member). Make it "
+            "with ensemble.nnx_optimizer(ens, tx) or step.init() of ens.train_step(loss_fn, tx)."
+        )
     # An optimizer made for an ensemble of another n otherwise fails deep in optax's update,
     # naming the value= argument that the step passes, not the optimizer.
     check_member_major(
@@ -930,6 +967,11 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
         "The optimizer was made for another ensemble: make it for this one, with "
         "ensemble.nnx_optimizer(ens, tx) or step.init() of ens.train_step(loss_fn, tx).",
     )
+
+
+#: The update of every per-member optax transformation (how an optimizer from nnx_optimizer
+#: is told from a plain nnx.Optimizer).
+_PER_MEMBER = per_member(optax.identity(), 1).update.__code__
 
 
 def nnx_train_step(

@@ -228,3 +228,34 @@ def test_a_python_number_new_every_call_keeps_a_bounded_number_of_nnx_programs(m
     for t, out in enumerate(outs):
         np.testing.assert_allclose(out[2], ref * t, rtol=1e-6)
     np.testing.assert_allclose(ens(x, scale=0.0)[2], 0.0)  # dropped, compiled again: same
+
+
+class _TupleCarry(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+        self.carry = nnx.Cache((jnp.zeros(2), jnp.zeros(2)))  # an LSTM-style (h, c)
+
+    def __call__(self, x):
+        h, c = self.carry.get_value()
+        y = self.l(x) + h
+        self.carry.set_value((y, c + 1))
+        return y
+
+
+def test_a_variable_holding_a_tuple_of_arrays_is_refused_at_build():
+    # Every call crashed on an assert; under python -O the changes went to other Variables
+    # (the counter's increment into l.bias). One array per Variable is what members need.
+    with pytest.raises(TypeError, match=r"tuple of arrays in the Cache 'carry'.*nnx.Cache\(h\)"):
+        ensemble.build(_TupleCarry, 4, rngs=0)
+
+
+def test_a_plain_nnx_optimizer_is_refused_by_the_train_step():
+    # Its tx saw every member at once: clip_by_global_norm clipped each member by the norm over
+    # all of them, silently (member 0 off by 0.024 after one step against the plain model).
+    ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=rngs), 4, rngs=0)
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(1.0))
+    step = ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), tx)
+    x = jnp.ones((5, 3))
+    with pytest.raises(ValueError, match=r"not made with ensemble.nnx_optimizer"):
+        step(ens, nnx.Optimizer(ens, tx, wrt=nnx.Param), x)
+    step(ens, step.init(), x)  # the optimizer the step makes is per member
