@@ -116,7 +116,8 @@ def _check_extra_args(extra_args: dict[str, Any], n: int) -> None:
 def _check_injected(state: Any, names: list[str]) -> None:
     """Per-member values need numeric hyperparameters of ``optax.inject_hyperparams``."""
     get = optax.tree_utils.tree_get_all_with_path
-    injected = {k for _, hp in get(state, "hyperparams") for k in hp}
+    holders = [k for _, hp in get(state, "hyperparams") for k in hp]  # once per injection
+    injected = set(holders)
     if not injected:
         raise ValueError(
             f"per-member hyperparameters {names} need a transform made with "
@@ -128,7 +129,6 @@ def _check_injected(state: Any, names: list[str]) -> None:
             f"per-member values were given for {unknown}, which tx does not inject (its "
             f"injected hyperparameters: {sorted(injected)})."
         )
-    holders = [k for _, hp in get(state, "hyperparams") for k in hp]
     repeated = sorted({k for k in names if holders.count(k) > 1})
     if repeated:
         raise ValueError(

@@ -72,7 +72,6 @@ class GymnaxEnv(Env):
     _env: Any = dataclasses.field(init=False, repr=False)
     _params: Any = dataclasses.field(init=False, repr=False)
     _one_hot: int = dataclasses.field(init=False, repr=False)  # n of a Discrete observation
-    _obs_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False)
     _spaces: tuple[Box, Space] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,14 +98,14 @@ class GymnaxEnv(Env):
             obs_space = _space(env.observation_space(params), "observation", self.env_id)
             action_space = _space(env.action_space(params), "action", self.env_id)
         object.__setattr__(self, "_spaces", (_flat_space(obs_space), action_space))
-        object.__setattr__(self, "_obs_shape", self._spaces[0].shape)
 
     def _obs(self, obs: jax.Array) -> jax.Array:
         """gymnax's observation as :attr:`observation_space` describes it: a Discrete one
         one-hot, a Box that is neither a vector nor an image flattened (as gymnasium does)."""
         if self._one_hot:
             return jax.nn.one_hot(obs, self._one_hot, dtype=jnp.float32)
-        return obs if obs.shape == self._obs_shape else obs.reshape(self._obs_shape)
+        shape = self._spaces[0].shape
+        return obs if obs.shape == shape else obs.reshape(shape)
 
     @property
     def name(self) -> str:  # type: ignore[override]
