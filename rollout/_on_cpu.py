@@ -834,13 +834,14 @@ class _Call:
             outs = self.executor.run(
                 self.flat_fn, key, self.nb, b, s, chunk, weak, self.timeout, self.timeout_message
             )
-        for j, (o, (shape, _)) in enumerate(zip(outs, self.row_outs)):
-            if o.shape[1:] != tuple(shape):  # fn's output shape depends on the batch size
+        for j, (o, (shape, dt)) in enumerate(zip(outs, self.row_outs)):
+            # fn's output shape or dtype depends on the batch size
+            if o.shape[1:] != tuple(shape) or o.dtype != np.dtype(dt):
                 raise ValueError(
-                    f"on_cpu(fn): output leaf {j} has rows of shape {o.shape[1:]} when fn runs "
-                    f"on chunks of {chunk} rows, and {tuple(shape)} on the whole batch: fn must "
-                    "be row-independent (no output shape that depends on the batch size), with "
-                    "the batch on axis 0 of every output"
+                    f"on_cpu(fn): output leaf {j} has rows of {o.dtype} {o.shape[1:]} when fn "
+                    f"runs on chunks of {chunk} rows, and {np.dtype(dt)} {tuple(shape)} on the "
+                    "whole batch: fn must be row-independent (no output shape or dtype that "
+                    "depends on the batch size), with the batch on axis 0 of every output"
                 )
         return [o[:rows] for o in outs]
 

@@ -33,9 +33,9 @@ import traceback
 
 #: fn's outputs for a chunk of rows must be the full batch's, row for row.
 _SHAPE_CHANGED = (
-    "fn returned output leaf {} of shape {} for this worker's chunk of rows, where the whole "
-    "batch's output gives the chunk shape {}: fn must be row-independent (no output shape "
-    "that depends on the batch size), with the batch on axis 0 of every output"
+    "fn returned output leaf {} as {} {} for this worker's chunk of rows, where the whole "
+    "batch's output gives the chunk {} {}: fn must be row-independent (no output shape or "
+    "dtype that depends on the batch size), with the batch on axis 0 of every output"
 )
 
 
@@ -106,8 +106,11 @@ def main(fd: int) -> None:
                 conn.send(("start", call_id))
                 results = programs[key](*args)
                 for j, ((off, shape, dt), res) in enumerate(zip(outs, results, strict=True)):
-                    if tuple(res.shape) != tuple(shape):  # NumPy would broadcast it in
-                        raise ValueError(_SHAPE_CHANGED.format(j, res.shape, tuple(shape)))
+                    # NumPy would broadcast or cast it in, silently
+                    if tuple(res.shape) != tuple(shape) or res.dtype != np.dtype(dt):
+                        raise ValueError(
+                            _SHAPE_CHANGED.format(j, res.dtype, res.shape, dt, tuple(shape))
+                        )
                     np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
                 # Drop views into the block now, so that it can be closed when it is replaced.
                 args = results = buf = None

@@ -593,6 +593,20 @@ def test_an_output_shape_that_depends_on_the_batch_size_is_an_error_not_broadcas
             f.close()
 
 
+def test_an_output_dtype_that_depends_on_the_batch_size_is_an_error_not_cast():
+    # The whole batch (4 rows) gives int32, each worker's chunk (2 rows) float32: NumPy would
+    # truncate 1.6 to 1 where fn itself rounds it to 2.
+    fn = lambda v: jnp.round(v).astype(jnp.int32) if v.shape[0] == 4 else v
+    x = np.array([0.4, 1.6, 2.4, 3.6], np.float32)
+    for executor in ("process", "inprocess"):
+        f = on_cpu(fn, workers=2, executor=executor)
+        for call in (f, jax.jit(f)):
+            with pytest.raises(Exception, match="fn must be row-independent") as info:
+                call(x)
+            assert "float32" in str(info.value) and "int32" in str(info.value)
+        f.close()
+
+
 EXIT_DURING_CALL = textwrap.dedent(
     """
     import threading, time
