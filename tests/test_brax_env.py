@@ -72,8 +72,10 @@ def test_the_spaces_come_from_a_trace_not_an_eager_reset():
 def test_bad_brax_ids_and_kwargs_are_one_line():
     with pytest.raises(ValueError, match=r"unknown brax env 'nope'; registered: .*ant"):
         envs.make("brax:nope")
-    with pytest.raises(ValueError, match="episode_length must be >= 1"):
-        envs.make("brax:ant", episode_length=0)
+    # Not cut to an int: 2.9 would end every episode after 2 steps, 0.5 be refused as "got 0".
+    for bad in (0, 0.5, 2.9, True, "100"):
+        with pytest.raises(ValueError, match=r"episode_length must be a positive int, got"):
+            envs.make("brax:ant", episode_length=bad)
 
 
 @pytest.mark.timeout(240)

@@ -129,6 +129,15 @@ def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
     np.testing.assert_array_equal(envlib.to_env_action(actions, free), actions)
     with pytest.raises(ValueError, match=r"mine: continuous actions of shape \(2, 2\) are not"):
         spec(envs.Box.uniform((2, 2), -1, 1))
+    # One categorical head picks one action per env: a shaped Discrete would get scalars.
+    with pytest.raises(ValueError, match=r"mine: discrete actions of shape \(2,\) are not"):
+        spec(envs.Discrete(3, shape=(2,)))
+    # A gymnasium space is not read as a box to flatten.
+    with pytest.raises(ValueError, match=r"gymnasium.spaces.discrete.Discrete is not supported"):
+        spec(pytest.importorskip("gymnasium").spaces.Discrete(3))
+    for n in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="num_actions must be a positive int"):
+            envs.Discrete(n)
 
     learner, state = pendulum  # its network, with this box written into the export
     (path,) = export.export_members(learner, state, tmp_path, members=[0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -59,9 +60,12 @@ class BraxEnv(Env):
     def __post_init__(self) -> None:
         envs = _brax_envs()
         kwargs = dict(self.kwargs)
-        limit = int(kwargs.pop("episode_length", EPISODE_LENGTH))
-        if limit < 1:
-            raise ValueError(f"brax:{self.env_id}: episode_length must be >= 1, got {limit}.")
+        limit = kwargs.pop("episode_length", EPISODE_LENGTH)
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+            raise ValueError(
+                f"brax:{self.env_id}: episode_length must be a positive int, got {limit!r}."
+            )
+        limit = int(limit)
         known = sorted(envs._envs) if hasattr(envs, "_envs") else None
         if known is not None and self.env_id not in known:
             raise ValueError(f"unknown brax env {self.env_id!r}; registered: {', '.join(known)}")

@@ -43,6 +43,11 @@ class Discrete:
     shape: tuple[int, ...] = ()
     dtype: Any = jnp.int32
 
+    def __post_init__(self) -> None:
+        n = self.num_actions
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"Discrete: num_actions must be a positive int, got {n!r}.")
+
     @property
     def n(self) -> int:
         """Alias of `num_actions` (gymnasium's name)."""

@@ -150,7 +150,7 @@ def member_envs(env: Any, config: Any, mesh: Any) -> MemberEnvs:
 
 def spec_of(env: Any) -> EnvSpec:
     """Reads the observation and action spaces off a ``rollout.envs`` environment."""
-    from rollout.envs import Discrete
+    from rollout.envs import Box, Discrete
 
     obs_space = env.observation_space
     obs_shape = tuple(obs_space.shape)
@@ -167,7 +167,17 @@ def spec_of(env: Any) -> EnvSpec:
     dtype = np.uint8 if uint8 else np.float32
     space = env.action_space
     if isinstance(space, Discrete):
+        if tuple(space.shape) != ():
+            raise ValueError(
+                f"{name}: discrete actions of shape {tuple(space.shape)} are not supported: the "
+                "policy picks one action per env; use Discrete(n) (shape ())."
+            )
         return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
+    if not isinstance(space, Box):
+        raise ValueError(
+            f"{name}: action space {type(space).__module__}.{type(space).__qualname__} is not "
+            "supported: use rollout.envs.Discrete or rollout.envs.Box."
+        )
     if tuple(space.shape) != (int(np.prod(space.shape)),):
         raise ValueError(
             f"{name}: continuous actions of shape {tuple(space.shape)} are not supported: the "
