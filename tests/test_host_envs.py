@@ -973,10 +973,18 @@ def test_envpool_kwargs_the_layer_owns_or_envpool_rejects_are_one_line():
     pytest.importorskip("envpool")
     with pytest.raises(ValueError, match=r"may not set batch_size, seed: the learner makes"):
         envs.make("envpool:CartPole-v1", batch_size=2, seed=1)
-    for kwargs in ({"nope": 1}, {"max_episode_steps": "x"}):
-        with pytest.raises(ValueError, match=r"envpool cannot make 'CartPole-v1' .*TypeError") as e:
-            envs.make("envpool:CartPole-v1", **kwargs)
-        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"may not set env_seed, gym_reset_return_info"):
+        envs.make("envpool:CartPole-v1", gym_reset_return_info=False, env_seed=[1])
+    with pytest.raises(ValueError, match=r"envpool cannot make 'CartPole-v1' .*TypeError") as e:
+        envs.make("envpool:CartPole-v1", nope=1)
+    assert "\n" not in str(e.value)
+    # Only EnvPool's pool checks these, in a worker (num_threads=-1 aborts the process); a
+    # limit of -5 made every episode one step long.
+    for key, value, least in (("num_threads", -1, 0), ("thread_affinity_offset", -2, -1),
+                              ("max_episode_steps", -5, 1), ("max_episode_steps", 0, 1),
+                              ("max_episode_steps", "x", 1), ("num_threads", 2.0, 0)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{key} must be an int >= {least}, got"):
+            envs.make("envpool:CartPole-v1", **{key: value})
 
 
 _EXIT_SCRIPT = """
@@ -1339,6 +1347,77 @@ def test_envpool_task_equals_envpool_called_directly(workers, kwargs, devices):
         np.testing.assert_allclose(flat(steps[0][t]), o, rtol=1e-5, atol=1e-6)
     pool.close()
     assert steps[2].any()  # episodes ended and were reset
+
+
+def envpool_own_autoreset(task, seed, actions, **kwargs):
+    """``actions`` [T, N] stepped by one EnvPool pool with EnvPool's own autoreset (the step
+    after a done one resets that env, its action ignored), that reset step taken out: per step
+    the observation after autoreset, terminated, truncated and the final observation."""
+    import envpool
+
+    pool = envpool.make(task, env_type="gymnasium", num_envs=actions.shape[1], seed=seed, **kwargs)
+    pool.reset()
+    out = []
+    for a in actions:
+        final, _, term, trunc, _ = pool.step(a)
+        obs, done = final.copy(), np.flatnonzero(term | trunc)
+        if done.size:
+            obs[done] = pool.step(a[done], done.astype(np.int32))[0]
+        out.append((obs, term, trunc, final))
+    pool.close()
+    return [np.stack(x) for x in zip(*out)]
+
+
+@pytest.mark.timeout(120)
+def test_envpool_a_lost_life_goes_on_with_the_same_game():
+    """``episodic_life``: a lost life ends an episode and the next one is the same game with a
+    life fewer, as in EnvPool's own stepping (resetting the env started a new game, so the agent
+    only ever saw the first life)."""
+    pytest.importorskip("envpool")
+    n, e, T = 2, 2, 240
+    kw = dict(episodic_life=True, img_height=36, img_width=36)
+    env = envs.make("envpool:Breakout-v5", workers_per_device=0, **kw)
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
+    host = env.bind(mesh, n, e)
+    keys = jax.random.split(jax.random.key(3), (n, e))
+    actions = (np.arange(T)[:, None, None] // 3 + np.arange(n * e).reshape(n, e)) % 4
+    actions = actions.astype(np.int32)
+    try:
+        _, steps = run_host(host, mesh, keys, actions)
+    finally:
+        host.close()
+    seed = int(seeds_of(keys)[0, 0]) % (2**31 - n * e)
+    obs, term, trunc, final = envpool_own_autoreset(
+        "Breakout-v5", seed, actions.reshape(T, -1), **kw
+    )
+    flat = lambda x: np.asarray(x).reshape(T, n * e, *np.shape(x)[3:])
+    assert term.sum() >= 2 * n * e  # every env lost a life, and played on
+    for got, want in zip((steps[0], steps[2], steps[3], steps[4]), (obs, term, trunc, final)):
+        np.testing.assert_array_equal(flat(got), want)
+
+
+@pytest.mark.timeout(120)
+def test_envpool_an_episode_that_ends_on_its_time_limit_is_terminated_and_truncated():
+    """EnvPool reports a terminal state reached on the time limit as truncated only, and the
+    learner would bootstrap it; gymnasium's TimeLimit reports both, and so does this layer."""
+    pytest.importorskip("envpool")
+    n, e, T, limit = 2, 8, 12, 10
+    env = envs.make("envpool:CartPole-v1", workers_per_device=0, max_episode_steps=limit)
+    mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
+    host = env.bind(mesh, n, e)
+    actions = np.ones((T, n, e), np.int32)  # push right: the pole falls near step 10
+    try:
+        _, (_, _, term, trunc, final) = run_host(
+            host, mesh, jax.random.split(jax.random.key(0), (n, e)), actions
+        )
+    finally:
+        host.close()
+    x, theta = final[..., 0], final[..., 2]
+    fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * np.pi / 360)  # CartPole-v1's terminal
+    np.testing.assert_array_equal(term, fallen)
+    np.testing.assert_array_equal(trunc[limit - 1], ~term[: limit - 1].any(0))  # no earlier end
+    at_limit = term[limit - 1] & trunc[limit - 1]
+    assert at_limit.any() and (trunc[limit - 1] & ~term[limit - 1]).any()  # both kinds occur
 
 
 @pytest.mark.timeout(120)

@@ -193,7 +193,20 @@ def _check_layer_kwargs(name: str, workers: Any, timeout: Any) -> None:
 
 
 #: EnvPool ``make`` arguments the host layer sets itself.
-ENVPOOL_POOL_KWARGS = ("num_envs", "batch_size", "seed", "env_type")
+ENVPOOL_POOL_KWARGS = (
+    "num_envs", "batch_size", "seed", "env_seed", "env_type", "gym_reset_return_info"
+)  # fmt: skip
+
+#: EnvPool ``make`` arguments its spec takes but only its pool checks (some by aborting the
+#: process), each with the least value it accepts.
+_ENVPOOL_INT_KWARGS = {"num_threads": 0, "thread_affinity_offset": -1, "max_episode_steps": 1}
+
+
+def _check_envpool_ints(env_id: str, kwargs: dict[str, Any]) -> None:
+    for key, least in _ENVPOOL_INT_KWARGS.items():
+        value = kwargs.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"envpool:{env_id}: {key} must be an int >= {least}, got {value!r}.")
 
 
 def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None]:
@@ -215,6 +228,7 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
                 "makes the pools (num_envs from the config, seeds from its keys, every env "
                 "stepped each step)."
             )
+        _check_envpool_ints(env_id, kwargs)
         try:
             spec = envpool.make_spec(env_id, **kwargs)
         except (AssertionError, KeyError, TypeError, ValueError) as e:

@@ -318,6 +318,11 @@ def _number(reward: Any) -> float:
     )
 
 
+#: EnvPool families whose ``max_episode_steps`` only truncates episodes (it changes no reward
+#: or observation), so this layer can apply the limit itself.
+_ENVPOOL_OWN_LIMIT = ("envpool.atari", "envpool.box2d", "envpool.classic_control", "envpool.mujoco")
+
+
 class _EnvPool:
     """``num_envs`` EnvPool envs, env ``j`` seeded with ``seeds[j]``, stepped synchronously.
 
@@ -328,16 +333,28 @@ class _EnvPool:
     own C++ threads (``threads`` in all unless the kwargs set ``num_threads``).
 
     EnvPool resets a finished env on the *next* step; resetting the finished ones right away
-    (``reset(env_id)``) gives the same-step autoreset of the gymnasium backend, and the done step
-    itself already returns the true final observation.
+    gives the same-step autoreset of the gymnasium backend, and the done step itself already
+    returns the true final observation. A terminated env is reset by EnvPool's own autoreset (an
+    action sent to it), which after a lost life under ``episodic_life`` carries on the same
+    game; a truncated one by ``reset``, a new game.
+
+    EnvPool reports a step that ends an episode on its time limit as truncated only, terminal
+    or not. Gymnasium's ``TimeLimit`` reports both, and a terminal state must not be bootstrapped.
+    For the families in ``_ENVPOOL_OWN_LIMIT`` the pools get one step more than the limit and
+    the limit is applied here, from EnvPool's own ``elapsed_step`` (per game, over lives).
     """
 
     def __init__(self, task: str, kwargs: dict, num_envs: int, threads: int = 1):
-        import envpool  # noqa: F401  (fail at start, not at the first reset)
+        import envpool
+        from envpool.registration import registry
 
         self.kwargs, self.task, self.num_envs, self.threads = dict(kwargs), task, num_envs, threads
         self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
         self.actions: int | None = None  # the Discrete action count, once a pool exists
+        self.limit: int | None = None  # the time limit applied here, if any
+        if registry.specs[task][0] in _ENVPOOL_OWN_LIMIT:
+            self.limit = int(envpool.make_spec(task, **self.kwargs).config.max_episode_steps)
+            self.kwargs["max_episode_steps"] = self.limit + 1
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         import envpool
@@ -373,10 +390,20 @@ class _EnvPool:
                 target[rows] = np.asarray(value)[order]
             obs, _, term, trunc, final = (x[rows] for x in out)
             final[...] = obs
-            done = np.flatnonzero(np.logical_or(term, trunc))
-            if done.size:
-                fresh, info = pool.reset(done.astype(np.int32))
-                obs[np.asarray(info["env_id"])] = np.asarray(fresh)
+            if self.limit is not None:  # EnvPool's own limit is one step further
+                trunc[...] = np.asarray(result[4]["elapsed_step"])[order] >= self.limit
+            self._restart(pool, obs, np.flatnonzero(term & ~trunc), np.flatnonzero(trunc), actions)
+
+    @staticmethod
+    def _restart(pool: Any, obs: np.ndarray, ended: np.ndarray, cut: np.ndarray, actions) -> None:
+        """Writes the first observation of the next episode of the ended and the cut envs."""
+        if ended.size:  # EnvPool's autoreset: ignores the action, rewards 0
+            pool.send(np.zeros_like(actions[: ended.size]), ended.astype(np.int32))
+            fresh, *_, info = pool.recv(reset=False, return_info=True)
+            obs[np.asarray(info["env_id"])] = np.asarray(fresh)
+        if cut.size:
+            fresh, info = pool.reset(cut.astype(np.int32))
+            obs[np.asarray(info["env_id"])] = np.asarray(fresh)
 
     def close(self) -> None:
         pools, self.pools = self.pools, []
