@@ -272,16 +272,18 @@ def machine() -> dict:
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'n':>3} {'hidden':>6} {'epochs':>6} {'way':>19} {'member-steps/s':>15} {'x loop':>7} "
-        f"{'goal':>7} {'max|diff|':>9} {'spread':>6}"
+        f"{'goal':>13} {'max|diff|':>9} {'spread':>6}"
     )
     lines = [head]
     for row in rows:
         for way in row["ways"]:
-            goal = f">={way['goal_x_loop']:.1f}" if way["goal_x_loop"] else ""
+            goal = ""
+            if way["goal_x_loop"]:  # the verdict, which rounding of x loop could hide
+                goal = f"{'met' if way['goal_met'] else 'MISSED'} >={way['goal_x_loop']:.1f}"
             diff = way["max_abs_param_diff_vs_loop"]
             lines.append(
                 f"{row['members']:>3} {row['hidden']:>6} {row['epochs']:>6} {way['way']:>19} "
-                f"{way['member_steps_per_s']:>15,.0f} {way['x_loop']:>6.2f}x {goal:>7} "
+                f"{way['member_steps_per_s']:>15,.0f} {way['x_loop']:>6.2f}x {goal:>13} "
                 f"{'' if diff is None else f'{diff:.1e}':>9} {way['spread']:>5.2f}x"
             )
     return "\n".join(lines)
@@ -293,7 +295,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(3.6 * len(rows), 7.5), 4), squeeze=False)
     for ax, row in zip(axes[0], rows):
         names = [w["way"] for w in row["ways"]]
         rates = [w["member_steps_per_s"] for w in row["ways"]]
@@ -338,11 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="per run (0: 20 x 128 / hidden, at least 2)",
     )
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--out", type=writable_dir, default=str(RESULTS))
+    parser.add_argument("--out", type=writable_dir, help=f"output folder (default {RESULTS})")
     parser.add_argument("--worker-loop", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker_loop:
+    if args.worker_loop:  # a child: writes nothing, so takes no --out
         return worker_loop(args.worker_loop)
+    args.out = args.out or parser.results_dir(RESULTS)
     import rollout
 
     rollout.configure_cpu_devices(len(os.sched_getaffinity(0)))

@@ -94,7 +94,13 @@ def main() -> None:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--envs", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--members", type=positive_int, default=4)
-    p.add_argument("--runs", type=writable_dir, default=str(ROOT / "runs" / "learning"))
+    p.add_argument(
+        "--runs",
+        type=writable_dir,
+        default=str(ROOT / "runs" / "learning"),
+        metavar="DIR",
+        help="folder that keeps the run directories (default runs/learning)",
+    )
     args = p.parse_args()
     p.results_dir(RESULTS)
     results = []

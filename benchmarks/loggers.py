@@ -18,7 +18,7 @@ Not a test: it times things. Run it on a quiet machine::
     python benchmarks/loggers.py                       # CartPole defaults, 4 members, 7 rounds
     python benchmarks/loggers.py --rounds 3 --num-steps 32
 
-Writes ``benchmarks/results/loggers.json`` and prints the tables.
+Writes ``benchmarks/results/loggers.{json,txt}`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -209,19 +209,21 @@ def main() -> None:
         updates_per_call=UPDATES_PER_CALL,
         total_steps=args.updates * cfg.batch_size,
     )
-    print(
+    title = (
         f"(a) CartPole n={cfg.members} on {len(devices)} CPU devices, {cfg.num_updates} updates "
-        f"of {cfg.batch_size} steps/member, {args.rounds} interleaved rounds",
-        flush=True,
+        f"of {cfg.batch_size} steps/member, {args.rounds} interleaved rounds"
     )
+    print(title, flush=True)
     summary = summarize(throughput(cfg, devices, args.rounds, ARMS, args.settle))
-    print_throughput(summary, cfg.num_updates)
     cost = row_cost(cfg.members)
-    print(
-        f"\n(b) CPU per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "
+    text = "\n".join([
+        "$ python benchmarks/loggers.py " + " ".join(sys.argv[1:]), title,
+        throughput_table(summary, cfg.num_updates),
+        f"(b) CPU per metric row ({cost['scalars_per_row']} scalars, n={cfg.members}): "
         f"scalars {cost['scalars_us']:.0f} us, tensorboard {cost['tensorboard_write_us']:.0f}"
-        f" us, wandb {cost['wandb_write_us']:.0f} us (process CPU time, W&B service excluded)"
-    )
+        f" us, wandb {cost['wandb_write_us']:.0f} us (process CPU time, W&B service excluded)",
+    ])  # fmt: skip
+    print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
         "command": "python benchmarks/loggers.py " + " ".join(sys.argv[1:]),
@@ -235,22 +237,24 @@ def main() -> None:
         "row_cost": cost,
     }
     (RESULTS / "loggers.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'loggers.json'}")
+    (RESULTS / "loggers.txt").write_text(text + "\n")
+    print(f"wrote {RESULTS / 'loggers.json'} and loggers.txt")
 
 
-def print_throughput(summary: dict, num_updates: int) -> None:
+def throughput_table(summary: dict, num_updates: int) -> str:
     head = f"{'loggers':<30} {'env steps/s':>12} {'vs none':>8} {'rows':>6} {'close s':>8}"
-    print(f"\n{head} {'writer CPU':>11}")
+    lines = [f"{head} {'writer CPU':>11}"]
     for arm, s in summary.items():
-        print(
+        lines.append(
             f"{arm:<30} {s['median_env_steps_per_s']:>12,.0f} "
             f"{s['median_ratio_to_none']:>8.3f} {s['rows_logged']:>6.0f} "
             f"{s['median_close_s']:>8.3f} {100 * s['writer_cpu_per_train_s']:>10.2f}%"
         )
-    print(
+    lines.append(
         f"(median over rounds; rows: metric rows the loggers got of {num_updates}; writer "
         "CPU: the logger thread's CPU time / training wall time)"
     )
+    return "\n".join(lines)
 
 
 def _versions() -> dict[str, str]:

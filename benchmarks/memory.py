@@ -1,7 +1,7 @@
 """Per-device memory of a fixed ensemble spread over D = 1, 2, 4, 8 devices: MLPs and conv nets.
 
 What is compared: ONE ensemble of ``--members`` (default 8) members placed by ``ensemble.build``
-on D devices (``8 / D`` members per device; one member per device at D = 8), for each model:
+on D devices (``n / D`` members per device; one member per device at D = n), for each model:
 
 - ``linen`` / ``nnx``: an MLP of about 84 MB of float32 parameters in total (linen and NNX);
 - ``cnn``, ``resnet18``, ``nnx_cnn``: the conv nets of ``examples/conv_models.py`` (a small CNN
@@ -328,13 +328,13 @@ def _count(c: dict[str, int]) -> str:
     return str(sum(c.values()))
 
 
-def _table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
+def _table(results: dict[str, dict[int, dict[str, Any]]], members: int) -> str:
     head = (
         f"{'model':>9} {'D':>2} {'state MB':>9} {'ratio':>6} {'step MB':>8} {'ratio':>6} "
         f"{'coll':>4} {'goal':>4} | {'old MB':>8} {'ratio':>6} {'coll':>4}"
     )
     lines = [
-        "per-device memory of one fixed 8-member ensemble on D devices; ratio = "
+        f"per-device memory of one fixed {members}-member ensemble on D devices; ratio = "
         f"per-device(D) / (per-device(1) / D), goal <= {GOAL}; coll = collectives in the "
         "compiled step; old = jit(vmap(..., spmd_axis_name='ensemble')) step",
         head,
@@ -352,7 +352,7 @@ def _table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> None:
+def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path, members: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -370,7 +370,7 @@ def _plot(results: dict[str, dict[int, dict[str, Any]]], path: pathlib.Path) -> 
     ax.set_xticks(ds, [str(d) for d in ds])
     ax.set_xlabel("devices D")
     ax.set_ylabel("step peak per device / (1-device peak / D)")
-    ax.set_title("Donated train step, per-device peak vs ideal 1/D (8 members)")
+    ax.set_title(f"Donated train step, per-device peak vs ideal 1/D ({members} members)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{api} D={d} done ({time.perf_counter() - start:.1f} s)", flush=True)
         _ratios(results[api], ds)
 
-    table = _table(results)
+    table = _table(results, args.members)
     print()
     print(table)
     out = args.out
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "memory.txt").write_text(table + "\n")
-    _plot(results, out / "memory.png")
+    _plot(results, out / "memory.png", args.members)
     print(f"\nwrote {out / 'memory.json'}, memory.txt, memory.png")
     return report
 

@@ -185,11 +185,21 @@ def run_arms(args: argparse.Namespace, work: Path) -> dict[str, float]:
         procs[name] = subprocess.Popen(
             arm_command(pbt, args, out), cwd=ROOT, env=env, stdout=logs[name], stderr=logs[name]
         )
-    for name, p in procs.items():
-        if p.wait() != 0:
-            raise SystemExit(f"{name} arm failed; see {logs[name].name}")
-        walls[name] = round(time.perf_counter() - t0, 1)
-        logs[name].close()
+    try:
+        while len(walls) < len(procs):  # each arm's own wall time, whichever ends first
+            for name, p in procs.items():
+                if name in walls or p.poll() is None:
+                    continue
+                if p.returncode != 0:
+                    raise SystemExit(f"{name} arm failed; see {logs[name].name}")
+                walls[name] = round(time.perf_counter() - t0, 1)
+            time.sleep(0.1)
+    finally:  # an arm that failed takes the other down with it
+        for name, p in procs.items():
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+            logs[name].close()
     return walls
 
 
@@ -245,6 +255,8 @@ def _check(parser, args: argparse.Namespace) -> None:
         cfg.validate()
     except ValueError as e:
         parser.error(f"the arms' config: {str(e).splitlines()[0]}")
+    if args.tail > cfg.num_updates:
+        parser.error(f"--tail {args.tail} is more than the arms' {cfg.num_updates} updates")
 
 
 def build_result(args: argparse.Namespace, work: Path, runs: dict, walls: dict, load) -> dict:
@@ -310,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "no PBT": read_rows(work / "plain" / "metrics.jsonl"),
         "PBT": read_rows(work / "pbt" / "metrics.jsonl"),
     }
+    shortest = min(len(rows) for rows in runs.values())
+    if args.tail > shortest:
+        parser.error(f"--tail {args.tail} is more than an arm's {shortest} updates")
     result = build_result(args, work, runs, walls, load)
     result["command"] = "python benchmarks/pbt.py " + " ".join(argv or sys.argv[1:])
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ Not a test: it times things. Run it on a quiet machine::
     python benchmarks/ppo.py --part speed    # (b) and (c) only
     python benchmarks/ppo.py --part learn --envs cartpole
 
-Writes ``benchmarks/results/ppo.json`` (merged with earlier parts), ``ppo_learning.png`` and
+Writes ``benchmarks/results/ppo.json`` (merged with earlier parts), ``ppo_learning_{env}.png`` and
 ``ppo_speed.png``, and prints the tables.
 """
 

@@ -76,21 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 2)
     p.add_argument("--repeats", type=positive_int, default=5, help="at least 2")
-    p.add_argument("--out", type=writable_dir, default=str(OUT))
+    p.add_argument("--out", type=writable_dir, help=f"output folder (default {OUT})")
     p.add_argument("--child", nargs=1, choices=KINDS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error(f"--repeats must be >= 2 (the first start is reported apart), got {args.repeats}")
-    if args.child:
+    if args.child:  # writes nothing, so takes no --out
         print(json.dumps(_child(args.child[0], args.workers, args.repeats)))
         return 0
+    args.out = args.out or p.results_dir(OUT)
     rows = []
     for kind in filter(_available, KINDS):
         for way, flag in WAYS.items():
             env = dict(os.environ, ROLLOUT_FORK_WORKERS=flag, PYTHONPATH=str(ROOT))
             cmd = [sys.executable, __file__, "--child", kind, "--workers", str(args.workers),
                    "--repeats", str(args.repeats)]  # fmt: skip
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+                p.exit(1, f"error: the {kind} start ({way}) failed: {why}\n")
             got = json.loads(out.stdout.strip().splitlines()[-1])
             w, c = got["wall_s"], got["cpu_s"]
             rows.append({"kind": kind, "way": way, "workers": args.workers,

@@ -51,6 +51,25 @@ MISTAKES = [
 ]
 
 
+@pytest.mark.timeout(120)
+def test_a_refused_command_leaves_no_folder_behind(tmp_path):
+    """``--out``/``--work`` folders are made while parsing (to refuse an unwritable one early);
+    a command refused after that removes the ones it made, and only those."""
+    made = tmp_path / "new" / "a" / "b"
+    (tmp_path / "kept").mkdir()
+    for args in (
+        ["benchmarks/deep_ensemble.py", "--out", str(made), "--members", "0"],
+        ["benchmarks/pbt.py", "--report-only", "--work", str(made)],
+        ["benchmarks/pbt.py", "--report-only", "--work", str(tmp_path / "kept")],
+    ):
+        proc = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=100,
+            env=clean_env(), cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"], args
+
+
 def test_every_benchmark_has_a_mistake_case():
     benchmarks = {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")}
     assert benchmarks <= {script for script, _, _ in MISTAKES}

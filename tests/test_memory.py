@@ -237,8 +237,9 @@ def test_memory_benchmark_runs(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "memory_benchmark", module)
     spec.loader.exec_module(module)
-    argv = ["--api", "linen", "--devices", "2", "--hidden", "256", "--depth", "1"]
+    argv = ["--api", "linen", "--devices", "2", "--members", "4", "--hidden", "256", "--depth", "1"]
     module.main([*argv, "--input-dim", "64", "--batch", "4", "--out", str(tmp_path)])
+    assert "one fixed 4-member ensemble" in (tmp_path / "memory.txt").read_text()
     report = json.loads((tmp_path / "memory.json").read_text())
     two = report["results"]["linen"]["2"]
     assert two["state"] == pytest.approx(3 * two["param_bytes_total"] / 2, rel=0.01)  # + Adam

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -369,6 +370,29 @@ def _benchmark():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.timeout(60)
+def test_benchmark_times_each_arm_alone_and_a_failed_arm_stops_the_other(tmp_path):
+    bench = _benchmark()
+    sleep = lambda s: [sys.executable, "-c", f"import time; time.sleep({s})"]
+    bench.arm_command = lambda pbt, args, out: sleep(0.5 if pbt else 3)
+    walls = bench.run_arms(None, tmp_path)
+    assert walls["PBT"] < 2 <= walls["no PBT"]  # PBT was charged the plain arm's 3 s
+    mark = f"pbt-arm-{os.getpid()}-{os.urandom(4).hex()}"
+    hang = [sys.executable, "-c", f"import time; time.sleep(60)  # {mark}"]
+    bench.arm_command = lambda pbt, args, out: (
+        hang if pbt else [sys.executable, "-c", "raise SystemExit(1)"]
+    )
+    with pytest.raises(SystemExit, match="no PBT arm failed"):
+        bench.run_arms(None, tmp_path)
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            left += [proc.name] if mark.encode() in (proc / "cmdline").read_bytes() else []
+        except OSError:
+            pass  # gone meanwhile
+    assert not left  # the PBT arm was stopped, not left running
 
 
 def test_benchmark_best_gap_interval_separates_only_what_the_noise_allows():

@@ -17,6 +17,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a mistake in one line (not usage + error) and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        _remove_made_dirs()  # a refused command leaves no folders behind
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
     def results_dir(self, path: str | os.PathLike[str]) -> Path:
@@ -90,7 +91,9 @@ def writable_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
     try:
+        missing = [d for d in (path, *path.absolute().parents) if not d.exists()]
         path.mkdir(parents=True, exist_ok=True)
+        _MADE_DIRS.extend(missing)  # deepest first
     except OSError as e:
         why = f"cannot create the folder {text!r}: {e.strerror or e}"
         raise argparse.ArgumentTypeError(why) from None
@@ -100,6 +103,19 @@ def writable_dir(text: str) -> Path:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write in {text!r}: {e.strerror or e}") from None
     return path
+
+
+#: Folders ``writable_dir`` created in this process, deepest first.
+_MADE_DIRS: list[Path] = []
+
+
+def _remove_made_dirs() -> None:
+    """Removes the folders ``writable_dir`` created, where still empty."""
+    while _MADE_DIRS:
+        try:
+            _MADE_DIRS.pop(0).rmdir()
+        except OSError:
+            pass  # not empty, or gone
 
 
 def file_name(text: str) -> str:
