@@ -221,3 +221,29 @@ def test_cli_trains_exports_and_evaluates_envpool_atari(tmp_path):
         assert returns.shape == (2,) and (returns <= 1).all() and (returns >= -3).all()
     again = evaluate.envpool_returns(members[1].act, "envpool:Pong-v5", 2, 3, json.loads(kwargs))
     np.testing.assert_array_equal(again, result["member_1"])  # seeded: reproducible
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_scores_whole_atari_games_with_raw_rewards():
+    """A run trained with CleanRL's Atari signals (a lost life ends an episode, rewards clipped)
+    is evaluated on the game's score: whole games, raw rewards (EnvPool stepped directly)."""
+    envpool = pytest.importorskip("envpool")
+    kw = {"img_height": 36, "img_width": 36, "max_episode_steps": 3000}
+    # Random-looking moves or FIRE, a fixed function of the frames: it hits some bricks.
+    mix = jnp.uint32(2654435761)
+    policy = lambda obs: jnp.maximum((jnp.sum(obs, (1, 2, 3)).astype("uint32") * mix >> 28) % 4, 1)
+    got = evaluate.envpool_returns(
+        policy, "envpool:Breakout-v5", 8, 5, {**kw, "episodic_life": True, "reward_clip": True}
+    )
+    pool = envpool.make("Breakout-v5", env_type="gymnasium", num_envs=8, seed=5, **kw)
+    obs, _ = pool.reset()
+    want, live, first_life = np.zeros(8), np.ones(8, bool), np.ones(8, bool)
+    first = np.zeros(8)  # what an episode of one life scores
+    while live.any():
+        obs, reward, term, trunc, info = pool.step(np.asarray(policy(obs.astype(np.float32))))
+        want += np.where(live, reward, 0.0)
+        first += np.where(first_life, reward, 0.0)
+        live &= ~(term | trunc)
+        first_life &= live & (info["lives"] == 5)
+    np.testing.assert_array_equal(got, want)
+    assert (want > first).any()  # points scored after the first life count

@@ -198,10 +198,16 @@ def envpool_returns(
     policy: Policy, env_id: str, episodes: int, seed: int, kwargs: dict[str, Any] | None = None
 ) -> np.ndarray:
     """Returns of the first episode of each of ``episodes`` envs of one EnvPool pool (env
-    ``i`` seeded ``seed + i``), stepped together."""
+    ``i`` seeded ``seed + i``), stepped together. Atari's ``episodic_life`` and ``reward_clip``
+    are training signals: an episode here is a whole game, its return the game's score."""
+    import envpool
     import jax
 
     from rollout.hostenv._worker import _EnvPool
+
+    kwargs = dict(kwargs or {})
+    game = envpool.make_spec(env_id.removeprefix("envpool:")).config
+    kwargs.update({k: False for k in ("episodic_life", "reward_clip") if hasattr(game, k)})
 
     if seed + episodes > 2**31:
         raise ValueError(
@@ -209,7 +215,7 @@ def envpool_returns(
             f"use a --seed below {2**31 - episodes}"
         )
     act = jax.jit(policy)
-    pool = _EnvPool(env_id.removeprefix("envpool:"), dict(kwargs or {}), episodes)
+    pool = _EnvPool(env_id.removeprefix("envpool:"), kwargs, episodes)
     try:
         obs = pool.reset(seed + np.arange(episodes))  # consecutive: one pool
         total, live = np.zeros(episodes), np.ones(episodes, bool)
