@@ -378,13 +378,15 @@ def _check_shapes(path: str, stored: Any, like: Any) -> None:
     """One line for a leaf whose shape differs from the checkpoint's (orbax's own error
     suggests padding or truncating it, which would silently drop or invent members)."""
     shapes = {
-        jax.tree_util.keystr(p): tuple(m.shape)
+        _path_names(p): tuple(m.shape)
         for p, m in jax.tree_util.tree_leaves_with_path(stored)
         if getattr(m, "shape", None) is not None
     }
     for p, x in jax.tree_util.tree_leaves_with_path(like):
         key, want = jax.tree_util.keystr(p), tuple(x.shape)
-        have = shapes.get(key, want)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # stored as its key data
+            want = jax.eval_shape(jax.random.key_data, x).shape
+        have = shapes.get(_path_names(p), want)
         if have == want:
             continue
         members = ""
@@ -397,6 +399,13 @@ def _check_shapes(path: str, stored: Any, like: Any) -> None:
             f"restore_checkpoint({path}): like{key} has shape {want}, the checkpoint "
             f"{have}{members}."
         )
+
+
+def _path_names(path: tuple) -> tuple[str, ...]:
+    """A leaf's path as names, however each level is keyed: the checkpoint's metadata keys an
+    ``nnx.State``'s Variable values ``['value']`` where the State itself has ``.value``."""
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return tuple(str(n) for n in names)
 
 
 # -- internals -------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def disagreement(logits: jax.Array) -> jax.Array:
     """Per example, the fraction of members whose top class differs from the ensemble's.
 
     ``logits`` are ``[n, ..., classes]``. The ensemble's top class is the argmax of the mean of
-    the members' softmax probabilities; the result (shape ``[...]``, values in ``[0, 1]``) is
+    the members' softmax probabilities (computed in float32 at least, whatever the logits'
+    dtype); the result (shape ``[...]``, values in ``[0, 1]``) is
     the fraction of members whose own argmax is a different class. 0 means all members agree
     with the ensemble; 1 is possible when the mean's top class is no member's own (probabilities
     (.5, .05, .45) and (.05, .5, .45) average to a top class 2 that neither picks).
@@ -75,7 +76,9 @@ def disagreement(logits: jax.Array) -> jax.Array:
     logits = _member_major(logits, "disagreement")
     if logits.ndim < 2:
         raise ValueError(f"disagreement needs logits [n, ..., classes]; got shape {logits.shape}.")
-    ensemble_top = jnp.argmax(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0), axis=-1)
+    # In float32 at least: bfloat16 mean probabilities tie where the definition's do not.
+    wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    ensemble_top = jnp.argmax(jnp.mean(jax.nn.softmax(wide, axis=-1), axis=0), axis=-1)
     member_top = jnp.argmax(logits, axis=-1)
     return jnp.mean((member_top != ensemble_top[None]).astype(jnp.float32), axis=0)
 

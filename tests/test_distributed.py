@@ -21,8 +21,8 @@ import pytest
 from subprocess_env import clean_env
 
 from ensemble import _distributed as distributed
+from ensemble import build, make_mesh, member_sharding
 from ensemble import launch as launcher
-from ensemble import make_mesh, member_sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
@@ -186,10 +186,24 @@ def test_single_process_helpers(tmp_path):
     fewer = distributed.member_batch_from_local({"x": local[:4]}, make_mesh(4), 4)
     with pytest.raises(ValueError, match=r"the checkpoint holds 8 members and like 4"):
         distributed.restore_checkpoint(path, fewer)
+    # The same for an NNX ensemble's state (its paths are keyed otherwise in the checkpoint).
+    from flax import nnx
+
+    make = lambda rngs: nnx.Linear(3, 2, rngs=rngs)
+    nnx_path = distributed.save_checkpoint(tmp_path / "n", nnx.state(build(make, n)))
+    with pytest.raises(ValueError, match=r"the checkpoint holds 8 members and like 4"):
+        distributed.restore_checkpoint(nnx_path, nnx.state(build(make, 4)))
+    # Typed PRNG keys are stored as their key data, and restore as keys.
+    keys = {"x": x, "keys": jax.random.split(jax.random.key(0), n), "one": jax.random.key(1)}
+    back = distributed.restore_checkpoint(distributed.save_checkpoint(tmp_path / "k", keys), keys)
+    for name in ("keys", "one"):
+        assert back[name].dtype == keys[name].dtype
+        want = jax.random.key_data(keys[name])
+        np.testing.assert_array_equal(jax.random.key_data(back[name]), want)
     x.delete()
     with pytest.raises(ValueError, match=r"tree\['x'\] was donated to an earlier call"):
         distributed.save_checkpoint(tmp_path / "ckpt2", {"x": x})
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "k", "n"]
 
 
 def test_initialize_too_late_says_what_to_do():

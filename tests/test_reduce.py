@@ -47,6 +47,15 @@ def test_disagreement_is_fraction_disagreeing_with_mean_probability_argmax(logit
     np.testing.assert_array_equal(ensemble.disagreement(agree), [0.0, 0.0])
 
 
+def test_disagreement_of_bfloat16_logits_follows_the_definition():
+    # bfloat16 mean probabilities tie (argmax: the first) where the definition's differ.
+    x = np.random.default_rng(0).normal(size=(N, 2000, 10)).astype(jnp.bfloat16)
+    ref = np.asarray(x, np.float64)
+    probs = np.exp(ref) / np.exp(ref).sum(-1, keepdims=True)
+    expected = (ref.argmax(-1) != probs.mean(0).argmax(-1)[None]).mean(0)
+    np.testing.assert_array_equal(ensemble.disagreement(jnp.asarray(x)), expected)
+
+
 def test_member_slices_trees_and_defers_to_ensembles():
     tree = {"params": {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.arange(4.0)}}
     m = ensemble.member(tree, 2)
