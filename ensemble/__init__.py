@@ -15,7 +15,7 @@ Example:
   True
 """
 
-from ensemble import debug, sharding
+from ensemble import debug, distributed, sharding
 from ensemble._build import build
 from ensemble._checks import (
     assert_member_axis,
@@ -57,6 +57,7 @@ __all__ = [
     "compiled_memory",
     "debug",
     "disagreement",
+    "distributed",
     "log_mean_exp",
     "mean",
     "member",

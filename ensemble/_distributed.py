@@ -376,17 +376,25 @@ def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:
 
 def _check_shapes(path: str, stored: Any, like: Any) -> None:
     """One line for a leaf whose shape differs from the checkpoint's (orbax's own error
-    suggests padding or truncating it, which would silently drop or invent members)."""
-    shapes = {
-        _path_names(p): tuple(m.shape)
+    suggests padding or truncating it, which would silently drop or invent members), or whose
+    dtype does (orbax casts to the like's dtype without a word: float32 into bfloat16)."""
+    saved = {
+        _path_names(p): (tuple(m.shape), getattr(m, "dtype", "?"))
         for p, m in jax.tree_util.tree_leaves_with_path(stored)
         if getattr(m, "shape", None) is not None
     }
     for p, x in jax.tree_util.tree_leaves_with_path(like):
-        key, want = jax.tree_util.keystr(p), tuple(x.shape)
+        key, want, dtype = jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # stored as its key data
-            want = jax.eval_shape(jax.random.key_data, x).shape
-        have = shapes.get(_path_names(p), want)
+            data = jax.eval_shape(jax.random.key_data, x)
+            want, dtype = data.shape, str(data.dtype)
+        have, have_dtype = saved.get(_path_names(p), (want, dtype))
+        if str(have_dtype) != dtype:
+            raise ValueError(
+                f"restore_checkpoint({path}): like{key} is {dtype}, the checkpoint "
+                f"{have_dtype}: restore into a like of the checkpoint's dtype, then cast (orbax "
+                "would cast it silently)."
+            )
         if have == want:
             continue
         members = ""

@@ -161,6 +161,9 @@ def test_launcher_cli_needs_a_command(capsys):
 
 
 def test_single_process_helpers(tmp_path):
+    import ensemble
+
+    assert ensemble.distributed.initialize is distributed.initialize  # after `import ensemble`
     n = jax.device_count()
     mesh = make_mesh(n)
     info = distributed.initialize()  # backend already up, nothing asked: just reports
@@ -193,6 +196,9 @@ def test_single_process_helpers(tmp_path):
     nnx_path = distributed.save_checkpoint(tmp_path / "n", nnx.state(build(make, n)))
     with pytest.raises(ValueError, match=r"the checkpoint holds 8 members and like 4"):
         distributed.restore_checkpoint(nnx_path, nnx.state(build(make, 4)))
+    # Another dtype: orbax casts silently (float32 into bfloat16 drops 16 bits of each value).
+    with pytest.raises(ValueError, match=r"like\['x'\] is bfloat16, the checkpoint float32"):
+        distributed.restore_checkpoint(path, {"x": x.astype(jnp.bfloat16)})
     # Typed PRNG keys are stored as their key data, and restore as keys.
     keys = {"x": x, "keys": jax.random.split(jax.random.key(0), n), "one": jax.random.key(1)}
     back = distributed.restore_checkpoint(distributed.save_checkpoint(tmp_path / "k", keys), keys)

@@ -411,21 +411,19 @@ def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any
     return _cast_exactly(state, like), meta
 
 
-def _leaf_names(path: tuple) -> tuple:
-    return tuple(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _as_saved(path: Path, like: Any) -> Any:
     """``like`` with each leaf's dtype as saved in the checkpoint at ``path``."""
     import jax
     import orbax.checkpoint as ocp
 
+    from ensemble._distributed import _path_names  # the checkpoint's leaves, named as there
+
     with ocp.StandardCheckpointer() as checkpointer:
         saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
-    dtypes = {_leaf_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+    dtypes = {_path_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)}
 
     def one(p, x):
-        dtype = dtypes.get(_leaf_names(p), x.dtype)
+        dtype = dtypes.get(_path_names(p), x.dtype)
         return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
 
     return jax.tree_util.tree_map_with_path(one, like)
