@@ -6,9 +6,9 @@ How this relates to the other devices:
   which is what ``on_cpu(..., executor='inprocess')`` spreads its work over.
 - On a CPU-only host (CI, laptops, this project's tests) the CPU devices *are* the devices the
   jitted, sharded step runs on: ``conftest.py`` (at the repository root) asks for 8 of them to
-  simulate 8 accelerators. Those same devices would serve the in-process executor, which is exactly the
-  situation that deadlocks, so ``on_cpu`` uses worker processes there; workers have their own JAX
-  with one CPU device each, whatever count was configured here.
+  simulate 8 accelerators. Those same devices would serve the in-process executor, which is
+  exactly the situation that deadlocks, so ``on_cpu`` uses worker processes there; workers have
+  their own JAX with one CPU device each, whatever count was configured here.
 """
 
 from __future__ import annotations
