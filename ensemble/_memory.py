@@ -62,6 +62,14 @@ class CompiledMemory:
         reports what is stored).
       devices: devices the program runs on.
       device_stats: ``Device.memory_stats()`` subset (GPU/TPU) per device; empty on CPU.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jax.ShapeDtypeStruct((1000,), jnp.float32)  # shapes suffice: nothing runs
+      >>> kept = compiled_memory(jax.jit(lambda a: a * 2), x)
+      >>> donated = compiled_memory(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+      >>> kept.peak, donated.peak  # the donated input's buffer holds the output
+      (8000, 4000)
     """
 
     argument: int

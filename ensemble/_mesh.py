@@ -202,6 +202,12 @@ def member_pspec(
     model: names cover the leading axes, any axes after them are not split (so an annotation with
     fewer names than the array has axes keeps the split Flax gives it). Unannotated leaves
     (``logical=None``) still get their member axis split.
+
+    Example:
+      >>> member_pspec(3)  # unannotated: only the member axis is split
+      P('ensemble', None, None)
+      >>> member_pspec(3, ("batch", None))  # DEFAULT_RULES put 'batch' on the data axis
+      P('ensemble', 'data', None)
     """
     if ndim == 0:
         raise ValueError("a member-major array needs a leading member axis; got a scalar.")
@@ -235,7 +241,13 @@ def member_sharding(
     logical: Sequence[str | None] | None = None,
     rules: LogicalRules = DEFAULT_RULES,
 ) -> NamedSharding:
-    """NamedSharding of a member-major array of rank ``ndim`` on ``mesh``."""
+    """NamedSharding of a member-major array of rank ``ndim`` on ``mesh``.
+
+    Example:
+      >>> sharding = member_sharding(make_mesh(8), 2)
+      >>> sharding.shard_shape((8, 3))  # one member's row per device
+      (1, 3)
+    """
     return NamedSharding(mesh, member_pspec(ndim, logical, rules))
 
 
@@ -244,6 +256,13 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
 
     Use it for trees built outside ``ensemble`` (per-member batches, hyperparameters, metrics
     that came back to the host). Leaves already placed correctly are not copied.
+
+    Example:
+      >>> import numpy as np
+      >>> tree = {"x": np.ones((8, 3)), "lr": np.float32(0.1)}
+      >>> placed = shard_members(tree, make_mesh(8), n=8)
+      >>> placed["x"].sharding.spec, placed["lr"].sharding.spec  # split / replicated
+      (P('ensemble', None), P())
     """
 
     def place(x):

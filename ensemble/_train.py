@@ -59,6 +59,17 @@ class TrainStep:
     leading axis of K); ``step.tx`` is the per-member optax transformation; ``step.lower(...)``
     gives the lowered program (``.compile().memory_analysis()`` shows per-device bytes and
     donated aliases).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble
+      >>> model = nn.Dense(1)
+      >>> ens = ensemble.build(model, n=8)
+      >>> params = ens.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+      >>> step = ens.train_step(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2),
+      ...                       optax.adam(1e-2), per_member_batch=True)
+      >>> new, opt_state, losses = step(params, step.init(params), jnp.ones((8, 4, 3)))
+      >>> params["kernel"].is_deleted(), new["kernel"].sharding.spec  # donated; stays put
+      (True, P('ensemble', None, None))
     """
 
     def __init__(
@@ -98,10 +109,12 @@ class TrainStep:
 
     @property
     def n(self) -> int:
+        """The number of members (the length of every member-major leading axis)."""
         return self._members.n
 
     @property
     def mesh(self) -> Mesh:
+        """The ensemble's ``('ensemble', 'data', 'model')`` mesh the step runs on."""
         return self._members.mesh
 
     # ------------------------------------------------------------------ optimizer state
@@ -156,6 +169,12 @@ class TrainStep:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, ...]:
+        """One step of every member: ``(params, opt_state, losses[n])``, ``+ (aux,)`` with
+        ``has_aux``.
+
+        ``params`` and ``opt_state`` are donated (with ``donate=True``): keep only the returned
+        ones. The program is compiled once per structure and sharding of the inputs.
+        """
         with explained_errors():
             return self._program(params, opt_state, batch)(params, opt_state, *batch)
 

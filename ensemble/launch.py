@@ -65,7 +65,13 @@ __all__ = ["free_port", "launch", "main", "port_in_use", "process_env"]
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it; loopback by default)."""
+    """A TCP port that is free on ``host`` right now (the OS picks it; loopback by default).
+
+    Example:
+      >>> port = free_port()
+      >>> 0 < port < 65536 and not port_in_use(port)
+      True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -325,7 +331,17 @@ class _Run:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point: ``python -m ensemble.launch -n N [options] -- command ...``."""
+    """Command line entry point: ``python -m ensemble.launch -n N [options] -- command ...``.
+
+    Returns the exit code (see :func:`launch`); bad arguments give 2 before anything starts.
+
+    Example:
+      >>> import sys
+      >>> main(["-n", "2", "--", sys.executable, "-c", "pass"])  # doctest: +SKIP
+      0
+      >>> main(["-n", "0", "--", sys.executable, "-c", "pass"])  # refused: nothing started
+      2
+    """
     parser = _Parser(
         prog="python -m ensemble.launch",
         description="Run a command as N processes of one JAX run on this machine (loopback, "

@@ -414,7 +414,17 @@ class _Coalescer:
 
 
 class OnCpu:
-    """The callable returned by :func:`on_cpu`: call it like ``fn``; ``close()`` stops workers."""
+    """The callable returned by :func:`on_cpu`: call it like ``fn``; ``close()`` stops workers.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from rollout import on_cpu
+      >>> with on_cpu(lambda x: x * 2, workers=1) as f:  # leaving the block stops the worker
+      ...     y = jax.jit(f)(jnp.arange(4.0))
+      ...     started = len(f.pids)
+      >>> y.tolist(), started, f.pids
+      ([0.0, 2.0, 4.0, 6.0], 1, [])
+    """
 
     def __init__(
         self,
@@ -587,6 +597,11 @@ class OnCpu:
         return leaves, treedef, axes, _batch_size(paths, leaves, axes), weak
 
     def __call__(self, *args: Any) -> Any:
+        """``fn(*args)``, its batched rows split over the CPU workers; the same outputs as ``fn``.
+
+        Traced inputs (inside ``jit``, ``vmap``, ``scan``, ``shard_map``) go through a host
+        callback; concrete ones run the host side directly, so errors arrive unwrapped.
+        """
         if not args:
             raise TypeError("on_cpu(fn): call with at least one positional argument")
         leaves, treedef, axes, n, weak = self._flatten(args)

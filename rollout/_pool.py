@@ -43,11 +43,30 @@ class WorkerError(RuntimeError):
     Raised as is by eager calls of an ``on_cpu`` function. From inside a jitted program JAX wraps
     it in a ``jax.errors.JaxRuntimeError``; :func:`rollout.worker_errors` turns that back into this
     exception.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, rollout
+      >>> def forever(x):  # a loop that never ends, stopped by the timeout
+      ...     return jax.lax.while_loop(lambda v: v[0] > -1.0, lambda v: v + 1.0, x)
+      >>> f = rollout.on_cpu(forever, workers=1, timeout=0.2)
+      >>> try:
+      ...     f(jnp.zeros(2))
+      ... except rollout.WorkerError as e:  # any worker failure; the next call restarts them
+      ...     print(type(e).__name__)
+      WorkerTimeout
+      >>> f.close()
     """
 
 
 class WorkerTimeout(WorkerError, TimeoutError):
-    """A call ran over its ``timeout=``, counted from the start of execution (not compile)."""
+    """A call ran over its ``timeout=``, counted from the start of execution (not compile).
+
+    Example:
+      >>> import rollout  # caught as a worker failure or as any timeout
+      >>> issubclass(rollout.WorkerTimeout, rollout.WorkerError), issubclass(
+      ...     rollout.WorkerTimeout, TimeoutError)
+      (True, True)
+    """
 
 
 def _worker_env(x64: bool) -> dict[str, str]:

@@ -122,6 +122,13 @@ def make(name: str, *, auto_reset: bool = True, **kwargs: Any) -> Any:
     Raises:
       ValueError: unknown name (the message lists the valid ones), an id the other library does
         not know, or that library not installed (the message says which extra to install).
+
+    Example:
+      >>> env = make("Pendulum-v1", max_episode_steps=50)
+      >>> type(env).__name__, env.max_episode_steps, env.action_space.shape
+      ('AutoReset', 50, (1,))
+      >>> type(make("cartpole", auto_reset=False)).__name__
+      'CartPole'
     """
     prefix, sep, rest = str(name).partition(":")
     if sep and f"{prefix}:" in HOST_PREFIXES:

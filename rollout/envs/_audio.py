@@ -45,6 +45,12 @@ class SynthParams(NamedTuple):
     Gates follow the usual GRU (as `flax.linen.GRUCell`): r, z and the candidate n stacked on the
     last axis of `w_in` / `w_h` / `b` (3H), the candidate's hidden-side bias `b_hn` inside the
     reset gate, and a tanh readout `tanh(h @ w_out + b_out)`.
+
+    Example:
+      >>> import jax
+      >>> params = init_synth_params(jax.random.key(0), hidden_size=8)
+      >>> params.w_in.shape, params.w_h.shape, params.w_out.shape  # 3H: the r, z, n gates
+      ((24,), (8, 24), (8,))
     """
 
     w_in: Array  # (3H,) input kernel
@@ -56,7 +62,15 @@ class SynthParams(NamedTuple):
 
 
 class AudioState(NamedTuple):
-    """GRU hidden state, oscillator phase and frequency, gain, target level, step counter."""
+    """GRU hidden state, oscillator phase and frequency, gain, target level, step counter.
+
+    Example:
+      >>> import jax
+      >>> env = AudioSynth.light()
+      >>> state, obs = env.reset(jax.random.key(0))
+      >>> state.h.shape, bool(obs[-1] == state.target)  # the target ends every observation
+      ((8,), True)
+    """
 
     h: Array  # (H,) float32
     phase: Array  # () radians in [0, 2 pi)
@@ -74,7 +88,14 @@ def init_synth_params(
     recurrent_scale: float = 1.0,
     dtype: Any = jnp.float32,
 ) -> SynthParams:
-    """Random synthesiser weights: normal input/readout kernels, a scaled normal recurrent one."""
+    """Random synthesiser weights: normal input/readout kernels, a scaled normal recurrent one.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> params = init_synth_params(jax.random.key(0), 16, dtype=jnp.bfloat16)
+      >>> params.w_h.shape, params.w_h.dtype
+      ((16, 48), dtype(bfloat16))
+    """
     k_in, k_h, k_out = jax.random.split(key, 3)
     h = hidden_size
     return SynthParams(
@@ -91,6 +112,13 @@ def synthesize(params: SynthParams, h: Array, excitation: Array) -> tuple[Array,
     """Runs the GRU over `excitation` (shape (T,)), one sample at a time (`lax.scan`).
 
     Returns the last hidden state (H,) and the audio (T,), each sample `tanh(h_t @ w_out + b_out)`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> params = init_synth_params(jax.random.key(0), 8)
+      >>> h, audio = synthesize(params, jnp.zeros(8), jnp.sin(jnp.arange(64) / 4))
+      >>> h.shape, audio.shape, bool((jnp.abs(audio) < 1).all())  # tanh readout
+      ((8,), (64,), True)
     """
     hidden = h.shape[-1]
     # The input projections of all samples at once; the scan carries only the recurrence.
@@ -114,6 +142,16 @@ class AudioSynth(Env):
     See the module docstring. `params` (a `SynthParams`, see `init_synth_params`) is an input of
     `reset` and `step`; `None` uses `default_params()` (fixed weights from `params_seed`).
     `AudioSynth.light()` is a small configuration for tests.
+
+    Example:
+      >>> import jax
+      >>> env = AudioSynth.light()
+      >>> state, obs = env.reset(jax.random.key(0))
+      >>> step, key = jax.jit(env.step), jax.random.key(1)
+      >>> _, obs, reward, *_ = step(state, 2, key)  # gain up, default weights
+      >>> other = init_synth_params(jax.random.key(2), env.hidden_size)
+      >>> obs.shape, bool(step(state, 2, key, other)[2] != reward)  # other weights, other sound
+      ((33,), True)
     """
 
     hidden_size: int = 32
@@ -141,17 +179,20 @@ class AudioSynth(Env):
 
     @property
     def observation_space(self) -> Box:
+        """The frame's `samples_per_step` samples in [-1, 1], then the target level."""
         low = (-1.0,) * self.samples_per_step + (self.target_low,)
         high = (1.0,) * self.samples_per_step + (self.target_high,)
         return Box((self.samples_per_step + 1,), low, high)
 
     @property
     def action_space(self) -> Space:
+        """Gain down / keep / up (`Discrete(3)`), or a change in [-1, 1] with `discrete=False`."""
         if self.discrete:
             return Discrete(3)
         return Box.uniform((1,), -1.0, 1.0)
 
     def default_params(self) -> SynthParams:
+        """Fixed synthesiser weights from `params_seed`, used when `params` is None."""
         return init_synth_params(jax.random.PRNGKey(self.params_seed), self.hidden_size)
 
     def _params(self, params: SynthParams | None) -> SynthParams:
@@ -171,6 +212,10 @@ class AudioSynth(Env):
         return jnp.concatenate([audio, target[None]]).astype(jnp.float32)
 
     def reset(self, key: PRNGKey, params: SynthParams | None = None) -> tuple[AudioState, Array]:
+        """A new episode: tone, phase, gain and target drawn with `key`; the frame is silence.
+
+        `params` is unused (nothing is synthesised yet); it is there to match `step`.
+        """
         del params  # the first frame is silence: nothing to synthesise yet
         k_freq, k_phase, k_gain, k_target = jax.random.split(key, 4)
         log_f = jax.random.uniform(
@@ -193,6 +238,11 @@ class AudioSynth(Env):
         key: PRNGKey,
         params: SynthParams | None = None,
     ) -> tuple[AudioState, Array, Array, Array, Array, Info]:
+        """Changes the gain, synthesises one frame with `params` (`None`: `default_params()`).
+
+        Returns `(state, obs, reward, terminated, truncated, info)`; the reward is
+        `-|level - target|`, `info` holds the frame's `level` and the new `gain`. `key` is unused.
+        """
         del key
         params = self._params(params)
         if self.discrete:

@@ -22,7 +22,14 @@ from rollout.envs._core import (
 
 
 class CartPoleState(NamedTuple):
-    """Cart position and velocity, pole angle and angular velocity, and the step counter."""
+    """Cart position and velocity, pole angle and angular velocity, and the step counter.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> state, obs = CartPole().reset(jax.random.key(0))
+      >>> bool((obs == jnp.stack(state[:4])).all()), int(state.t)  # the observation is the state
+      (True, 0)
+    """
 
     x: Array
     x_dot: Array
@@ -42,6 +49,14 @@ class CartPole(Env):
     Stepping an already terminated episode is undefined, as in gymnasium: use `AutoReset`.
     An action other than 0 or 1 is a `ValueError` when concrete (gymnasium asserts it); under
     `jit` it cannot raise, so it makes the state, observation and reward NaN instead of a number.
+
+    Example:
+      >>> import jax
+      >>> env = CartPole()
+      >>> state, obs = env.reset(jax.random.key(0))
+      >>> state, obs, reward, terminated, truncated, _ = env.step(state, 1, jax.random.key(1))
+      >>> obs.shape, float(reward), bool(state.x_dot > 0)  # pushed right: the cart moves right
+      ((4,), 1.0, True)
     """
 
     gravity: float = 9.8
@@ -61,11 +76,13 @@ class CartPole(Env):
 
     @property
     def observation_space(self) -> Box:
+        """`[x, x_dot, theta, theta_dot]`: twice the termination thresholds, speeds unbounded."""
         high = (self.x_threshold * 2, math.inf, self.theta_threshold_radians * 2, math.inf)
         return Box((4,), tuple(-h for h in high), high)
 
     @property
     def action_space(self) -> Discrete:
+        """Two actions: push the cart left (0) or right (1)."""
         return Discrete(2)
 
     def observation(self, state: CartPoleState) -> Array:
@@ -73,6 +90,7 @@ class CartPole(Env):
         return jnp.stack([state.x, state.x_dot, state.theta, state.theta_dot]).astype(jnp.float32)
 
     def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[CartPoleState, Array]:
+        """A new episode: each state variable uniform in `[reset_low, reset_high]`, `t = 0`."""
         del params
         values = jax.random.uniform(key, (4,), jnp.float32, self.reset_low, self.reset_high)
         state = CartPoleState(values[0], values[1], values[2], values[3], jnp.int32(0))
@@ -81,6 +99,10 @@ class CartPole(Env):
     def step(
         self, state: CartPoleState, action: Array, key: PRNGKey, params: PyTree = None
     ) -> tuple[CartPoleState, Array, Array, Array, Array, Info]:
+        """One Euler step of the dynamics: `(state, obs, reward, terminated, truncated, {})`.
+
+        Deterministic: `key` and `params` are unused.
+        """
         del key, params
         valid = valid_discrete_action(action, 2, self.name)
         x, x_dot, theta, theta_dot = (

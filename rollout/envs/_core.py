@@ -37,7 +37,15 @@ StepResult = tuple[PyTree, Array, Array, Array, Array, Info]
 
 @dataclasses.dataclass(frozen=True)
 class Discrete:
-    """Discrete actions `0 .. num_actions - 1`, one int32 scalar per env."""
+    """Discrete actions `0 .. num_actions - 1`, one int32 scalar per env.
+
+    Example:
+      >>> import jax
+      >>> space = Discrete(3)
+      >>> a = space.sample(jax.random.key(0))
+      >>> a.shape, a.dtype, 0 <= int(a) < space.n
+      ((), dtype('int32'), True)
+    """
 
     num_actions: int
     shape: tuple[int, ...] = ()
@@ -60,7 +68,15 @@ class Discrete:
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    """A float box of `shape`; `low`/`high` are per-element tuples (flattened), may be inf."""
+    """A float box of `shape`; `low`/`high` are per-element tuples (flattened), may be inf.
+
+    Example:
+      >>> import jax
+      >>> box = Box((2,), low=(-1.0, 0.0), high=(1.0, float("inf")))
+      >>> x = box.sample(jax.random.key(0))  # the infinite bound samples up to 1 instead
+      >>> x.shape, bool(((x >= box.low_array()) & (x <= 1.0)).all())
+      ((2,), True)
+    """
 
     shape: tuple[int, ...]
     low: tuple[float, ...]
@@ -116,16 +132,38 @@ class Env:
 
     Subclasses define `observation_space`, `action_space`, `max_episode_steps`, `reset` and
     `step`; `default_params` when they take array inputs.
+
+    Example:
+      >>> import dataclasses, jax, jax.numpy as jnp
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Countdown(Env):  # reward 1 a step; terminates after `steps` steps
+      ...     steps: int = 3
+      ...     max_episode_steps: int = 100
+      ...     observation_space = Box.uniform((1,), 0.0, 100.0)
+      ...     action_space = Discrete(1)
+      ...     def reset(self, key, params=None):
+      ...         return jnp.int32(0), jnp.full(1, float(self.steps))
+      ...     def step(self, t, action, key, params=None):
+      ...         t = t + 1
+      ...         obs = jnp.full(1, self.steps - t, jnp.float32)
+      ...         return t, obs, jnp.float32(1), t >= self.steps, t >= self.max_episode_steps, {}
+      >>> env = Countdown()
+      >>> state, obs = env.reset(jax.random.key(0))
+      >>> state, obs, reward, terminated, truncated, info = env.step(state, 0, jax.random.key(1))
+      >>> obs.tolist(), bool(terminated)
+      ([2.0], False)
     """
 
     name: str = "env"
 
     @property
     def observation_space(self) -> Box:
+        """The space of one observation (a `Box`)."""
         raise NotImplementedError
 
     @property
     def action_space(self) -> Space:
+        """The space of one action: a `Discrete` or a `Box`."""
         raise NotImplementedError
 
     @property
@@ -138,9 +176,15 @@ class Env:
         return None
 
     def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[PyTree, Array]:
+        """A new episode: `(state, obs)`, drawn with `key`; `params` as for `step`."""
         raise NotImplementedError
 
     def step(self, state: PyTree, action: Array, key: PRNGKey, params: PyTree = None) -> StepResult:
+        """One step: `(state, obs, reward, terminated, truncated, info)`, a pure function.
+
+        `params` are the env's array inputs (`None`: `default_params()`); `info` is a dict of
+        arrays with the same keys at every step.
+        """
         raise NotImplementedError
 
 
@@ -175,7 +219,15 @@ def valid_discrete_action(action: Array, n: int, env: str) -> Array:
 
 
 class AutoResetState(NamedTuple):
-    """State of `AutoReset`: the inner env's state and the running episode statistics."""
+    """State of `AutoReset`: the inner env's state and the running episode statistics.
+
+    Example:
+      >>> import jax
+      >>> from rollout.envs import make
+      >>> state, obs = make("cartpole").reset(jax.random.key(0))
+      >>> int(state.env_state.t), float(state.episode_return), int(state.episode_length)
+      (0, 0.0, 0)
+    """
 
     env_state: PyTree
     episode_return: Array  # float32: sum of rewards of the current episode so far
@@ -198,40 +250,63 @@ class AutoReset(Env):
     - every key of the wrapped env's own `info` (from the true, pre-reset step).
 
     All shapes are static; the reset is computed every step and selected with `jnp.where`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from rollout.envs import Pendulum
+      >>> env = AutoReset(Pendulum(max_episode_steps=2))
+      >>> state, obs = env.reset(jax.random.key(0))
+      >>> step = jax.jit(env.step)
+      >>> for key in jax.random.split(jax.random.key(1), 2):
+      ...     state, obs, reward, terminated, truncated, info = step(state, jnp.zeros(1), key)
+      >>> bool(info["done"]), int(info["episode_length"]), int(state.episode_length)  # restarted
+      (True, 2, 0)
     """
 
     env: Env
 
     @property
     def name(self) -> str:  # type: ignore[override]
+        """The wrapped env's name."""
         return self.env.name
 
     @property
     def observation_space(self) -> Box:
+        """The wrapped env's observation space."""
         return self.env.observation_space
 
     @property
     def action_space(self) -> Space:
+        """The wrapped env's action space."""
         return self.env.action_space
 
     @property
     def max_episode_steps(self) -> int:
+        """The wrapped env's time limit (steps before truncation)."""
         return self.env.max_episode_steps  # type: ignore[attr-defined]
 
     @property
     def unwrapped(self) -> Env:
+        """The innermost env, below this and any other wrapper (its fields, `default_params`)."""
         return self.env.unwrapped
 
     def default_params(self) -> PyTree:
+        """The wrapped env's `default_params()`."""
         return self.env.default_params()
 
     def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[AutoResetState, Array]:
+        """The wrapped env's reset, with the episode statistics at zero."""
         env_state, obs = self.env.reset(key, params)
         return AutoResetState(env_state, jnp.float32(0.0), jnp.int32(0)), obs
 
     def step(
         self, state: AutoResetState, action: Array, key: PRNGKey, params: PyTree = None
     ) -> StepResult:
+        """The wrapped env's step, restarting a finished episode in the same call.
+
+        Where `terminated | truncated`, the returned state and `obs` are a fresh episode's; `info`
+        adds `final_obs`, `done`, `episode_return` and `episode_length` (see the class).
+        """
         if params is None:
             params = self.env.default_params()
         step_key, reset_key = jax.random.split(key)

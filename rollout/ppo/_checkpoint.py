@@ -43,7 +43,19 @@ EXTENDABLE = ("total_steps",)
 
 
 class RunDirError(ValueError):
-    """A run directory that cannot be used as asked; the message says what to do instead."""
+    """A run directory that cannot be used as asked; the message says what to do instead.
+
+    Example:
+      >>> import os, tempfile
+      >>> from rollout.ppo import PPOConfig, train
+      >>> out = tempfile.mkdtemp()  # empty: no run to resume
+      >>> try:
+      ...     train(PPOConfig.for_env("cartpole", members=8), out=out, resume=True)
+      ... except RunDirError as e:  # raised before anything is built or written
+      ...     print(str(e).split(" in ")[0], os.listdir(out))
+      nothing to resume []
+      >>> os.rmdir(out)
+    """
 
 
 class NoRestorableCheckpoint(RunDirError):

@@ -65,7 +65,13 @@ def configure_devices(num_cpu_devices: int) -> None:
 
 
 class Interrupted(Exception):
-    """Training stopped on SIGINT / SIGTERM after writing a checkpoint (``code``: 128 + signal)."""
+    """Training stopped on SIGINT / SIGTERM after writing a checkpoint (``code``: 128 + signal).
+
+    Example:
+      >>> import signal
+      >>> Interrupted(signal.SIGTERM, "SIGTERM: stopped at update 3/8.").code  # the exit code
+      143
+    """
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
@@ -74,7 +80,12 @@ class Interrupted(Exception):
 
 class Diverged(FloatingPointError):
     """A member's losses became NaN or infinite: training stopped before saving that state.
-    ``rows``: how many of the jitted call's updates to record (up to the first diverged)."""
+    ``rows``: how many of the jitted call's updates to record (up to the first diverged).
+
+    Example:
+      >>> issubclass(Diverged, FloatingPointError)  # ``except FloatingPointError`` catches it
+      True
+    """
 
     rows = 0
 
@@ -410,7 +421,21 @@ def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupte
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """One line per member: mean episode return against env steps per member."""
+    """One line per member: mean episode return against env steps per member.
+
+    ``rows`` are metric rows (``metrics.jsonl``); a ``None`` return (no episode finished in
+    that update) has no point. Nothing is written for no rows.
+
+    Example:
+      >>> import os, shutil, tempfile
+      >>> rows = [{"env_steps": 512 * k, "returns": [9.0 * k, None if k == 1 else 20.0]}
+      ...         for k in (1, 2, 3)]
+      >>> out = tempfile.mkdtemp()
+      >>> plot_curves(rows, os.path.join(out, "curves.png"), title="cartpole")
+      >>> os.listdir(out)
+      ['curves.png']
+      >>> shutil.rmtree(out)
+    """
     # A bare Figure, not pyplot: no global backend or figure registry is touched in the
     # caller's process (a notebook keeps its own backend), and pyplot's import is skipped.
     from matplotlib.figure import Figure

@@ -221,6 +221,7 @@ class PPOConfig:
 
     @property
     def minibatch_size(self) -> int:
+        """Transitions per member per minibatch (``batch_size // num_minibatches``)."""
         return self.batch_size // self.num_minibatches
 
     @property
@@ -292,6 +293,13 @@ class PPOConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
+        """The config of a :meth:`to_dict` dict (lists back to tuples); other keys are ignored.
+
+        Example:
+          >>> cfg = PPOConfig.for_env("pendulum", members=2, learning_rate=[1e-3, 3e-4])
+          >>> PPOConfig.from_dict({**cfg.to_dict(), "note": "not a field"}) == cfg
+          True
+        """
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
         return cls(**kw)

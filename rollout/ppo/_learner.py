@@ -31,7 +31,14 @@ from rollout.ppo._gae import gae
 
 
 class RunningStats(NamedTuple):
-    """Running mean / variance (Welford, batched merge) as in gymnasium's normalisation wrappers."""
+    """Running mean / variance (Welford, batched merge) as in gymnasium's normalisation wrappers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> stats = RunningStats.zeros((2,)).update(jnp.array([[0.0, 1.0], [2.0, 3.0]]))
+      >>> stats.mean.round(3).tolist(), stats.var.round(3).tolist()
+      ([1.0, 2.0], [1.0, 1.0])
+    """
 
     mean: jax.Array
     var: jax.Array
@@ -39,10 +46,12 @@ class RunningStats(NamedTuple):
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...]) -> RunningStats:
+        """Empty statistics of values of ``shape``: mean 0, variance 1, a count of 1e-4."""
         # count starts at a tiny epsilon like gymnasium's RunningMeanStd (avoids 0/0).
         return cls(jnp.zeros(shape), jnp.ones(shape), jnp.asarray(1e-4, jnp.float32))
 
     def update(self, batch: jax.Array) -> RunningStats:
+        """These statistics merged with those of ``batch`` (its axis 0 is the sample axis)."""
         b_mean = jnp.mean(batch, axis=0)
         b_var = jnp.var(batch, axis=0)
         b_count = jnp.asarray(batch.shape[0], jnp.float32)
@@ -55,7 +64,15 @@ class RunningStats(NamedTuple):
 
 @struct.dataclass
 class MemberState:
-    """Everything that belongs to the members; every leaf has the member axis first."""
+    """Everything that belongs to the members; every leaf has the member axis first.
+
+    Example:
+      >>> from rollout.ppo import Learner, PPOConfig
+      >>> learner = Learner(PPOConfig.for_env("cartpole", members=8, num_envs=2))
+      >>> members = learner.state_shapes().members  # shapes only: nothing runs
+      >>> members.obs.shape, members.last_return.shape, sorted(members.hparams)
+      ((8, 2, 4), (8,), ['clip_coef', 'ent_coef', 'learning_rate'])
+    """
 
     params: Any
     opt_state: Any
@@ -74,7 +91,15 @@ class MemberState:
 
 @struct.dataclass
 class TrainState:
-    """The whole learner state: ``members`` (sharded on the member axis) and the update counter."""
+    """The whole learner state: ``members`` (sharded on the member axis) and the update counter.
+
+    Example:
+      >>> from rollout.ppo import Learner, PPOConfig
+      >>> learner = Learner(PPOConfig.for_env("cartpole", members=8))
+      >>> shardings = learner.state_shardings()  # a TrainState of shardings
+      >>> shardings.update.spec, shardings.members.rng.spec  # replicated / one member a device
+      (P(), P('ensemble', None))
+    """
 
     members: MemberState
     update: jax.Array  # () int32, replicated: PPO updates done so far

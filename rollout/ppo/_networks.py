@@ -56,6 +56,7 @@ class ActorCritic(nn.Module):
             self.log_std = self.param("log_std", zeros, (self.action_dim,))
 
     def __call__(self, obs: jax.Array):
+        """Actor and critic together: ``(policy(obs), value(obs))``."""
         return self.policy(obs), self.value(obs)
 
     def policy(self, obs: jax.Array):
