@@ -78,14 +78,18 @@ def worker_errors() -> Iterator[None]:
     usable as a decorator) turns such an error back into the original exception, chained to
     JAX's (``__cause__``); other errors pass unchanged. ``rollout.ppo.train`` uses it.
 
-    Example::
-
-        with rollout.worker_errors():
-            try:
-                # jitted, calls an on_cpu function; blocking keeps its error inside the with
-                loss = jax.block_until_ready(train_step(state, batch))
-            except rollout.WorkerError:
-                ...  # a worker died, raised or timed out; the next call restarts the workers
+    Example (a worker timing out inside a jitted call):
+      >>> import jax, jax.numpy as jnp, rollout
+      >>> def forever(x):
+      ...     return jax.lax.while_loop(lambda v: v[0] > -1.0, lambda v: v + 1.0, x)
+      >>> f = rollout.on_cpu(forever, workers=1, timeout=0.2)
+      >>> try:  # the with turns JAX's error back into the worker's as it exits: catch outside
+      ...     with rollout.worker_errors():  # blocking keeps the error inside the with
+      ...         jax.block_until_ready(jax.jit(f)(jnp.zeros(2)))
+      ... except rollout.WorkerError as e:  # itself, not JAX's wrapper
+      ...     print(type(e).__name__)
+      WorkerTimeout
+      >>> f.close()
     """
     try:
         yield
