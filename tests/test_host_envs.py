@@ -1352,48 +1352,64 @@ def test_envpool_task_equals_envpool_called_directly(workers, kwargs, devices):
 def envpool_own_autoreset(task, seed, actions, **kwargs):
     """``actions`` [T, N] stepped by one EnvPool pool with EnvPool's own autoreset (the step
     after a done one resets that env, its action ignored), that reset step taken out: per step
-    the observation after autoreset, terminated, truncated and the final observation."""
+    the observation after autoreset, reward, terminated, truncated, the final observation and
+    (Atari) whether the game is over."""
     import envpool
 
     pool = envpool.make(task, env_type="gymnasium", num_envs=actions.shape[1], seed=seed, **kwargs)
     pool.reset()
     out = []
     for a in actions:
-        final, _, term, trunc, _ = pool.step(a)
+        final, reward, term, trunc, info = pool.step(a)
         obs, done = final.copy(), np.flatnonzero(term | trunc)
         if done.size:
             obs[done] = pool.step(a[done], done.astype(np.int32))[0]
-        out.append((obs, term, trunc, final))
+        out.append((obs, reward, term, trunc, final, info.get("terminated", term | trunc)))
     pool.close()
     return [np.stack(x) for x in zip(*out)]
 
 
 @pytest.mark.timeout(120)
-def test_envpool_a_lost_life_goes_on_with_the_same_game():
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "compiled-step"])
+def test_envpool_a_lost_life_goes_on_with_the_same_game(workers):
     """``episodic_life``: a lost life ends an episode and the next one is the same game with a
     life fewer, as in EnvPool's own stepping (resetting the env started a new game, so the agent
-    only ever saw the first life)."""
+    only ever saw the first life). The step says which ends were lost lives (the game goes on),
+    and under ``reward_clip`` gives the raw reward as ``info["score"]`` and trains on its sign."""
     pytest.importorskip("envpool")
     n, e, T = 2, 2, 240
     kw = dict(episodic_life=True, img_height=36, img_width=36)
-    env = envs.make("envpool:Breakout-v5", workers_per_device=0, **kw)
+    env = envs.make("envpool:Breakout-v5", workers_per_device=workers, reward_clip=True, **kw)
     mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
     host = env.bind(mesh, n, e)
     keys = jax.random.split(jax.random.key(3), (n, e))
     actions = (np.arange(T)[:, None, None] // 3 + np.arange(n * e).reshape(n, e)) % 4
     actions = actions.astype(np.int32)
+
+    def rollout(keys, actions):
+        def step(state, action):
+            state, obs, reward, term, trunc, info = host.step(state, action, keys)
+            extra = info["score"], info["episode_goes_on"]
+            return state, (obs, reward, term, trunc, info["final_obs"], *extra)
+
+        return jax.lax.scan(step, host.reset(keys)[0], actions)[1]
+
     try:
-        _, steps = run_host(host, mesh, keys, actions)
+        with jax.set_mesh(mesh):
+            steps = jax.tree.map(np.asarray, jax.jit(rollout)(keys, actions))
+        assert (host.fast_steps == 2 * T) == (workers != 0)  # the compiled step, or Python
     finally:
         host.close()
     seed = int(seeds_of(keys)[0, 0]) % (2**31 - n * e)
-    obs, term, trunc, final = envpool_own_autoreset(
+    obs, raw, term, trunc, final, game_over = envpool_own_autoreset(
         "Breakout-v5", seed, actions.reshape(T, -1), **kw
     )
     flat = lambda x: np.asarray(x).reshape(T, n * e, *np.shape(x)[3:])
-    assert term.sum() >= 2 * n * e  # every env lost a life, and played on
-    for got, want in zip((steps[0], steps[2], steps[3], steps[4]), (obs, term, trunc, final)):
-        np.testing.assert_array_equal(flat(got), want)
+    goes_on = term & ~game_over & ~trunc
+    assert goes_on.sum() >= 2 * n * e and raw.sum() > 0  # lives lost, played on; points scored
+    want = (obs, np.sign(raw), term, trunc, final, raw, goes_on)
+    for got, expected in zip(steps, want, strict=True):
+        np.testing.assert_array_equal(flat(got), expected)
 
 
 @pytest.mark.timeout(120)

@@ -498,3 +498,33 @@ def test_config_fields_of_the_wrong_type_or_range_are_named(bad, message):
     truncated from 64.5, a NumPy int that run.json cannot hold."""
     with pytest.raises((TypeError, ValueError), match=message):
         PPOConfig.for_env("cartpole", **bad).validate()
+
+
+def test_metrics_count_games_with_raw_scores_where_an_env_says_so():
+    """An env's ``info["score"]`` (the raw reward, where the training reward is clipped) and
+    ``info["episode_goes_on"]`` (a lost life: the training episode ends, the game does not)
+    make the metrics' episodes whole games with their scores: a game of 3 lives x 3 steps here,
+    training reward 1 and score 10 a step."""
+    import jax.numpy as jnp
+
+    from rollout.ppo._learner import Act, Rollout, RunningStats
+
+    learner = Learner(PPOConfig.for_env("cartpole", members=1, num_envs=2, num_steps=8))
+    zeros = jnp.zeros(2)
+    carry = Rollout(env_state=None, obs=jnp.zeros((2, 4)), obs_stats=RunningStats.zeros((4,)),
+                    ret_stats=RunningStats.zeros(()), disc_return=zeros, ep_return=zeros,
+                    ep_length=zeros, finished=jnp.zeros(3), rng=None)  # fmt: skip
+    act = Act(jnp.zeros((2, 4)), zeros, zeros, zeros, zeros, None)
+    dones = []
+    for t in range(1, 22):  # env 1 loses its lives one step after env 0
+        term = jnp.array([t % 3 == 0, t > 1 and (t - 1) % 3 == 0])
+        game_over = jnp.array([t % 9 == 0, t > 1 and (t - 1) % 9 == 0])
+        info = {"final_obs": jnp.zeros((2, 4)), "score": jnp.full(2, 10.0),
+                "episode_goes_on": term & ~game_over}  # fmt: skip
+        out = (None, jnp.zeros((2, 4)), jnp.ones(2), term, jnp.zeros(2, bool), info)
+        carry, (step, _) = learner._observe(carry, act, out)
+        dones.append(np.asarray(step.done))
+    # Four games ended: env 0's at steps 9 and 18 (9 steps, 90 points each), env 1's at 10
+    # (its first step counted too: 10 steps, 100 points) and 19 (9 steps, 90 points).
+    np.testing.assert_array_equal(np.asarray(carry.finished), [370.0, 37.0, 4.0])
+    assert np.sum(dones) == 7 + 6  # every lost life still ends a training episode

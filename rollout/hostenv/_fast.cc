@@ -42,7 +42,7 @@ constexpr int kMaxWorkers = 63;  // PENDING is a bit mask
 constexpr int kSlots = 1 << 16;  // groups bound in one process (a block each, never freed)
 enum Status { OK = 0, NOT_SENT = 1, SENT_PENDING = 2 };
 constexpr uint8_t kStep = 4, kOk = 5;  // _worker.STEP, _worker.OK
-constexpr uint8_t kTerm = 1, kTrunc = 2;  // _host._TERM, _host._TRUNC
+constexpr uint8_t kTerm = 1, kTrunc = 2, kGoesOn = 8;  // _host._TERM, _TRUNC, _GOES_ON
 
 int64_t* g_slots[kSlots];  // ctl blocks, by slot
 
@@ -143,11 +143,12 @@ void copy_results(const int64_t* ctl, void* obs, float* reward, uint8_t* flags, 
   std::memcpy(obs, reinterpret_cast<const void*>(ctl[OBS]), size_t(ctl[OBS_BYTES]));
   std::memcpy(final_obs, reinterpret_cast<const void*>(ctl[FINAL]), size_t(ctl[OBS_BYTES]));
   const double* r = reinterpret_cast<const double*>(ctl[REWARD]);
-  const bool* te = reinterpret_cast<const bool*>(ctl[TERM]);
+  // terminated: bit 0 the episode ended, bit 1 the game goes on (_worker.TERMINATED, GOES_ON)
+  const uint8_t* te = reinterpret_cast<const uint8_t*>(ctl[TERM]);
   const bool* tr = reinterpret_cast<const bool*>(ctl[TRUNC]);
   for (size_t i = 0; i < rows; ++i) {
     reward[i] = float(r[i]);
-    flags[i] = uint8_t((te[i] ? kTerm : 0) | (tr[i] ? kTrunc : 0));
+    flags[i] = uint8_t((te[i] & 1 ? kTerm : 0) | (te[i] & 2 ? kGoesOn : 0) | (tr[i] ? kTrunc : 0));
   }
 }
 

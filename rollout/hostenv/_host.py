@@ -61,7 +61,7 @@ from rollout.hostenv import _fast
 from rollout.hostenv._fast import C_SESSION, C_T
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
 
-_TERM, _TRUNC, _RESTART = 1, 2, 4  # the bits of a step's flags
+_TERM, _TRUNC, _RESTART, _GOES_ON = 1, 2, 4, 8  # the bits of a step's flags
 
 
 class HostState(NamedTuple):
@@ -133,6 +133,10 @@ class HostEnv:
         seeds from the first env's key, see ``HostEnvs.reset``).
       timeout: seconds one step or reset may take before it is an error (default: no limit;
         a dead worker is an error within 0.2 s regardless).
+
+    EnvPool's Atari ``reward_clip`` and ``episodic_life`` shape the training signal only: the
+    step's ``info["score"]`` is the raw reward and ``info["episode_goes_on"]`` marks a lost life
+    that ends a training episode but not the game, so the learner's metrics report games.
     """
 
     backend: str
@@ -157,6 +161,11 @@ class HostEnv:
         set_("observation_space", _space(obs_space, "observation", self.name))
         set_("action_space", _space(act_space, "action", self.name))
         set_("max_episode_steps", limit)
+
+    @property
+    def clips_rewards(self) -> bool:
+        """EnvPool's ``reward_clip``: the reward the learner trains on is the raw one's sign."""
+        return self.backend == "envpool" and bool(self.kwargs.get("reward_clip", False))
 
     @property
     def name(self) -> str:
@@ -579,15 +588,17 @@ class HostEnvs:
         """One step of every env: ``(state, obs, reward, terminated, truncated, info)``.
 
         ``info``: ``final_obs`` (the observation the step reached, before an autoreset),
-        ``done``, and ``restarted`` (true where this step was the restart described next,
-        not a step of the env). ``keys`` seed the envs only if they must restart: when
-        ``state`` is not the envs' live session (a restored checkpoint, a state from before
-        ``close()``, or one older than the envs' latest reset). Host env states cannot be
-        saved or rewound, so then the episodes running in ``state`` end at this step,
-        reported as truncated with reward 0 and ``final_obs`` = their last observation (the
-        learner bootstraps them like a time limit), and the envs restart from reset, seeded
-        by ``keys`` as ``reset`` seeds them. ``seeds``, instead of ``keys``: those seeds,
-        derived beforehand by :meth:`seeds` (once for a whole loop of steps).
+        ``done``, ``restarted`` (true where this step was the restart described next, not a
+        step of the env), ``score`` (the raw reward; ``reward`` is its sign under EnvPool's
+        ``reward_clip``) and ``episode_goes_on`` (a life lost under EnvPool's
+        ``episodic_life``: the episode ended, the game did not). ``keys`` seed the envs only
+        if they must restart: when ``state`` is not the envs' live session (a restored
+        checkpoint, a state from before ``close()``, or one older than the envs' latest reset).
+        Host env states cannot be saved or rewound, so then the episodes running in ``state``
+        end at this step, reported as truncated with reward 0 and ``final_obs`` = their last
+        observation (the learner bootstraps them like a time limit), and the envs restart from
+        reset, seeded by ``keys`` as ``reset`` seeds them. ``seeds``, instead of ``keys``:
+        those seeds, derived beforehand by :meth:`seeds` (once for a whole loop of steps).
         """
         action, seeds = self._step_inputs(action, keys, seeds)
         obs_shape = self.env.observation_space.shape
@@ -608,8 +619,13 @@ class HostEnvs:
         else:
             outs = self._sharded(self._host_finish, types, *args, fast=True)
         session, obs, reward, flags, final = outs
-        term, trunc, restarted = ((flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART))
-        info = {"final_obs": final, "done": term | trunc, "restarted": restarted}
+        term, trunc, restarted, goes_on = (
+            (flags & bit) != 0 for bit in (_TERM, _TRUNC, _RESTART, _GOES_ON)
+        )
+        info = {"final_obs": final, "done": term | trunc, "restarted": restarted,
+                "score": reward, "episode_goes_on": goes_on}  # fmt: skip
+        if self.env.clips_rewards:  # as EnvPool would; the raw reward stays the score
+            reward = jnp.sign(reward)
         return HostState(session, t + 1, obs), obs, reward, term, trunc, info
 
     def _step_inputs(self, action: Any, keys: Any, seeds: Any) -> tuple[jax.Array, jax.Array]:
@@ -687,7 +703,8 @@ class HostEnvs:
 
     def _step_results(self, session, obs, reward, term, trunc, final) -> tuple[np.ndarray, ...]:
         m, e = session.shape
-        flags = (term * _TERM) | (trunc * _TRUNC)
+        # terminated: _worker.TERMINATED | GOES_ON bits
+        flags = (term & 1) * _TERM | (term & 2 != 0) * _GOES_ON | trunc * _TRUNC
         shape = (m, e, *self._obs_shape)
         return (session, obs.reshape(shape), reward.astype(np.float32).reshape(m, e),
                 flags.astype(np.uint8).reshape(m, e), final.reshape(shape))  # fmt: skip

@@ -47,6 +47,10 @@ import numpy as np
 
 #: What one step writes, in ``SharedArrays`` and in the tuple ``backend.step`` returns.
 STEP_FIELDS = ("obs", "reward", "terminated", "truncated", "final_obs")
+#: The bits of a step's ``terminated``: the episode ended, and (only with it) the game goes on
+#: (EnvPool's ``episodic_life``: a lost life ends a training episode, not the game the metrics
+#: count).
+TERMINATED, GOES_ON = 1, 2
 
 INIT, READY, RESET, STEP, OK, ERR, CLOSE = range(1, 8)  # message kinds
 _HEADER = struct.Struct("<BxxxIq")  # kind, payload bytes, sequence number
@@ -109,7 +113,7 @@ def step_spec(
         ("action", (rows, *action_shape), np.dtype(action_dtype).str),
         ("obs", obs, obs_dtype),
         ("reward", (rows,), "<f8"),
-        ("terminated", (rows,), "|b1"),
+        ("terminated", (rows,), "|u1"),  # TERMINATED, | GOES_ON where a life was lost
         ("truncated", (rows,), "|b1"),
         ("final_obs", obs, obs_dtype),
     ]
@@ -338,6 +342,9 @@ class _EnvPool:
     action sent to it), which after a lost life under ``episodic_life`` carries on the same
     game; a truncated one by ``reset``, a new game.
 
+    ``reward_clip`` is not passed to EnvPool: the raw reward comes back, and the layer clips it
+    on the device (``HostEnvs.step``), so the metrics can report the game's score.
+
     EnvPool reports a step that ends an episode on its time limit as truncated only, terminal
     or not. Gymnasium's ``TimeLimit`` reports both, and a terminal state must not be bootstrapped.
     For the families in ``_ENVPOOL_OWN_LIMIT`` the pools get one step more than the limit and
@@ -352,6 +359,8 @@ class _EnvPool:
         self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
         self.actions: int | None = None  # the Discrete action count, once a pool exists
         self.limit: int | None = None  # the time limit applied here, if any
+        self.kwargs.pop("reward_clip", None)
+        self.lives = bool(self.kwargs.get("episodic_life", False))
         if registry.specs[task][0] in _ENVPOOL_OWN_LIMIT:
             self.limit = int(envpool.make_spec(task, **self.kwargs).config.max_episode_steps)
             self.kwargs["max_episode_steps"] = self.limit + 1
@@ -392,7 +401,11 @@ class _EnvPool:
             final[...] = obs
             if self.limit is not None:  # EnvPool's own limit is one step further
                 trunc[...] = np.asarray(result[4]["elapsed_step"])[order] >= self.limit
-            self._restart(pool, obs, np.flatnonzero(term & ~trunc), np.flatnonzero(trunc), actions)
+            ended = term.astype(bool)
+            self._restart(pool, obs, np.flatnonzero(ended & ~trunc), np.flatnonzero(trunc), actions)
+            if self.lives:  # a life lost, the game not over (EnvPool's info: the game's end)
+                game_over = np.asarray(result[4]["terminated"], bool)[order]
+                term[...] = ended * TERMINATED | (ended & ~game_over & ~trunc) * GOES_ON
 
     @staticmethod
     def _restart(pool: Any, obs: np.ndarray, ended: np.ndarray, cut: np.ndarray, actions) -> None:

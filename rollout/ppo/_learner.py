@@ -488,13 +488,16 @@ class Learner:
         term, trunc = term.astype(bool), trunc.astype(bool)
         done = term | trunc
 
-        # Episode statistics on the true reward (what the metrics report). A host env's
-        # restart (after a resume) cuts the running episodes without stepping them: no step to
-        # count, and an episode it cuts before its first step is no episode.
+        # Episode statistics on the true reward (what the metrics report): an env's raw
+        # ``score`` where its reward is clipped, and whole games where a lost life ends a
+        # training episode (``episode_goes_on``). A host env's restart (after a resume) cuts the
+        # running episodes without stepping them: no step to count, and an episode it cuts
+        # before its first step is no episode.
         restarted = info.get("restarted", jnp.zeros_like(done))
-        ep_return = carry.ep_return + reward
+        game_over = done & ~info.get("episode_goes_on", jnp.zeros_like(done)).astype(bool)
+        ep_return = carry.ep_return + info.get("score", reward).astype(jnp.float32)
         ep_length = carry.ep_length + (~restarted).astype(jnp.float32)
-        ended = done & (ep_length > 0)
+        ended = game_over & (ep_length > 0)
         finished = carry.finished + jnp.stack(
             [
                 jnp.sum(jnp.where(ended, ep_return, 0.0)),
@@ -502,8 +505,8 @@ class Learner:
                 jnp.sum(ended.astype(jnp.float32)),
             ]
         )
-        ep_return = jnp.where(done, 0.0, ep_return)
-        ep_length = jnp.where(done, 0.0, ep_length)
+        ep_return = jnp.where(game_over, 0.0, ep_return)
+        ep_length = jnp.where(game_over, 0.0, ep_length)
 
         # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
         # Its running return restarts at every episode end, truncations too (gymnasium's
