@@ -475,6 +475,33 @@ def test_cli_ppo_settings_reach_the_config_and_resume_refuses_their_change(tmp_p
         assert match in _cli_error(["--out", str(tmp_path / "bad"), *flags, *bad], capsys)
 
 
+def test_a_fresh_run_refuses_another_runs_logs_and_overwrite_removes_them(tmp_path, capsys):
+    """Loggers, PBT's plot and the default export are the old run's too: a new run's TensorBoard
+    events would show as one curve with them, W&B would continue the old run's id, and
+    ``evaluate run/export`` would score the old run's members."""
+    old = ("tensorboard/", "wandb/", "wandb_run_id", "export/", "pbt_lineage.png")
+
+    def holding(path, names):
+        path.mkdir()
+        for name in names:
+            if name.endswith("/"):
+                (path / name).mkdir()
+            else:
+                (path / name).write_text("old")
+        return path
+
+    for name in ("wandb_run_id", "export/"):  # each alone is refused too
+        lone = holding(tmp_path / name.strip("/"), [name])
+        assert "--overwrite" in _cli_error(["--out", str(lone), *_CLI_TINY[:-1]], capsys)
+    out = holding(tmp_path / "run", old)
+    (out / "notes.txt").write_text("mine")
+    assert "--overwrite" in _cli_error(["--out", str(out), *_CLI_TINY[:-1]], capsys)
+    code = main(["--out", str(out), *_CLI_TINY, "--total-steps", "64", "--overwrite"])
+    assert code == 0, capsys.readouterr().err
+    assert not any((out / name).exists() for name in old)
+    assert (out / "notes.txt").read_text() == "mine"  # not the run's: kept
+
+
 def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, capsys):
     out = tmp_path / "run"
     cfg = _tiny()
@@ -600,16 +627,21 @@ def _wait(proc: subprocess.Popen, until, timeout: float = 120.0, poll: float = 0
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "sig, env",
-    [(signal.SIGINT, ("--env-on", "cpu")), (signal.SIGTERM, ("--env", "gymnasium:CartPole-v1"))],
+    "sig, env, logs",
+    [
+        (signal.SIGINT, ("--env-on", "cpu"), ()),
+        (signal.SIGTERM, ("--env", "gymnasium:CartPole-v1"), ("--log", "tensorboard")),
+    ],
     ids=["SIGINT-on_cpu-workers", "SIGTERM-host-env-workers"],
 )
-def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env):
+def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env, logs):
     """The signal goes to every process of the run, as a terminal's Ctrl-C or a scheduler's
     SIGTERM does: the env workers must leave it to the learner, which checkpoints, then ends
-    them."""
+    them. The command it prints keeps the run's loggers (``run.json`` does not record them)."""
+    if logs:
+        pytest.importorskip("tensorboardX")
     out = tmp_path / "my run"  # the printed command must survive being pasted into a shell
-    proc = _start(out, *env, total=400, group=True)
+    proc = _start(out, *env, *logs, "--checkpoint-every", "3", total=400, group=True)
     try:
         assert _wait(proc, lambda: _rows(out) >= 2, poll=0.05), proc.communicate()
         os.killpg(proc.pid, sig)
@@ -627,11 +659,31 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env)
     last = err.strip().splitlines()[-1]
     assert last.startswith(signal.Signals(sig).name), err
     command = shlex.split(last.split("continue with: ")[1])
-    assert command == ["python", "-m", "rollout.ppo", "--resume", "--out", str(out)], last
+    want = ["python", "-m", "rollout.ppo", "--resume", "--out", str(out), *logs]
+    assert command == [*want, "--checkpoint-every", "3"], last
     newest = ckpt.checkpoints(out)[-1]
     meta = checkpoint_metadata(newest)
     assert meta["metrics_rows"] == meta["update"] == _rows(out)  # rows == the checkpoint's
     assert (out / "learning_curve.png").stat().st_size > 0  # the curves so far
+
+
+def test_the_python_apis_resume_hint_names_what_can_resume(tmp_path):
+    """The command line can make the config's env again, not a user's env object."""
+    from rollout import envs
+    from rollout.ppo._cli import Interrupted
+
+    cfg = _tiny()
+    mine = Learner(cfg, devices=jax.devices()[:2], env=envs.make("cartpole"))
+    for learner, hint in (
+        (_learner(cfg), "or: python -m rollout.ppo --resume --out"),
+        (mine, "resume=True, learner=Learner(config, env=<your env>))"),
+    ):
+        with pytest.raises(Interrupted) as e:
+            train(cfg, tmp_path / hint[:6], progress=False, learner=learner,
+                  stop=lambda: signal.SIGTERM)  # fmt: skip
+        assert hint in str(e.value), str(e.value)
+        assert ("python -m" in str(e.value)) == learner.env_from_config
+    mine.close()
 
 
 def test_a_signal_during_setup_says_the_run_stops_before_its_first_update(capsys):

@@ -32,6 +32,9 @@ from typing import Any
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
+#: Written next to a run from its files (PBT's lineage plot, the default export): its own, so a
+#: fresh run refuses them and ``--overwrite`` removes them with the run.
+DERIVED = ("pbt_lineage.png", "export")
 LOCK_FILE = ".lock"  # held (flock) by the process that writes the run
 #: Version of the run directory layout (1 was the npz checkpoint format, not readable).
 FORMAT = 2
@@ -104,7 +107,9 @@ def inspect(out: str | os.PathLike) -> RunDir:
     files = tuple(
         out / n
         for n in names
-        if n in (RUN_FILE, METRICS_FILE, CURVE_FILE) or _CKPT.match(n) or _SET_ASIDE.match(n)
+        if n in (RUN_FILE, METRICS_FILE, CURVE_FILE, *DERIVED)
+        or _CKPT.match(n)
+        or _SET_ASIDE.match(n)
     )
     legacy = any((p / "state.npz").exists() for p in files if _CKPT.match(p.name))
     record = None

@@ -73,9 +73,10 @@ class Interrupted(Exception):
       143
     """
 
-    def __init__(self, signum: int, message: str) -> None:
+    def __init__(self, signum: int, message: str, out: Path | None = None) -> None:
         super().__init__(message)
         self.code = 128 + signum
+        self.out = out  # the run directory its checkpoint went to, if any
 
 
 class Diverged(FloatingPointError):
@@ -335,7 +336,7 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
         while done < cfg.num_updates:
             signum = _stop_requested(stop)
             if signum is not None:
-                raise _interrupt(run, state, len(rows), signum, done, cfg)
+                raise _interrupt(run, state, len(rows), signum, done, learner)
             # A jitted call stops at the next PBT step (exploit/explore runs between calls).
             k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
             state, metrics = learner.update(state, k)
@@ -406,17 +407,23 @@ def _stop_requested(stop: Callable[[], int | None] | None) -> int | None:
     return asked[0] if asked else None
 
 
-def _interrupt(run, state, rows: int, signum: int, done: int, cfg) -> Interrupted:
+def _interrupt(run, state, rows: int, signum: int, done: int, learner) -> Interrupted:
     """Writes a checkpoint of ``state`` and says how to resume (the caller raises it)."""
-    name = signal.Signals(signum).name
+    cfg, name = learner.config, signal.Signals(signum).name
     if run is None:
         return Interrupted(signum, f"{name}: stopped at update {done}/{cfg.num_updates}.")
     run.save(state, rows)
     run.finish()  # the learning curves so far
+    out = shlex.quote(str(run.out))
+    if learner.env_from_config:
+        how = f"train(config, {out!r}, resume=True) or: python -m rollout.ppo --resume --out {out}"
+    else:  # the command line cannot make a user's env object
+        how = f"train(config, {out!r}, resume=True, learner=Learner(config, env=<your env>))"
     return Interrupted(
         signum,
-        f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue "
-        f"with: python -m rollout.ppo --resume --out {shlex.quote(str(run.out))}",
+        f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue with "
+        f"{how}",
+        run.out,
     )
 
 
@@ -738,7 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _Signals() as signals:
             return _main(args, signals)
     except Interrupted as e:
-        print(e, file=sys.stderr)
+        stopped = str(e).split("; continue with")[0]
+        print(stopped if e.out is None else f"{stopped}; {_resume_hint(args)}", file=sys.stderr)
         return e.code
     except (UsageError, RunDirError) as e:
         if args.debug:
@@ -851,6 +859,37 @@ def _print_header(args: argparse.Namespace, config: Any, info: Any, n_dev: int) 
 _LOGGER_FILES = ("tensorboard", "wandb", "wandb_run_id")  # what open_loggers may create
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """The command that continues an interrupted run as it ran: with its loggers (not kept in
+    ``run.json``: a resume without ``--log`` would stop logging silently)."""
+    words = ["python -m rollout.ppo --resume --out", shlex.quote(str(args.out))]
+    if args.log:
+        words += ["--log", shlex.quote(args.log)]
+    if args.log_interval is not None:
+        words += ["--log-interval", f"{args.log_interval:g}"]
+    if args.checkpoint_every != 10:
+        words += ["--checkpoint-every", str(args.checkpoint_every)]
+    return "continue with: " + " ".join(words)
+
+
+def _check_no_old_logs(args: argparse.Namespace) -> None:
+    """A fresh run's loggers must not write into another run's: its TensorBoard events would
+    show as one curve with the new ones, and W&B would continue its run id. ``--overwrite``
+    removes them (here, before the new loggers open; train removes the rest of the run)."""
+    old = sorted(_logger_files(args.out) or ())
+    if old and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} holds another run's logs ({', '.join(old)}); use --overwrite "
+            "(removes that run's files) or choose another --out."
+        )
+    for name in old:  # every process of a run gets here: whichever comes first removes them
+        path = Path(args.out) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _logger_files(out: str) -> set[str] | None:
     """Which of the loggers' files ``out`` holds (None: no ``out`` yet)."""
     if not os.path.isdir(out):
@@ -910,6 +949,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         ckpt.check_resume(found, config.to_dict())
     else:
         ckpt.check_fresh(found, args.overwrite)
+        _check_no_old_logs(args)
     made = not os.path.exists(args.out)
     ckpt.check_writable(args.out)
     # Joins the other processes (if any) before JAX starts; a no-op for a single process.

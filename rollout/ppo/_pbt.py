@@ -237,7 +237,6 @@ def chunk(cfg: Any, done: int, k: int) -> int:
 
 def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> None:
     """Each member's hyperparameters over time, and who copied whom at every PBT step."""
-    import matplotlib
     from matplotlib.figure import Figure  # not pyplot: see plot_curves
 
     rows = [r for r in rows if "hparams" in r]
@@ -247,10 +246,11 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
     steps = np.array([r["env_steps"] for r in rows])
     fig = Figure(figsize=(8, 9))
     axes = fig.subplots(len(HPARAMS) + 1, 1, sharex=True)
-    colors = matplotlib.colormaps["tab10" if n <= 10 else "viridis"](np.linspace(0, 1, max(n, 2)))
+    colors = [f"C{i % 10}" for i in range(n)]  # as learning_curve.png colours its members
     for ax, name in zip(axes, HPARAMS, strict=False):
         for i in range(n):
-            ax.plot(steps, [r["hparams"][name][i] for r in rows], color=colors[i], lw=1.1)
+            ax.plot(steps, [r["hparams"][name][i] for r in rows], color=colors[i], lw=1.1,
+                    label=f"member {i}")  # fmt: skip
         ax.set_ylabel(name)
         if name == "learning_rate":
             ax.set_yscale("log")
@@ -271,5 +271,6 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
     ax.set_xlabel("env steps per member")
     ax.set_ylim(-0.5, n - 0.5)
     axes[0].set_title(f"PBT lineage {title} (n={n})")
+    axes[0].legend(fontsize=7, ncol=min(n, 8), loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
