@@ -633,7 +633,12 @@ def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [1, 0])
-def test_env_exception_names_env_worker_and_traceback(workers, step_path):
+def test_env_exception_names_env_worker_and_traceback(workers, step_path, monkeypatch):
+    from rollout.hostenv import _worker
+
+    closed = []  # in this process: the failed envs are closed, as a stopped worker's are
+    close = _worker._Gymnasium.close
+    monkeypatch.setattr(_worker._Gymnasium, "close", lambda self: closed.append(close(self)))
     host, mesh = bound(WALK_ID, 2, 2, devices=2, fail_at=3, workers_per_device=workers)
     try:
         keys = jax.random.split(jax.random.key(0), (2, 2))
@@ -646,6 +651,7 @@ def test_env_exception_names_env_worker_and_traceback(workers, step_path):
         assert where in text and "raised ValueError: the walk fell over at step 3" in text
         assert "traceback ---" in text and "hostenv_walk.py" in text
         assert host.pids == []  # the failed groups stopped their workers
+        assert len(closed) == (2 if workers == 0 else 0)  # each device's envs (no close() later)
     finally:
         host.close()
 
@@ -1434,6 +1440,13 @@ def test_envpool_an_episode_that_ends_on_its_time_limit_is_terminated_and_trunca
     np.testing.assert_array_equal(trunc[limit - 1], ~term[: limit - 1].any(0))  # no earlier end
     at_limit = term[limit - 1] & trunc[limit - 1]
     assert at_limit.any() and (trunc[limit - 1] & ~term[limit - 1]).any()  # both kinds occur
+    # The families whose limit only truncates; MuJoCo's family is 'envpool.mujoco.gym'.
+    from rollout.hostenv._worker import _EnvPool
+
+    for task in ("Hopper-v4", "HalfCheetah-v5", "Pong-v5", "LunarLander-v2", "Pendulum-v1"):
+        assert _EnvPool(task, {"max_episode_steps": 50}, 1).limit == 50, task
+    # ViZDoom has episodic_life but no game-over key: its episodes stay EnvPool's own.
+    assert not _EnvPool("D1Basic-v1", {"episodic_life": True}, 1).lives
 
 
 @pytest.mark.timeout(120)

@@ -226,24 +226,27 @@ def test_cli_trains_exports_and_evaluates_envpool_atari(tmp_path):
 @pytest.mark.timeout(120)
 def test_evaluation_scores_whole_atari_games_with_raw_rewards():
     """A run trained with CleanRL's Atari signals (a lost life ends an episode, rewards clipped)
-    is evaluated on the game's score: whole games, raw rewards (EnvPool stepped directly)."""
+    is evaluated on whole games with raw rewards, played as in training: after a lost life
+    EnvPool restarts play (no-ops, FIRE) as it does under episodic_life (EnvPool stepped
+    directly, its own autoreset continuing the game)."""
     envpool = pytest.importorskip("envpool")
-    kw = {"img_height": 36, "img_width": 36, "max_episode_steps": 3000}
-    # Random-looking moves or FIRE, a fixed function of the frames: it hits some bricks.
-    mix = jnp.uint32(2654435761)
+    kw = {"img_height": 36, "img_width": 36, "max_episode_steps": 3000, "episodic_life": True}
+    mix = jnp.uint32(2654435761)  # random-looking moves or FIRE, a function of the frames
     policy = lambda obs: jnp.maximum((jnp.sum(obs, (1, 2, 3)).astype("uint32") * mix >> 28) % 4, 1)
-    got = evaluate.envpool_returns(
-        policy, "envpool:Breakout-v5", 8, 5, {**kw, "episodic_life": True, "reward_clip": True}
-    )
+    got = evaluate.envpool_returns(policy, "envpool:Breakout-v5", 8, 5, {**kw, "reward_clip": True})
     pool = envpool.make("Breakout-v5", env_type="gymnasium", num_envs=8, seed=5, **kw)
     obs, _ = pool.reset()
-    want, live, first_life = np.zeros(8), np.ones(8, bool), np.ones(8, bool)
-    first = np.zeros(8)  # what an episode of one life scores
+    want, live, first_life, first = np.zeros(8), np.ones(8, bool), np.ones(8, bool), np.zeros(8)
+    ids = np.arange(8, dtype=np.int32)
     while live.any():
-        obs, reward, term, trunc, info = pool.step(np.asarray(policy(obs.astype(np.float32))))
+        final, reward, term, trunc, info = pool.step(np.asarray(policy(obs.astype(np.float32))))
         want += np.where(live, reward, 0.0)
-        first += np.where(first_life, reward, 0.0)
-        live &= ~(term | trunc)
-        first_life &= live & (info["lives"] == 5)
+        first += np.where(first_life, reward, 0.0)  # what an episode of one life scores
+        live &= ~(info["terminated"].astype(bool) | trunc)
+        first_life &= live & ~term
+        obs, done = final, ids[term | trunc]
+        if done.size:  # EnvPool's own autoreset (a lost life: the same game), as in training
+            obs = obs.copy()
+            obs[done] = pool.step(np.zeros(done.size, np.int32), done)[0]
     np.testing.assert_array_equal(got, want)
-    assert (want > first).any()  # points scored after the first life count
+    assert (want > first).any()  # points after the first life count

@@ -452,6 +452,9 @@ class InProcessGroup:
         except Exception as e:
             where = f"host env {self.backend}:{self.env_id}, {self.label}, in process {os.getpid()}"
             self.failed = f"{where} raised {type(e).__name__}: {e}"
-            self._envs = None
             tb = traceback.format_exc()
+            try:  # as a worker's envs close when it stops: an env's own processes end too
+                self.close()
+            except Exception:
+                self._envs = None  # the env's error is the one to report
             raise HostEnvError(f"{self.failed}\n--- env traceback ---\n{tb}") from e

@@ -164,8 +164,14 @@ class HostEnv:
 
     @property
     def clips_rewards(self) -> bool:
-        """EnvPool's ``reward_clip``: the reward the learner trains on is the raw one's sign."""
-        return self.backend == "envpool" and bool(self.kwargs.get("reward_clip", False))
+        """EnvPool Atari's ``reward_clip``: the learner trains on the raw reward's sign."""
+        if self.backend != "envpool" or not self.kwargs.get("reward_clip", False):
+            return False
+        from envpool.registration import registry
+
+        from rollout.hostenv._worker import ATARI
+
+        return registry.specs[self.env_id][0] == ATARI
 
     @property
     def name(self) -> str:

@@ -324,7 +324,10 @@ def _number(reward: Any) -> float:
 
 #: EnvPool families whose ``max_episode_steps`` only truncates episodes (it changes no reward
 #: or observation), so this layer can apply the limit itself.
-_ENVPOOL_OWN_LIMIT = ("envpool.atari", "envpool.box2d", "envpool.classic_control", "envpool.mujoco")
+ATARI = "envpool.atari"  # EnvPool's family of the Atari tasks
+_ENVPOOL_OWN_LIMIT = (
+    "envpool.atari", "envpool.box2d", "envpool.classic_control", "envpool.mujoco.gym"
+)  # fmt: skip
 
 
 class _EnvPool:
@@ -342,8 +345,8 @@ class _EnvPool:
     action sent to it), which after a lost life under ``episodic_life`` carries on the same
     game; a truncated one by ``reset``, a new game.
 
-    ``reward_clip`` is not passed to EnvPool: the raw reward comes back, and the layer clips it
-    on the device (``HostEnvs.step``), so the metrics can report the game's score.
+    Atari's ``reward_clip`` is not passed to EnvPool: the raw reward comes back, and the layer
+    clips it on the device (``HostEnvs.step``), so the metrics can report the game's score.
 
     EnvPool reports a step that ends an episode on its time limit as truncated only, terminal
     or not. Gymnasium's ``TimeLimit`` reports both, and a terminal state must not be bootstrapped.
@@ -359,9 +362,13 @@ class _EnvPool:
         self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
         self.actions: int | None = None  # the Discrete action count, once a pool exists
         self.limit: int | None = None  # the time limit applied here, if any
-        self.kwargs.pop("reward_clip", None)
-        self.lives = bool(self.kwargs.get("episodic_life", False))
-        if registry.specs[task][0] in _ENVPOOL_OWN_LIMIT:
+        family = registry.specs[task][0]
+        # Atari's info says when a game is over (ViZDoom's episodic_life has no such key), and
+        # its reward_clip is the reward's sign, which the layer applies on the device instead.
+        self.lives = family == ATARI and bool(self.kwargs.get("episodic_life"))
+        if family == ATARI:
+            self.kwargs.pop("reward_clip", None)
+        if family in _ENVPOOL_OWN_LIMIT:
             self.limit = int(envpool.make_spec(task, **self.kwargs).config.max_episode_steps)
             self.kwargs["max_episode_steps"] = self.limit + 1
 

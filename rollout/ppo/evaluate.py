@@ -199,15 +199,11 @@ def envpool_returns(
 ) -> np.ndarray:
     """Returns of the first episode of each of ``episodes`` envs of one EnvPool pool (env
     ``i`` seeded ``seed + i``), stepped together. Atari's ``episodic_life`` and ``reward_clip``
-    are training signals: an episode here is a whole game, its return the game's score."""
-    import envpool
+    are training signals: an episode here is a whole game (played as in training, a lost life
+    restarting play as EnvPool does), its return the game's raw score."""
     import jax
 
-    from rollout.hostenv._worker import _EnvPool
-
-    kwargs = dict(kwargs or {})
-    game = envpool.make_spec(env_id.removeprefix("envpool:")).config
-    kwargs.update({k: False for k in ("episodic_life", "reward_clip") if hasattr(game, k)})
+    from rollout.hostenv._worker import GOES_ON, _EnvPool
 
     if seed + episodes > 2**31:
         raise ValueError(
@@ -215,17 +211,17 @@ def envpool_returns(
             f"use a --seed below {2**31 - episodes}"
         )
     act = jax.jit(policy)
-    pool = _EnvPool(env_id.removeprefix("envpool:"), kwargs, episodes)
+    pool = _EnvPool(env_id.removeprefix("envpool:"), dict(kwargs or {}), episodes)
     try:
         obs = pool.reset(seed + np.arange(episodes))  # consecutive: one pool
         total, live = np.zeros(episodes), np.ones(episodes, bool)
-        out = (np.empty_like(obs), np.empty(episodes, np.float32), np.empty(episodes, bool),
+        out = (np.empty_like(obs), np.empty(episodes, np.float32), np.empty(episodes, np.uint8),
                np.empty(episodes, bool), np.empty_like(obs))  # fmt: skip
         while live.any():
             pool.step(np.asarray(act(np.asarray(obs, np.float32))), out)
             obs, reward, term, trunc, _ = out
             total += np.where(live, reward, 0.0)
-            live &= ~(term | trunc)
+            live &= ~(((term != 0) & ((term & GOES_ON) == 0)) | trunc)  # a lost life plays on
             obs = obs.copy()
         return total
     finally:
