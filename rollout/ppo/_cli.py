@@ -73,9 +73,10 @@ class Interrupted(Exception):
       143
     """
 
-    def __init__(self, signum: int, message: str, out: Path | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, signum: int, stopped: str, out: Path | None = None, how: str = "") -> None:
+        super().__init__(f"{stopped}; continue with {how}" if how else stopped)
         self.code = 128 + signum
+        self.stopped = stopped  # what happened, without how to continue
         self.out = out  # the run directory its checkpoint went to, if any
 
 
@@ -414,17 +415,13 @@ def _interrupt(run, state, rows: int, signum: int, done: int, learner) -> Interr
         return Interrupted(signum, f"{name}: stopped at update {done}/{cfg.num_updates}.")
     run.save(state, rows)
     run.finish()  # the learning curves so far
-    out = shlex.quote(str(run.out))
+    how = f"train(config, {str(run.out)!r}, resume=True"
     if learner.env_from_config:
-        how = f"train(config, {out!r}, resume=True) or: python -m rollout.ppo --resume --out {out}"
+        how += f") or: python -m rollout.ppo --resume --out {shlex.quote(str(run.out))}"
     else:  # the command line cannot make a user's env object
-        how = f"train(config, {out!r}, resume=True, learner=Learner(config, env=<your env>))"
-    return Interrupted(
-        signum,
-        f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written; continue with "
-        f"{how}",
-        run.out,
-    )
+        how += ", learner=Learner(config, env=<your env>))"
+    stopped = f"{name}: stopped at update {done}/{cfg.num_updates}, checkpoint written"
+    return Interrupted(signum, stopped, run.out, how)
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
@@ -745,8 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _Signals() as signals:
             return _main(args, signals)
     except Interrupted as e:
-        stopped = str(e).split("; continue with")[0]
-        print(stopped if e.out is None else f"{stopped}; {_resume_hint(args)}", file=sys.stderr)
+        print(e if e.out is None else f"{e.stopped}; {_resume_hint(args)}", file=sys.stderr)
         return e.code
     except (UsageError, RunDirError) as e:
         if args.debug:
