@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -878,8 +878,13 @@ def _check_no_old_logs(args: argparse.Namespace) -> None:
             f"--out {args.out} holds another run's logs ({', '.join(old)}); use --overwrite "
             "(removes that run's files) or choose another --out."
         )
-    for name in old:  # every process of a run gets here: whichever comes first removes them
-        path = Path(args.out) / name
+    _remove_logger_files(args.out, old)  # every process gets here: the first one removes them
+
+
+def _remove_logger_files(out: str, names: Iterable[str]) -> None:
+    """Removes these loggers' files from ``out``, where they are (tolerates a race)."""
+    for name in names:
+        path = Path(out) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -896,12 +901,7 @@ def _logger_files(out: str) -> set[str] | None:
 def _remove_new_logger_files(out: str, before: set[str] | None) -> None:
     """Undoes what loggers that failed to open left in ``out``, and ``out`` itself if the run
     made it and it is empty: a failed start leaves no run directory behind."""
-    for name in set(_LOGGER_FILES) - (before or set()):
-        path = os.path.join(out, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.lexists(path):
-            os.unlink(path)
+    _remove_logger_files(out, set(_LOGGER_FILES) - (before or set()))
     if before is None:
         try:
             os.rmdir(out)  # only if empty: nothing but what the loggers made was there
