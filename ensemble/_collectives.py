@@ -39,7 +39,11 @@ _KINDS = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
 _OP = re.compile(rf"\s({_KINDS})(?:-start)?\(")
 _LISTED = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_AXES = re.compile(r"replica_groups=mesh\[((?:'\w+'=\d+,?)*)\] \{((?:'\w+',?\s*)*)\}[,\s]")
+_AXES = re.compile(
+    r"replica_groups=mesh\[((?:'\w+'=\d+,?)*)\]"
+    r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"  # the mesh's devices, as an iota
+    r" \{((?:'\w+',?\s*)*)\}[,\s]"
+)
 
 
 def collectives(compiled: Any, across_members: bool = False) -> dict[str, int]:
@@ -105,11 +109,19 @@ def _groups(line: str, partitions: int) -> list[list[int]]:
     axes = _AXES.search(line)
     if axes is not None:  # mesh['a'=4,'b'=2] {'b'}: a group per index of the axes not listed
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", axes.group(1)))
-        within = re.findall(r"'(\w+)'", axes.group(2))
+        within = re.findall(r"'(\w+)'", axes.group(4))
         names, shape = list(sizes), [int(v) for v in sizes.values()]
         if int(np.prod(shape)) != partitions or not set(within) <= set(names):
             return [list(range(partitions))]
-        ids = np.arange(partitions).reshape(shape)
+        ids = np.arange(partitions)
+        if axes.group(2):  # device_ids=([2,3]T(1,0)): iota(2, 3) transposed, laid on the mesh
+            dims = [int(x) for x in axes.group(2).split(",")]
+            if int(np.prod(dims)) != partitions:
+                return [list(range(partitions))]
+            ids = ids.reshape(dims)
+            if axes.group(3):
+                ids = ids.transpose([int(x) for x in axes.group(3).split(",")])
+        ids = ids.reshape(shape)
         order = [names.index(a) for a in names if a not in within]
         order += [names.index(a) for a in within]
         size = int(np.prod([int(sizes[a]) for a in within]))

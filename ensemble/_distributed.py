@@ -26,11 +26,13 @@ or alone as ``python s.py``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -345,10 +347,42 @@ def save_checkpoint(
     # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
     path = os.path.abspath(os.fspath(directory))
-    with ocp.StandardCheckpointer() as checkpointer:
+    with orbax_logs_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, tree, force=force, custom_metadata=metadata)
         checkpointer.wait_until_finished()
     return path
+
+
+class _HoldOrbaxLogs(logging.Filter):
+    """Holds the records of ``level`` and above that orbax (its threads too) logs meanwhile."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level, self.held = level, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.level and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.held.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def orbax_logs_held(level: int = logging.ERROR) -> Iterator[None]:
+    """Orbax's log records of ``level`` and above: dropped if the block raises, passed on if not.
+
+    A failed write (a full disk) makes orbax log the same error with a traceback from each of
+    its threads, hundreds of lines, before raising it once; reading a damaged checkpoint warns
+    before it raises. The error raised says it all.
+    """
+    logger, hold = logging.getLogger("absl"), _HoldOrbaxLogs(level)
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
+    for record in hold.held:  # reached only when the block succeeded
+        logger.handle(record)
 
 
 def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:

@@ -149,6 +149,16 @@ def check_mesh(mesh: Mesh, n: int) -> Mesh:
             f"{MESH_AXES} (size 1 where unused); build one with ensemble.make_mesh(n), or "
             f"Mesh(devices.reshape(-1, 1, 1), {MESH_AXES})."
         )
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    other = {
+        a: str(types[a]).split(".")[-1] for a in MESH_AXES if types[a] != jax.sharding.AxisType.Auto
+    }
+    if other:  # members are placed and constrained by sharding specs, which need Auto axes
+        raise ValueError(
+            f"mesh axes {other} are not Auto: an ensemble mesh's axes are Auto (jax.make_mesh "
+            "makes Explicit ones by default); pass axis_types=(jax.sharding.AxisType.Auto,) * "
+            f"{len(mesh.axis_names)} to jax.make_mesh, or build it with ensemble.make_mesh(n)."
+        )
     size = mesh.shape[MEMBER_AXIS]
     if n % size:
         raise ValueError(

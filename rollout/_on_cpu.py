@@ -95,7 +95,8 @@ def _caller(leaves: Sequence[Any]) -> tuple[str, int, Any]:
     Unknown parts default to ``jax.default_backend()`` and one device.
     """
     devices, platform, auto_mesh = 1, None, None
-    n, plat, manual = _mesh_info(jax.sharding.get_abstract_mesh())
+    ambient = jax.sharding.get_abstract_mesh()
+    n, plat, manual = _mesh_info(ambient)
     devices, platform = max(devices, n), platform or plat
     for leaf in leaves:
         sharding = getattr(jax.typeof(leaf), "sharding", None)
@@ -108,6 +109,8 @@ def _caller(leaves: Sequence[Any]) -> tuple[str, int, Any]:
             devs = leaf.sharding.device_set
             devices = max(devices, len(devs))
             platform = platform or next(iter(devs)).platform
+    if auto_mesh is None and _mesh_info(ambient)[0] > 1:  # jax.set_mesh: the program spans it
+        auto_mesh = ambient
     if manual:
         auto_mesh = None  # inside shard_map the callback already runs once per device
     return platform or jax.default_backend(), devices, auto_mesh
@@ -950,22 +953,24 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     call.expected = mesh.size
     names = tuple(mesh.axis_names)
     padded = -(-n // mesh.size) * mesh.size
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    # NamedShardings, not bare specs: the caller need not be inside `jax.set_mesh`.
+    place = functools.partial(NamedSharding, mesh)
+    if explicit and padded > n:  # explicit types cannot pad rows sharded over some axes
+        batched = [jax.reshard(x, place(P())) for x in batched]
     bb = [
         jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)]) if padded > n else x
         for x in batched
     ]
     specs = (P(names),) * len(batched) + (P(),) * len(shared)
     args = [*bb, *shared]
-    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-    if explicit:
-        # Explicit axes: shard_map wants inputs that already carry its in_specs.
-        # (NamedShardings, not bare specs: the caller need not be inside `jax.set_mesh`.)
-        args = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+    if explicit:  # Explicit axes: shard_map wants inputs that already carry its in_specs
+        args = [jax.reshard(x, place(s)) for x, s in zip(args, specs)]
     outs = jax.shard_map(
         call.callback, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False
     )(*args)
-    if explicit and padded > n:  # explicit sharding cannot slice 13 rows out of 8 shards
-        outs = [jax.reshard(o, NamedSharding(mesh, P())) for o in outs]
+    if explicit:  # replicated whatever the batch size (13 rows cannot sit on 8 shards), so
+        outs = [jax.reshard(o, place(P())) for o in outs]  # the caller's types never depend on it
     return [o[:n] for o in outs]
 
 
@@ -989,7 +994,8 @@ def on_cpu(
     ``fn`` is a JAX function (``jax.numpy``, ``lax``): it is traced and compiled, not run as
     Python in the workers, so NumPy calls on its inputs are refused with a ``TypeError``, as is
     a value it closes over from the enclosing ``jit`` (pass that as an argument). Its program
-    is one worker device's, also when the caller runs inside ``jax.set_mesh``.
+    is one worker device's, also when the caller runs inside ``jax.set_mesh``. Over a mesh
+    with Explicit axes the outputs are replicated (``P()``), whatever the batch size.
 
     Args:
       fn: the function, e.g. a GRU audio synthesiser ``(params, x[B, T, 1]) -> audio[B, T]``.

@@ -25,6 +25,11 @@ from ensemble.debug import collectives
         ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply", [[0, 2], [1, 3]]),
         ("replica_groups=mesh['a'=2,'b'=2] {'b'}, use_global", [[0, 1], [2, 3]]),
         ("replica_groups=mesh['a'=2,'b'=2] {'a'}, use_global", [[0, 2], [1, 3]]),
+        # The mesh's devices in another order (a mesh listing 'data' before 'ensemble').
+        (
+            "replica_groups=mesh['a'=3,'b'=2], device_ids=([2,3]T(1,0)) {'b'}, use_global",
+            [[0, 3], [1, 4], [2, 5]],
+        ),
         ("source_target_pairs={{0,2},{2,0}}, metadata", [[0, 2], [2, 0]]),
         # No groups, or a form this reader does not know: all devices, which crosses members.
         ("replica_groups={}, to_apply", [[0, 1, 2, 3]]),
@@ -33,7 +38,8 @@ from ensemble.debug import collectives
     ],
 )
 def test_device_groups_are_read_from_every_form(text, groups):
-    assert _groups(f"  %x = f32[4] all-reduce(%y), {text}", 4) == groups
+    n = sum(len(g) for g in groups)
+    assert _groups(f"  %x = f32[{n}] all-reduce(%y), {text}", max(4, n)) == groups
 
 
 def _on_members(shape, spec):
@@ -58,6 +64,19 @@ def test_collectives_across_members_are_those_that_move_data_between_members(fn,
     compiled = jax.jit(fn).lower(x).compile()
     assert collectives(compiled) == within
     assert collectives(compiled, across_members=True) == across
+
+
+@pytest.mark.parametrize("names", [("data", "ensemble", "model"), ("model", "data", "ensemble")])
+def test_a_mesh_with_its_axes_in_another_order_is_read_the_same(names):
+    """A user's mesh may list 'data' first; XLA then names the devices in the mesh's order."""
+    devices = np.array(jax.devices()[:8]).reshape([{"ensemble": 4, "data": 2, "model": 1}[a]
+                                                    for a in names])  # fmt: skip
+    mesh = jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("ensemble", "data")))
+    own, every = (jax.jit(f).lower(x) for f in (lambda a: a.sum(axis=1), lambda a: a.sum()))
+    assert collectives(own) == {"all-reduce": 1}
+    assert collectives(own, across_members=True) == {}
+    assert collectives(every, across_members=True) == {"all-reduce": 1}
 
 
 def test_across_members_needs_an_ensemble_mesh():

@@ -395,7 +395,7 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
 
     calls = []
 
-    def restore_latest(out, run_id, like, warn, set_aside):
+    def restore_latest(out, record, like, warn, set_aside):
         calls.append(out)
         if len(calls) == 1:  # the run writes a newer checkpoint while this one is read
             (out / "ckpt_00000009").mkdir()
@@ -405,14 +405,14 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
 
     monkeypatch.setattr(ckpt, "restore_latest", restore_latest)
     (tmp_path / "ckpt_00000008").mkdir()
-    assert export._restore_newest(tmp_path, "id", None) == "state" and len(calls) == 2
+    assert export._restore_newest(tmp_path, {"run_id": "id"}, None) == "state" and len(calls) == 2
 
-    def never(out, run_id, like, warn, set_aside):
+    def never(out, record, like, warn, set_aside):
         raise ckpt.NoRestorableCheckpoint(out, ["ckpt_00000009", "ckpt_00000008"])
 
     monkeypatch.setattr(ckpt, "restore_latest", never)
     with pytest.raises(export.NotAnExport) as e:
-        export._restore_newest(tmp_path, "id", None)
+        export._restore_newest(tmp_path, {"run_id": "id"}, None)
     assert str(e.value) == (
         f"no checkpoint in {tmp_path} can be restored (tried ckpt_00000009, ckpt_00000008; "
         "reasons above)."

@@ -33,6 +33,16 @@ def test_make_mesh_uses_given_devices():
     flat = jax.sharding.Mesh(np.array(jax.devices()), ("ensemble",))  # no 'data', 'model'
     with pytest.raises(ValueError, match=r"lack \['data', 'model'\]: .* ensemble.make_mesh"):
         ensemble.build(__import__("flax.linen").linen.Dense(2), 8, mesh=flat)
+    # jax.make_mesh's default Explicit axes: refused at build with the fix, not deep in init.
+    explicit = jax.make_mesh((8, 1, 1), ("ensemble", "data", "model"))
+    with pytest.raises(ValueError, match=r"'data': 'Explicit'.*axis_types=\(jax.sharding.Axis"):
+        ensemble.build(__import__("flax.linen").linen.Dense(2), 8, mesh=explicit)
+    auto = jax.make_mesh((8, 1, 1), ("ensemble", "data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)  # fmt: skip
+    ens = ensemble.build(__import__("flax.linen").linen.Dense(2), 8, mesh=auto)
+    assert ens.apply(ens.init(jax.random.key(0), np.ones((2, 3))), np.ones((2, 3))).shape == (
+        8, 2, 2,
+    )  # fmt: skip
 
 
 def test_shard_members_places_each_member_on_its_device():

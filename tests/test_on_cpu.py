@@ -104,6 +104,15 @@ def test_jit_on_inputs_sharded_over_8_devices(rollout_fn):
                 x = jax.device_put(fresh(rows, rows, 24), NamedSharding(emesh, spec))
                 got = jax.jit(rollout_fn)(params_for(rows), x)
                 close(got, synth(params_for(rows), np.asarray(x)))  # reference: unsharded
+    # Explicit types: rows split over some axes of a 2-D mesh, a count that is not a multiple
+    # of the mesh (padding them used to slice a sharded axis); the outputs are replicated
+    # whatever the batch size, so the caller's code type-checks alike for 12, 13 and 16 rows.
+    emesh2 = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    for rows, spec in ((12, P("a")), (13, P(None, ("a", "b"))), (16, P(None, ("a", "b")))):
+        x = jax.device_put(fresh(rows, rows, 24), NamedSharding(emesh2, spec))
+        got = jax.jit(lambda p, v: rollout_fn(p, v) + v)(params_for(rows), x)
+        close(got, synth(params_for(rows), np.asarray(x)) + np.asarray(x))
+        assert jax.typeof(jax.jit(rollout_fn)(params_for(rows), x)).sharding.spec == P(None, None)
     # An empty batch gives empty outputs without bothering the workers.
     assert jax.jit(rollout_fn)(p, jnp.zeros((0, 24))).shape == (0, 24)
 
@@ -122,6 +131,7 @@ def test_calls_inside_the_callers_set_mesh(rollout_fn, axis_type):
             close(inprocess(p, np.asarray(x)), synth(p, x))
             sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
             close(jax.jit(rollout_fn)(p, sharded), synth(p, x))
+            close(jax.jit(rollout_fn)(p, np.asarray(x)), synth(p, x))  # placed by the mesh
             if axis_type == "Auto":  # concrete inputs while tracing: a host call, refused
                 with on_cpu(synth, in_axes=(None, 0), workers=W) as fresh_fn:  # none exported
                     with pytest.raises(RuntimeError, match="concrete inputs while tracing under"):

@@ -105,7 +105,7 @@ def test_fresh_run_refuses_a_dir_with_another_run_and_resume_never_mixes_runs(tm
     _run(old, out)  # an older run, complete, with its checkpoints
     old_id = json.loads((out / "run.json").read_text())["run_id"]
     before = sorted(p.name for p in out.iterdir())
-    with pytest.raises(ckpt.RunDirError, match=r"already holds run .*--resume.*--overwrite"):
+    with pytest.raises(ckpt.RunDirError, match=r"already holds run .*resume=True.*overwrite=True"):
         _run(_tiny(), out)
     assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
 
@@ -150,7 +150,7 @@ def test_a_run_dir_has_one_writer_at_a_time(tmp_path, capsys):
 
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(ckpt.RunDirError, match=r"nothing to resume .*drop --resume"):
+    with pytest.raises(ckpt.RunDirError, match=r"nothing to resume .*drop resume=True"):
         _run(_tiny(), out, resume=True)
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
@@ -163,12 +163,12 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
     with pytest.raises(_Stop):
         train(_tiny(), out, progress=False, learner=_learner(_tiny()), on_update=_stop_at(2))
     rows = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ckpt.RunDirError, match=r"no checkpoint .*--overwrite"):
+    with pytest.raises(ckpt.RunDirError, match=r"no checkpoint .*overwrite=True"):
         _run(_tiny(), out, resume=True)
     assert (out / "metrics.jsonl").read_text() == rows
     with pytest.raises(ckpt.RunDirError) as e:  # a fresh run there: --resume would not work
         _run(_tiny(), out)
-    assert "--resume" not in str(e.value) and "--overwrite" in str(e.value)
+    assert "resume=True" not in str(e.value) and "overwrite=True" in str(e.value)
 
 
 def test_a_metrics_row_cut_short_by_hand_is_named_and_an_unwritable_lock_is_one_line(tmp_path):
@@ -191,7 +191,79 @@ def test_old_npz_runs_are_named_not_misread(tmp_path):
         _run(_tiny(), tmp_path, resume=True)
     with pytest.raises(ckpt.RunDirError, match="old npz format") as info:
         _run(_tiny(), tmp_path)
-    assert "--resume" not in str(info.value)  # it cannot be resumed: not offered
+    assert "resume=True" not in str(info.value)  # it cannot be resumed: not offered
+
+
+def test_a_hand_edited_run_json_is_named_not_resumed_under_another_config(tmp_path):
+    """A resume builds the run from run.json; every checkpoint records the config it was
+    written with, so an edited run.json is refused naming the field, not trained on silently
+    (gamma) nor taken for damaged checkpoints (a shape), and the checkpoints stay as they are."""
+    out = tmp_path / "run"
+    _run(_tiny(total_steps=2 * 32), out)
+    text = (out / "run.json").read_text()
+    record = json.loads(text)
+    for key, value in (("gamma", 0.5), ("hidden", [32, 32])):
+        edited = {**record, "config": {**record["config"], key: value}}
+        (out / "run.json").write_text(json.dumps(edited))
+        with pytest.raises(ckpt.ConfigChanged, match=rf"checkpoint -> run.json: {key} .+ -> "):
+            _run(PPOConfig.from_dict(edited["config"]), out, resume=True)
+        assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == [
+            "ckpt_00000001",
+            "ckpt_00000002",
+        ]
+    (out / "run.json").write_text(text)  # as it was: the older checkpoints' shorter total_steps
+    _run(_tiny(total_steps=3 * 32), out, resume=True)  # are the run growing, not an edit
+
+
+def test_a_damaged_metrics_row_is_named_and_a_failed_write_leaves_nothing_behind(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "run"
+    _run(_tiny(total_steps=2 * 32), out)
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    text = "\n".join([lines[0][:15], *lines[1:]]) + "\n"  # not the last row: the count goes wrong
+    path.write_text(text)
+    with pytest.raises(ckpt.RunDirError, match=r"metrics.jsonl row 1 is not a JSON row"):
+        _run(_tiny(total_steps=3 * 32), out, resume=True)
+    assert path.read_text() == text
+    path.write_text("\n".join(lines) + "\n")
+    # A write that fails (a full disk) names its file and leaves no temporary file; those a
+    # kill left behind go at the next save.
+    left = [out / f".metrics.jsonl.{'a' * 32}", out / f".trash-{'b' * 32}"]
+    for p in left:
+        p.write_text("x")
+
+    def full(*args):
+        raise OSError(27, "File too large")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", full)
+        with pytest.raises(OSError, match=r"File too large: .*metrics.jsonl'"):
+            _run(_tiny(total_steps=3 * 32), out, resume=True)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == sorted(
+        [".lock", *(p.name for p in left)]
+    )
+    _run(_tiny(total_steps=3 * 32), out, resume=True)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".lock"]
+
+
+def test_unreadable_or_missing_places_are_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _run(_tiny(total_steps=2 * 32), out)
+    exists = Path.exists
+
+    def no_access(self):  # a checkpoint made unreadable (chmod 000; root ignores modes)
+        if self.name == "state.npz":
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "exists", no_access)
+        assert not ckpt.inspect(out).legacy and ckpt.inspect(out).record is not None
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(ckpt.RunDirError, match=r"is a link to .*gone, which does not exist"):
+        _run(_tiny(total_steps=2 * 32), tmp_path / "link")
 
 
 # ---------------------------------------------------------------------- damaged checkpoints
@@ -289,7 +361,8 @@ def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
         learner.state_shapes(),
         learner.state_shardings(),
     )
-    back, _ = ckpt.restore_latest(out, meta["run_id"], like, warn=print)
+    record = json.loads((out / "run.json").read_text())
+    back, _ = ckpt.restore_latest(out, record, like, warn=print)
     same = jax.tree_util.tree_map(lambda a, s: a.sharding == s, back, learner.state_shardings())
     assert all(jax.tree_util.tree_leaves(same))
 
@@ -299,22 +372,22 @@ def test_a_leaf_saved_in_another_dtype_restores_when_its_values_fit(tmp_path):
     read as saved, checked against its checksums, then cast, or refused if the values change."""
     out = tmp_path / "run"
     state, _ = _run(_tiny(), out)
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    record = json.loads((out / "run.json").read_text())
     learner = _learner(_tiny())
     like = ckpt.restore_targets(learner)
 
     def save_with_update(value):
         old = state.replace(update=jnp.asarray(value, jnp.float32))  # int32 in this version
         shutil.rmtree(ckpt.checkpoints(out)[-1])
-        ckpt.save(out, old, run_id=run_id, rows=6, config={})
+        ckpt.save(out, old, run_id=record["run_id"], rows=6, config=record["config"])
 
     save_with_update(6.0)
-    back, _ = ckpt.restore_latest(out, run_id, like, warn=print)
+    back, _ = ckpt.restore_latest(out, record, like, warn=print)
     assert back.update.dtype == jnp.int32 and int(back.update) == 6
     chex.assert_trees_all_equal(jax.device_get(back), jax.device_get(state))
     save_with_update(6.5)  # int(6.5) is still update 6: only the cast can tell
     lines = []
-    back, _ = ckpt.restore_latest(out, run_id, like, warn=lines.append)
+    back, _ = ckpt.restore_latest(out, record, like, warn=lines.append)
     assert int(back.update) == 5  # the one before
     assert lines == [
         f"warning: checkpoint {out / 'ckpt_00000006'} cannot be restored (.update was saved as "
@@ -353,7 +426,7 @@ def test_resume_may_extend_total_steps_and_the_lr_schedule_follows_the_new_total
     got = [r["learning_rate"][0] for r in rows]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # Shrinking it back is refused.
-    with pytest.raises(ckpt.RunDirError, match=r"\(total_steps 320 -> 192\); only --total-steps"):
+    with pytest.raises(ckpt.RunDirError, match=r"\(total_steps 320 -> 192\); only config.total"):
         _run(short, out, resume=True)
 
 
@@ -667,6 +740,25 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env,
     assert (out / "learning_curve.png").stat().st_size > 0  # the curves so far
 
 
+@pytest.mark.timeout(180)
+def test_a_checkpoint_write_that_fails_is_one_line(tmp_path):
+    """A full disk while saving: orbax logs the error with a traceback from each of its threads,
+    and TensorStore's writes still in flight print into orbax's closed event loop (hundreds of
+    lines, by timing); the CLI still says it in its one line."""
+    env = clean_env(JAX_ENABLE_COMPILATION_CACHE="false")  # its entries are bigger
+    cmd = [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(4 * 32)]
+    cmd = shlex.join([*cmd, "--out", str(tmp_path / "run")])
+    # Every file it writes stops at 16 KiB: EFBIG, "File too large".
+    proc = subprocess.run(
+        ["bash", "-c", f"ulimit -f 16 && exec {cmd}"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=150,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and "File too large" in lines[-1], lines[-1]
+    assert len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_the_python_apis_resume_hint_names_what_can_resume(tmp_path):
     """The command line can make the config's env again, not a user's env object."""
     from rollout import envs
@@ -764,8 +856,8 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
         learner.state_shapes(),
         learner.state_shardings(),
     )
-    states = [ckpt.restore_latest(d, checkpoint_metadata(c)["run_id"], like, print)[0]
-              for d, c in ((out, a), (ref, b))]  # fmt: skip
+    states = [ckpt.restore_latest(d, json.loads((d / "run.json").read_text()), like, print)[0]
+              for d in (out, ref)]  # fmt: skip
     chex.assert_trees_all_equal(*jax.device_get(states))
 
 

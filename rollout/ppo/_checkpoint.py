@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ FORMAT = 2
 _CKPT = re.compile(r"^ckpt_(\d{8})$")
 _SET_ASIDE = re.compile(r"^ckpt_\d{8}\.unreadable$")
 _TMP = (".orbax-checkpoint-tmp", ".trash-")  # left by a run killed while saving / deleting
+_TMP_FILE = re.compile(r"^\.(run\.json\.|metrics\.jsonl\.|probe-)[0-9a-f]{32}$")  # ours, cut short
 #: Config fields a resumed run may change (only upwards: a longer run).
 EXTENDABLE = ("total_steps",)
 
@@ -96,6 +98,11 @@ class RunDir:
 def inspect(out: str | os.PathLike) -> RunDir:
     """Reads what ``out`` holds; raises :class:`RunDirError` if it is not a usable directory."""
     out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise RunDirError(
+            f"--out {out} is a link to {os.readlink(out)}, which does not exist; create that "
+            "directory or give another path."
+        )
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file, not a directory; give a directory path.")
     if not out.exists():
@@ -111,7 +118,7 @@ def inspect(out: str | os.PathLike) -> RunDir:
         or _CKPT.match(n)
         or _SET_ASIDE.match(n)
     )
-    legacy = any((p / "state.npz").exists() for p in files if _CKPT.match(p.name))
+    legacy = any(_is_legacy(p) for p in files if _CKPT.match(p.name))
     record = None
     if (out / RUN_FILE).exists():
         try:
@@ -123,6 +130,13 @@ def inspect(out: str | os.PathLike) -> RunDir:
                 f"{out / RUN_FILE} is unreadable ({e}); move it away or use --overwrite."
             ) from e
     return RunDir(out, record, files, legacy)
+
+
+def _is_legacy(ckpt: Path) -> bool:
+    try:
+        return (ckpt / "state.npz").exists()
+    except OSError:  # an unreadable checkpoint: restoring it says so (and uses an older one)
+        return False
 
 
 def check_writable(out: str | os.PathLike) -> None:
@@ -161,6 +175,12 @@ def lock(out: Path) -> Any:
         out.mkdir(parents=True, exist_ok=True)
         f = (out / LOCK_FILE).open("a")
     except OSError as e:  # read-only, or not ours: before anything else says less
+        if (out / LOCK_FILE).is_file() and os.access(out, os.W_OK):
+            raise RunDirError(
+                f"--out {out}: its lock file {LOCK_FILE} cannot be opened ({e.strerror or e}); "
+                "give it back write permission (or remove it: no run holds a lock it cannot "
+                "open), or choose another --out."
+            ) from None
         raise RunDirError(
             f"--out {out} is not a writable directory ({e.strerror or e}); give another path."
         ) from None
@@ -281,16 +301,13 @@ def update_record(out: Path, record: dict[str, Any]) -> None:
 def remove_run(out: Path) -> None:
     """Removes the files a run wrote in ``out`` (never anything else); crash-safe.
 
-    Everything is first renamed into one hidden directory (each rename is atomic), run.json
-    first, so a crash midway leaves no half run behind that could be resumed.
+    Each is first renamed to a hidden name beside it (atomic, and possible whatever the
+    entry's own permissions), run.json first, so a crash midway leaves no half run behind that
+    could be resumed; then deleted (what cannot be is retried when the run saves).
     """
-    trash = out / f".trash-{uuid.uuid4().hex}"
-    trash.mkdir()
     names = [RUN_FILE] + [p.name for p in inspect(out).files if p.name != RUN_FILE]
     for name in names:
-        if (out / name).exists():
-            os.rename(out / name, trash / name)
-    shutil.rmtree(trash, ignore_errors=True)
+        _discard(out / name)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -309,6 +326,15 @@ def cut_metrics(out: Path, rows: int, update: int) -> None:
     path = out / METRICS_FILE
     lines = path.read_text().splitlines() if path.exists() else []
     keep = [line for line in lines if line.strip()][:rows]
+    for i, line in enumerate(keep[:-1]):  # the last one is checked against the update below
+        try:
+            if not isinstance(json.loads(line), dict):
+                raise ValueError("not a row")
+        except ValueError:  # edited: a row there would be dropped and the count go wrong
+            raise RunDirError(
+                f"{path} row {i + 1} is not a JSON row (the file was changed); restore it, or "
+                "start over with --overwrite."
+            ) from None
     try:
         last = json.loads(keep[-1]).get("update") if keep else 0
     except (ValueError, AttributeError):  # a row cut short or edited into something else
@@ -374,24 +400,40 @@ def restore_targets(learner: Any) -> Any:
     )
 
 
+class ConfigChanged(RunDirError):
+    """A checkpoint written with another config than ``run.json`` holds (edited by hand)."""
+
+
 def restore_latest(
-    out: Path, run_id: str, like: Any, warn: Callable[[str], None], set_aside: bool = True
+    out: Path,
+    record: dict[str, Any],
+    like: Any,
+    warn: Callable[[str], None],
+    set_aside: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
-    """The newest checkpoint of ``run_id`` that restores whole, and its metadata.
+    """The newest checkpoint of the run ``record`` (its ``run.json``) that restores whole, and
+    its metadata.
 
     ``like``: ``jax.ShapeDtypeStruct`` leaves with shardings (each leaf goes straight onto its
     devices). A checkpoint that fails (unreadable, another run, checksum mismatch) is reported
     through ``warn`` in one line and the previous one is tried; those newer than the one used
     are renamed ``*.unreadable`` (kept, out of the way of new checkpoints) unless
-    ``set_aside=False`` (a reader, such as an export, that must not change the run). Collective.
+    ``set_aside=False`` (a reader, such as an export, that must not change the run). A
+    checkpoint written with another config than ``record``'s is :class:`ConfigChanged` (the
+    checkpoint is fine; ``run.json`` was changed). Collective.
     """
+    from ensemble._distributed import orbax_logs_held
+
     tried = []
     found = checkpoints(out)
     for i in range(len(found) - 1, -1, -1):
         path = found[i]
         try:
-            state, meta = _restore_one(path, run_id, like)
+            with orbax_logs_held(logging.WARNING):  # a damaged one: the warning below says it
+                state, meta = _restore_one(path, record, like)
             reason = "failed on another process"
+        except ConfigChanged:
+            raise
         except Exception as e:
             state, reason = None, _one_line(e)
         if _all_processes(state is not None):
@@ -403,7 +445,7 @@ def restore_latest(
     raise NoRestorableCheckpoint(out, tried)
 
 
-def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any]]:
+def _restore_one(path: Path, record: dict[str, Any], like: Any) -> tuple[Any, dict[str, Any]]:
     import jax
 
     from ensemble.distributed import checkpoint_metadata, restore_checkpoint
@@ -411,10 +453,20 @@ def _restore_one(path: Path, run_id: str, like: Any) -> tuple[Any, dict[str, Any
     meta = checkpoint_metadata(path)
     if meta.get("run_id") is None:
         raise RunDirError("its metadata is unreadable or has no run id")
-    if meta.get("run_id") != run_id:
+    if meta.get("run_id") != record["run_id"]:
         raise RunDirError(f"written by run {str(meta.get('run_id'))[:8]}, not this run")
     if _name(int(meta.get("update", -1))) != path.name:
         raise RunDirError(f"its metadata says update {meta.get('update')}")
+    # A checkpoint's config may be shorter in total_steps only (the run was extended since).
+    diffs = config_differences(meta.get("config") or {}, record["config"])
+    if diffs:
+        raise ConfigChanged(
+            f"--resume: {path.parent / RUN_FILE} does not hold the config checkpoint "
+            f"{path.name} was written with (checkpoint -> {RUN_FILE}: {diffs}); it was "
+            "changed by hand. Put "
+            "the checkpoint's values back (a run's config cannot change; only --total-steps "
+            "may grow), or start a new run in another --out."
+        )
     # Read each leaf in the dtype it was saved in (an older version may have kept another one:
     # uint8 frames were float32), check it against its checksum, then cast it if exact.
     state = restore_checkpoint(path, _as_saved(path, like))
@@ -513,8 +565,9 @@ def _describe(run: RunDir) -> str:
     if run.record is not None:
         cfg = run.record.get("config", {})
         n = len(checkpoints(run.path))
+        m = cfg.get("members")
         return (
-            f"run {run.record['run_id'][:8]} ({cfg.get('env')}, {cfg.get('members')} members, "
+            f"run {run.record['run_id'][:8]} ({cfg.get('env')}, {m} member{'s' * (m != 1)}, "
             f"{n} checkpoint{'s' * (n != 1)})"
         )
     if run.legacy:
@@ -523,13 +576,21 @@ def _describe(run: RunDir) -> str:
 
 
 def _discard(path: Path) -> None:
-    """Deletes a directory so it vanishes at once (rename) even if the delete is cut short."""
+    """Deletes a file or directory so it vanishes at once (rename) even if the delete is cut
+    short."""
     trash = path.with_name(f".trash-{uuid.uuid4().hex}")
     try:
         os.rename(path, trash)
     except OSError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _set_aside(paths: list[Path]) -> None:
@@ -542,14 +603,25 @@ def _set_aside(paths: list[Path]) -> None:
 
 def _clean_leftovers(out: Path) -> None:
     for p in out.iterdir():
-        if any(t in p.name for t in _TMP) and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+        if any(t in p.name for t in _TMP) or _TMP_FILE.match(p.name):  # cut short: a kill, ...
+            _delete(p)
 
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from None
+
+
+def named(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` (a failed ``write`` names no file: 'File too large' of what?)."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, e.strerror or str(e), str(path))
 
 
 def _one_line(e: BaseException) -> str:

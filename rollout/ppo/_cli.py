@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -174,9 +175,9 @@ def train(
     if learner is not None and learner.config != config:
         raise ValueError("learner= was built for a different config than config=.")
     warn = warn or (lambda line: print(line, file=sys.stderr))
-    run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
-    owned = learner is None  # close what we open (env_on='cpu' worker processes)
+    run, learner_given = None, learner
     try:
+        run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
         if learner is None:
             learner = Learner(config, devices=devices)
         with worker_errors():
@@ -184,11 +185,35 @@ def train(
             if resume and on_resume is not None:
                 on_resume(list(rows))
             return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
+    except RunDirError as e:
+        if not _FOR_CLI.get():  # say what to do in train()'s own words
+            e.args = (_in_python_terms(str(e)),)
+        raise
     finally:
-        if owned and learner is not None:
-            learner.close()
+        if learner_given is None and learner is not None:  # what we opened (env_on='cpu'
+            learner.close()  # worker processes)
         if run is not None:
             run.close()
+
+
+#: Set while the CLI runs :func:`train`: its errors then name the command's flags.
+_FOR_CLI = contextvars.ContextVar("rollout.ppo CLI", default=False)
+_PYTHON_TERMS = (
+    ("Leave those flags out to use the saved values", "Pass the saved config (run.json's)"),
+    ("drop --resume", "drop resume=True"),
+    ("--resume", "resume=True"),
+    ("--overwrite", "overwrite=True"),
+    ("--total-steps", "config.total_steps"),
+    ("another --out", "another out="),
+    ("--out ", "out="),
+)
+
+
+def _in_python_terms(text: str) -> str:
+    """A run-directory error's advice for a caller of :func:`train` (it names CLI flags)."""
+    for cli, python in _PYTHON_TERMS:
+        text = text.replace(cli, python)
+    return text
 
 
 def _device_layout(learner: Any) -> dict[str, Any]:
@@ -257,7 +282,7 @@ class _Run:
             return learner.init(), []
         self._check_layout(layout)
         like = ckpt.restore_targets(learner)
-        state, meta = ckpt.restore_latest(self.out, self.record["run_id"], like, self.warn)
+        state, meta = ckpt.restore_latest(self.out, self.record, like, self.warn)
         done = meta["update"]
         self.saved_at = done
 
@@ -520,9 +545,14 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    from rollout.ppo import _checkpoint as ckpt
+
+    try:
+        with path.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    except OSError as e:
+        raise ckpt.named(e, path) from None
 
 
 # ---------------------------------------------------------------------- command line
@@ -804,19 +834,23 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
-    _, rows = train(
-        config,
-        args.out,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        progress=not args.no_progress and info.is_main,
-        checkpoint_every=args.checkpoint_every,
-        devices=devices,
-        stop=signals.received,
-        warn=lambda line: print(line, file=sys.stderr) if info.is_main else None,
-        on_update=logs.write,
-        on_resume=logs.restore,  # rows a killed run's loggers had not written yet
-    )
+    token = _FOR_CLI.set(True)
+    try:
+        _, rows = train(
+            config,
+            args.out,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress and info.is_main,
+            checkpoint_every=args.checkpoint_every,
+            devices=devices,
+            stop=signals.received,
+            warn=lambda line: print(line, file=sys.stderr) if info.is_main else None,
+            on_update=logs.write,
+            on_resume=logs.restore,  # rows a killed run's loggers had not written yet
+        )
+    finally:
+        _FOR_CLI.reset(token)
     logs.close()  # (also at exit if training raised)
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))

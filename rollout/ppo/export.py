@@ -775,13 +775,13 @@ def export_run(
     learner = Learner(config, devices=devices)
     try:
         _chosen(members, config.members, directory or run / "export")  # before the restore
-        state = _restore_newest(run, found.record["run_id"], ckpt.restore_targets(learner))
+        state = _restore_newest(run, found.record, ckpt.restore_targets(learner))
         return export_members(learner, state, directory or run / "export", members)
     finally:
         learner.close()
 
 
-def _restore_newest(run: Path, run_id: str, like: Any, attempts: int = 5) -> Any:
+def _restore_newest(run: Path, record: dict[str, Any], like: Any, attempts: int = 5) -> Any:
     """The newest whole checkpoint of a run that may still be training: a run keeps only its
     newest checkpoints, so one listed here may be removed while it is read; then the listing
     is read again (the warnings of a failed try are shown only if nothing changed)."""
@@ -790,7 +790,7 @@ def _restore_newest(run: Path, run_id: str, like: Any, attempts: int = 5) -> Any
     for _ in range(attempts):
         listed, notes = ckpt.checkpoints(run), []
         try:
-            state, _ = ckpt.restore_latest(run, run_id, like, notes.append, False)
+            state, _ = ckpt.restore_latest(run, record, like, notes.append, False)
             for line in notes:  # a damaged newer checkpoint; not one the run pruned meanwhile
                 if any(f"checkpoint {p} " in line for p in ckpt.checkpoints(run)):
                     print(line, file=sys.stderr)
