@@ -244,8 +244,10 @@ def test_a_damaged_metrics_row_is_named_and_a_failed_write_leaves_nothing_behind
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == sorted(
         [".lock", *(p.name for p in left)]
     )
+    (out / "ckpt_00000007.orbax-checkpoint-tmp").mkdir()  # a save killed midway
     _run(_tiny(total_steps=3 * 32), out, resume=True)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".lock"]
+    assert not (out / "ckpt_00000007.orbax-checkpoint-tmp").exists()
 
 
 def test_unreadable_or_missing_places_are_one_line(tmp_path, monkeypatch):

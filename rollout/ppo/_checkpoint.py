@@ -41,8 +41,11 @@ LOCK_FILE = ".lock"  # held (flock) by the process that writes the run
 FORMAT = 2
 _CKPT = re.compile(r"^ckpt_(\d{8})$")
 _SET_ASIDE = re.compile(r"^ckpt_\d{8}\.unreadable$")
-_TMP = (".orbax-checkpoint-tmp", ".trash-")  # left by a run killed while saving / deleting
-_TMP_FILE = re.compile(r"^\.(run\.json\.|metrics\.jsonl\.|probe-)[0-9a-f]{32}$")  # ours, cut short
+#: Left by a run cut short (killed, a full disk) while saving, deleting or writing a file.
+_LEFTOVER = re.compile(
+    r"^(ckpt_\d{8}\.orbax-checkpoint-tmp.*|\.trash-[0-9a-f]{32}|"
+    r"\.(run\.json\.|metrics\.jsonl\.|probe-)[0-9a-f]{32})$"
+)
 #: Config fields a resumed run may change (only upwards: a longer run).
 EXTENDABLE = ("total_steps",)
 
@@ -603,7 +606,7 @@ def _set_aside(paths: list[Path]) -> None:
 
 def _clean_leftovers(out: Path) -> None:
     for p in out.iterdir():
-        if any(t in p.name for t in _TMP) or _TMP_FILE.match(p.name):  # cut short: a kill, ...
+        if _LEFTOVER.match(p.name):
             _delete(p)
 
 
