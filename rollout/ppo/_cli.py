@@ -982,23 +982,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         _check_no_old_logs(args)
     made = not os.path.exists(args.out)
     ckpt.check_writable(args.out)
-    # Joins the other processes (if any) before JAX starts; a no-op for a single process.
-    if joining is not None and joining[1] and joining[1] > 1:
-        # JAX says nothing while it waits, and aborts the process if the others never come.
-        address, n, i = joining
-        print(
-            f"process {i} of {n}: joining the run through the coordinator at "
-            f"{address or '(from the cluster)'}; waiting up to 120 s for every process ...",
-            file=sys.stderr,
-            flush=True,
-        )
-    try:
-        info = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except OSError as e:  # the coordinator's port is taken
-        if made:  # by check_writable just now, and still empty
-            with contextlib.suppress(OSError):
-                os.rmdir(args.out)
-        raise UsageError(f"{e} On the command line: --coordinator HOST:PORT.") from None
+    info = _join(args, joining, made)
     signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
     devices, n_dev = _learner_devices(info, learner_devices)
     if args.devices and devices is not None and n_dev < args.devices * info.num_processes:
@@ -1013,6 +997,29 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return config, info, devices, n_dev
+
+
+def _join(args: argparse.Namespace, joining: Any, made: bool) -> Any:
+    """Joins the other processes (if any) before JAX starts; a no-op for a single process.
+    ``made``: ``--out`` was made just now (removed again if joining fails)."""
+    from ensemble import _distributed as distributed
+
+    if joining is not None and joining[1] and joining[1] > 1:
+        # JAX says nothing while it waits, and aborts the process if the others never come.
+        address, n, i = joining
+        print(
+            f"process {i} of {n}: joining the run through the coordinator at "
+            f"{address or '(from the cluster)'}; waiting up to 120 s for every process ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        return distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except OSError as e:  # the coordinator's port is taken
+        if made:  # by check_writable just now, and still empty
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
+        raise UsageError(f"{e} On the command line: --coordinator HOST:PORT.") from None
 
 
 def _check_device_count(

@@ -489,25 +489,7 @@ class Learner:
         term, trunc = term.astype(bool), trunc.astype(bool)
         done = term | trunc
 
-        # Episode statistics on the true reward (what the metrics report): an env's raw
-        # ``score`` where its reward is clipped, and whole games where a lost life ends a
-        # training episode (``episode_goes_on``). A host env's restart (after a resume) cuts the
-        # running episodes without stepping them: no step to count, and an episode it cuts
-        # before its first step is no episode.
-        restarted = info.get("restarted", jnp.zeros_like(done))
-        game_over = done & ~info.get("episode_goes_on", jnp.zeros_like(done)).astype(bool)
-        ep_return = carry.ep_return + info.get("score", reward).astype(jnp.float32)
-        ep_length = carry.ep_length + (~restarted).astype(jnp.float32)
-        ended = game_over & (ep_length > 0)
-        finished = carry.finished + jnp.stack(
-            [
-                jnp.sum(jnp.where(ended, ep_return, 0.0)),
-                jnp.sum(jnp.where(ended, ep_length, 0.0)),
-                jnp.sum(ended.astype(jnp.float32)),
-            ]
-        )
-        ep_return = jnp.where(game_over, 0.0, ep_return)
-        ep_length = jnp.where(game_over, 0.0, ep_length)
+        ep_return, ep_length, finished = _episode_stats(carry, reward, done, info)
 
         # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
         # Its running return restarts at every episode end, truncations too (gymnasium's
@@ -707,3 +689,29 @@ def to_host(metrics: dict) -> dict[str, np.ndarray]:
     from ensemble.distributed import gather_metrics_to_host
 
     return gather_metrics_to_host(dict(metrics))
+
+
+def _episode_stats(
+    carry: Rollout, reward: jax.Array, done: jax.Array, info: dict
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The running episodes' return and length after one step, and ``finished`` plus the
+    [return, length, count] sums of the episodes it ended.
+
+    On the true reward (what the metrics report): an env's raw ``score`` where its reward is
+    clipped, and whole games where a lost life ends a training episode (``episode_goes_on``).
+    A host env's restart (after a resume) cuts the running episodes without stepping them: no
+    step to count, and an episode it cuts before its first step is no episode.
+    """
+    restarted = info.get("restarted", jnp.zeros_like(done))
+    game_over = done & ~info.get("episode_goes_on", jnp.zeros_like(done)).astype(bool)
+    ep_return = carry.ep_return + info.get("score", reward).astype(jnp.float32)
+    ep_length = carry.ep_length + (~restarted).astype(jnp.float32)
+    ended = game_over & (ep_length > 0)
+    finished = carry.finished + jnp.stack(
+        [
+            jnp.sum(jnp.where(ended, ep_return, 0.0)),
+            jnp.sum(jnp.where(ended, ep_length, 0.0)),
+            jnp.sum(ended.astype(jnp.float32)),
+        ]
+    )
+    return jnp.where(game_over, 0.0, ep_return), jnp.where(game_over, 0.0, ep_length), finished
