@@ -79,6 +79,14 @@ def _tracing(*trees: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
+#: What to do about an NNX state whose buffers a train step took (it updates in place).
+_KEEP_A_COPY = (
+    "a train step updates the ensemble and its optimizer in place and donates their old "
+    "buffers, so a state taken before it (nnx.state, a pure dict) is gone after it: keep a "
+    "copy (jax.tree.map(jnp.copy, nnx.state(ens))), or make the step with donate=False"
+)
+
+
 class _MemberKeys(NamedTuple):
     """An ``nnx.Rngs`` argument turned into one key per stream, split per member on the way in
     and rebuilt as the member's own ``nnx.Rngs``."""
@@ -259,7 +267,7 @@ class NNXEnsemble(nnx.Module):
         self._check_inputs(args, in_axes, kwargs)
         traced, rebuild, traced_axes = _split_inputs(inputs, input_axes, self.n)
         graphdef, state = nnx.split(self.members)
-        check_live(state, "ensemble state ")
+        check_live(state, "ensemble state ", _KEEP_A_COPY)
         member_def = _member_treedef(state)
         changed: list[bool] = []  # per state leaf: did fn set it (known while tracing)
 
@@ -868,10 +876,22 @@ class NNXTrainStep:
     def _run(self, program: Any, ens: Any, optimizer: Any, batch: tuple, one: tuple) -> Any:
         _check_pair(ens, optimizer)
         axes = self._batch_axes(len(batch), ens.in_axes)
+        rngs = [isinstance(b, nnx.Rngs) for b in batch]
+        if any(rngs) and program is not self._jitted:
+            raise TypeError(
+                "step.scan takes no nnx.Rngs (its keys would be drawn once for all K steps); "
+                "pass keys per step and member instead: jax.random.split(key, (K, n)), with "
+                "per_member_batch True for that argument."
+            )
+        # An nnx.Rngs gives each member its own key per stream, as in a call of the ensemble
+        # (drawn here, outside the jitted step: the caller's Rngs advances once).
+        axes = tuple(None if r else a for r, a in zip(rngs, axes))
+        one = tuple(None if r else b for r, b in zip(rngs, one))
         check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES, mesh=ens.mesh)
+        batch = tuple(_take_rngs(b) if r else b for r, b in zip(rngs, batch))
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
-        check_live((ens_state, opt_state), "ensemble or optimizer state ")
+        check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         with explained_errors():
@@ -941,11 +961,13 @@ class NNXTrainStep:
 
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
     def grads_of(member: nnx.Module, *batch: Any) -> Any:
-        def loss_of(m: nnx.Module) -> Any:
+        def loss_of(m: nnx.Module, *batch: Any) -> Any:
             return split_loss(step.loss_fn(m, *batch), step.has_aux)
 
+        # The batch goes in as arguments, not a closure: an nnx.Rngs in it is then the
+        # transform's to advance (a closed-over one is of another trace level).
         grad_fn = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, wrt), has_aux=True)
-        (loss, aux), grads = grad_fn(member)
+        (loss, aux), grads = grad_fn(member, *batch)
         return loss, aux, grads
 
     return grads_of

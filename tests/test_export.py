@@ -703,3 +703,36 @@ def test_the_note_on_cut_gymnasium_episodes_names_the_policy(capsys):
         "note: m1: 2 of 2 episodes of CartPole-v1 had not ended after 3 steps; their return "
         "counts those steps (--max-steps sets the cap)"
     ]
+
+
+def test_a_run_on_an_env_object_its_config_cannot_make_is_not_resumed_or_evaluated_on_another(
+    tmp_path, capsys
+):
+    """An env given to Learner(config, env=...) that the config's env and kwargs do not make
+    (CartPole with a 50-step limit under a config that names plain CartPole): the run records
+    it, so the CLI's --resume, export_run and evaluate refuse instead of silently making the
+    config's env; one the config makes alike counts as the config's."""
+    from rollout.ppo import _env as envlib
+    from rollout.ppo import main, train
+
+    cfg = PPOConfig.for_env("cartpole", members=2, total_steps=256, num_envs=2, num_steps=64)
+    assert envlib.made_by_config(cfg, envs.make("cartpole"))
+    assert not envlib.made_by_config(cfg, envs.make("cartpole", max_episode_steps=50))
+    gym = "gymnasium:CartPole-v1"  # make kwargs in the config: the same env
+    made = envs.make(gym, sutton_barto_reward=True)
+    with_kwargs = PPOConfig.for_env(gym, members=2, env_kwargs='{"sutton_barto_reward": true}')
+    assert envlib.made_by_config(with_kwargs, made)
+    assert not envlib.made_by_config(PPOConfig.for_env(gym, members=2), made)
+    learner = Learner(
+        cfg, env=envs.make("cartpole", max_episode_steps=50), devices=jax.devices()[:2]
+    )
+    state, _ = train(cfg, tmp_path / "run", learner=learner, progress=False)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["env_from_config"] is False
+    assert main(["--resume", "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    assert "resume it in Python with that env" in capsys.readouterr().err
+    with pytest.raises(export.NotAnExport, match="export it in Python with that env"):
+        export.export_run(tmp_path / "run")
+    paths = export.export_members(learner, state, tmp_path / "members")
+    with pytest.raises(ValueError, match="step your env with the member's act"):
+        evaluate.evaluate([export.read_member(p) for p in paths], 1, 0)
+    learner.close()

@@ -79,7 +79,8 @@ class Walk(gym.Env):
             self.observation_space = spaces.Tuple((spaces.Discrete(7), box))
         self.pixels, self.pixel_dtype = pixels, np.dtype(pixel_dtype)
         if pixels:  # a frame in [0, 255]: channel 0 shows the position, the others noise
-            space_dtype = np.uint8 if self.pixel_dtype == np.int64 else self.pixel_dtype
+            broken = (np.int64, np.float64)  # a uint8 space that gets other values
+            space_dtype = np.uint8 if self.pixel_dtype in broken else self.pixel_dtype
             self.observation_space = spaces.Box(0, 255, (3, 5, 5), space_dtype)
         if grid:  # a 2x2 matrix: neither a vector nor an image
             self.observation_space = spaces.Box(-np.inf, np.inf, (2, 2), np.float64)
@@ -97,6 +98,8 @@ class Walk(gym.Env):
             frame[0] = np.uint8(np.clip(128 + 40 * self.pos, 0, 255))
             if self.pixel_dtype == np.int64:  # a uint8 space broken: values up to 355
                 return frame.astype(np.int64) + 100
+            if self.pixel_dtype == np.float64:  # ... or with fractions: 73.5
+                return frame / 2.0
             return frame.astype(self.pixel_dtype)
         if self.tuple_obs:
             return int(np.clip(np.round(self.pos) + 3, 0, 6)), obs[1:]
@@ -627,6 +630,12 @@ def test_pixel_values_outside_a_uint8_space_are_an_error_not_wrapped():
             run_host(host, mesh, keys, jnp.ones((3, 2, 2), jnp.int32))
         assert "reset returned observation values in [" in str(info.value)
         assert "observation space is uint8 (0-255), and they would wrap around" in str(info.value)
+    finally:
+        host.close()
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, pixels=True, pixel_dtype="float64")
+    try:  # fractions would be cut off in training (and kept by evaluate)
+        with pytest.raises(Exception, match=r"reset returned observation values with fractions"):
+            run_host(host, mesh, keys, jnp.ones((3, 2, 2), jnp.int32))
     finally:
         host.close()
 

@@ -251,18 +251,25 @@ class _Gymnasium:
     def _checked(self, obs: Any, where: str) -> Any:
         """``obs``, refused where its shape is not the observation space's (NumPy would
         broadcast a (1,) into a (3,) row without a word), or where a uint8 space gets values
-        outside 0-255 (NumPy would wrap 256 to 0)."""
+        outside 0-255 (NumPy would wrap 256 to 0) or with fractions (cut off)."""
         if np.shape(obs) != self.obs_shape:
             raise ValueError(
                 f"{where} returned an observation of shape {np.shape(obs)}; the env's "
                 f"observation space has shape {self.obs_shape}"
             )
-        if self.pixels and np.asarray(obs).dtype != np.uint8 and np.size(obs):
-            low, high = np.min(obs), np.max(obs)
+        obs_array = np.asarray(obs)
+        if self.pixels and obs_array.dtype != np.uint8 and obs_array.size:
+            low, high = np.min(obs_array), np.max(obs_array)
             if not 0 <= low <= high <= 255:
                 raise ValueError(
                     f"{where} returned observation values in [{low}, {high}]; the env's "
                     "observation space is uint8 (0-255), and they would wrap around"
+                )
+            if obs_array.dtype.kind == "f" and not np.array_equal(obs_array, np.rint(obs_array)):
+                raise ValueError(
+                    f"{where} returned observation values with fractions (dtype "
+                    f"{obs_array.dtype}); the env's observation space is uint8 (whole numbers "
+                    "0-255), which would cut them off: declare a float Box, or return uint8"
                 )
         return obs
 

@@ -268,6 +268,18 @@ class _Run:
                 f"--devices {saved['devices']}, to continue it exactly)."
             )
 
+    def _check_env(self, learner: Any) -> None:
+        """A run resumes on the env it trained on: its config's, or the caller's env object."""
+        if self.record.get("env_from_config", True) == learner.env_from_config:
+            return
+        if learner.env_from_config:
+            _refuse_env_object_run(self.out)
+        raise RunDirError(
+            f"--resume: the run in {self.out} trained on the env its config makes "
+            f"({self.config.env}), not the env given to Learner(config, env=...); resume it with "
+            "Learner(config), or an env made with the config's env and env_kwargs."
+        )
+
     def open(self, learner: Any) -> tuple[Any, list[dict[str, Any]]]:
         """The state to start from (restored or fresh) and the metric rows so far."""
 
@@ -275,11 +287,12 @@ class _Run:
 
         layout = _device_layout(learner)
         if not self.resume:
-            self.record = {**self.record, **layout}
+            self.record = {**self.record, **layout, "env_from_config": learner.env_from_config}
             _on_main_then_all(lambda: ckpt.start(self.out, self.record, overwrite=self.overwrite))
             # Every process takes process 0's run id.
             self.record = json.loads((self.out / ckpt.RUN_FILE).read_text())
             return learner.init(), []
+        self._check_env(learner)
         self._check_layout(layout)
         like = ckpt.restore_targets(learner)
         state, meta = ckpt.restore_latest(self.out, self.record, like, self.warn)
@@ -330,6 +343,14 @@ class _Run:
         if self.lock is not None:
             self.lock.close()
             self.lock = None
+
+
+def _refuse_env_object_run(out: Any) -> None:
+    raise RunDirError(
+        f"--resume: the run in {out} trained on an env given to Learner(config, env=...), which "
+        "its run.json cannot make again; resume it in Python with that env: train(config, out, "
+        "resume=True, learner=Learner(config, env=...))."
+    )
 
 
 def _on_main_then_all(fn: Callable[[], Any]) -> None:
@@ -977,6 +998,8 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     ckpt.check_unlocked(args.out)  # first: a run still going there explains whatever it holds
     if args.resume:
         ckpt.check_resume(found, config.to_dict())
+        if not found.record.get("env_from_config", True):  # the CLI makes envs from configs
+            _refuse_env_object_run(args.out)
     else:
         ckpt.check_fresh(found, args.overwrite)
         _check_no_old_logs(args)

@@ -72,6 +72,38 @@ def make_env(name: str, kwargs: dict[str, Any] | None = None) -> Any:
     return envs.make(name, **(kwargs or {}))
 
 
+def made_by_config(config: Any, env: Any) -> bool:
+    """Whether ``config``'s env and kwargs make an env like ``env``: then a run's files (run.json,
+    exports) name the env it trains on, and ``--resume`` and ``evaluate`` can make it again."""
+    try:
+        return _alike(make_env(config.env, config.make_kwargs()), env)
+    except Exception:  # a name only the caller's env knows
+        return False
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Of one type, with equal constructor fields (wrapped envs alike too): envs made alike.
+    (Identity alone would tell apart two ``envs.make`` of the same id.)"""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not dataclasses.is_dataclass(a):
+        return False
+    for field in dataclasses.fields(a):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if not field.init:
+            continue
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if not _alike(x, y):
+                return False
+            continue
+        try:
+            if not bool(np.all(x == y)):
+                return False
+        except Exception:  # not comparable: not known to be alike
+            return False
+    return True
+
+
 def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
     """``'image'`` (discrete actions on image observations, CleanRL's Atari defaults),
     ``'discrete'`` or ``'continuous'``: which CleanRL defaults suit the env ``name``.

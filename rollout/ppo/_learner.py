@@ -216,7 +216,8 @@ class Learner:
         config.validate(num_devices=num_devices, known_envs=known)
         self.config = config
         self.env = envlib.make_env(config.env, config.make_kwargs()) if env is None else env
-        self.env_from_config = env is None  # what the command line can make again
+        # Whether the run's config makes this env again (the CLI's --resume, evaluate).
+        self.env_from_config = env is None or envlib.made_by_config(config, env)
         self.spec = envlib.spec_of(self.env)
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)

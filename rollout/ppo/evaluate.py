@@ -274,6 +274,14 @@ def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
     env_id = members[0].meta["env"]
     path = lambda m: getattr(m, "path", None)  # None: a member built in memory
     where = lambda m: path(m) / "member.json" if path(m) else f"member {m.meta['member']}'s meta"
+    for m in members:
+        if not m.meta.get("env_from_config", True):
+            raise ValueError(
+                f"{where(m)}: the member trained on an env given to Learner(config, env=...), "
+                f"not the one its config makes ({env_id}), so evaluate would score it on "
+                "another env; step your env with the member's act() instead (export."
+                "read_member)."
+            )
     try:
         spec = spec_of(envs.make(env_id, auto_reset=False, **kwargs))
     except ValueError as e:  # unknown, or its library missing: the message says which

@@ -4,9 +4,12 @@
 
 - ``member.json``: ``{"format": "rollout.ppo.member", "version": 2, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
-  "hparams": {...}, "config": {...}}``. ``gymnasium_id`` is what ``gymnasium.make`` takes for
-  the env (``null`` where gymnasium has no such env). ``network`` holds ``kind``,
-  ``obs_shape``, ``action_dim``, ``discrete`` and ``activation``, and per kind:
+  "hparams": {...}, "config": {...}, "env_from_config": ...}``. ``gymnasium_id`` is what
+  ``gymnasium.make`` takes for the env (``null`` where gymnasium has no such env);
+  ``env_from_config`` is false for a member trained on an env object that its config does not
+  make (``Learner(config, env=...)``), which ``evaluate`` then refuses (absent: true).
+  ``network`` holds ``kind``, ``obs_shape``, ``action_dim``, ``discrete`` and ``activation``,
+  and per kind:
 
   - ``"ActorCritic"`` (vector observations): ``hidden`` (layer widths); ``activation`` "tanh".
   - ``"ImageActorCritic"`` (image observations): ``convs`` (``[features, kernel size,
@@ -116,7 +119,10 @@ def export_members(
       members: which members (default: all). With several processes only the members held by
         this process's devices are written (and returned).
     """
-    return _export(learner.config, learner.spec, learner.normalize_obs, state, directory, members)
+    return _export(
+        learner.config, learner.spec, learner.normalize_obs, state, directory, members,
+        learner.env_from_config,
+    )  # fmt: skip
 
 
 def export_from_state(
@@ -132,7 +138,8 @@ def export_from_state(
     from rollout.ppo import _env as envlib
 
     spec = envlib.spec_of(envlib.make_env(config.env, config.make_kwargs()))
-    return _export(config, spec, envlib.normalize_obs(config, spec), state, directory, members)
+    normalize = envlib.normalize_obs(config, spec)
+    return _export(config, spec, normalize, state, directory, members, True)
 
 
 def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike) -> list[int]:
@@ -174,7 +181,7 @@ def _check_same_run(root: Path, config: Any) -> None:
         )
 
 
-def _export(config, spec, normalize_obs, state, directory, members) -> list[Path]:
+def _export(config, spec, normalize_obs, state, directory, members, from_config) -> list[Path]:
     n = config.members
     chosen = _chosen(members, n, directory)
     root = Path(directory)
@@ -204,6 +211,7 @@ def _export(config, spec, normalize_obs, state, directory, members) -> list[Path
         )
         hparams = jax.device_get(hparams)
         meta = _metadata(config, spec, network, normalize_obs, i, env_steps, hparams)
+        meta["env_from_config"] = from_config  # false: evaluate cannot make the env it knew
         tmp = path / "member.json.tmp"  # whole or absent, never a truncated member.json
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(tmp, path / "member.json")
@@ -768,6 +776,13 @@ def export_run(
         raise NotAnExport(f"{run} {what}: give the --out directory of a training run.")
     if not ckpt.checkpoints(run):
         raise NotAnExport(f"{run} has no checkpoint yet: train longer (--checkpoint-every).")
+    if not found.record.get("env_from_config", True):
+        raise NotAnExport(
+            f"{run} trained on an env given to Learner(config, env=...), which its run.json "
+            "cannot make again; export it in Python with that env: export_members(Learner("
+            "config, env=...), state, directory), state from train(config, run, resume=True, "
+            "learner=...)."
+        )
     try:
         config = PPOConfig.from_dict(found.record["config"])
     except (TypeError, ValueError) as e:
