@@ -762,12 +762,14 @@ def test_a_checkpoint_write_that_fails_is_one_line(tmp_path):
 
 
 def test_the_python_apis_resume_hint_names_what_can_resume(tmp_path):
-    """The command line can make the config's env again, not a user's env object."""
+    """The command line can make the config's env again, not a user's env object that the
+    config does not make (one it makes alike, envs.make("cartpole"), counts as the config's)."""
     from rollout import envs
     from rollout.ppo._cli import Interrupted
 
     cfg = _tiny()
-    mine = Learner(cfg, devices=jax.devices()[:2], env=envs.make("cartpole"))
+    assert Learner(cfg, devices=jax.devices()[:2], env=envs.make("cartpole")).env_from_config
+    mine = Learner(cfg, devices=jax.devices()[:2], env=envs.make("cartpole", max_episode_steps=9))
     for learner, hint in (
         (_learner(cfg), "or: python -m rollout.ppo --resume --out"),
         (mine, "resume=True, learner=Learner(config, env=<your env>))"),
