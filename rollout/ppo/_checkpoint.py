@@ -310,7 +310,7 @@ def remove_run(out: Path) -> None:
     """
     names = [RUN_FILE] + [p.name for p in inspect(out).files if p.name != RUN_FILE]
     for name in names:
-        _discard(out / name)
+        _discard(out / name, strict=True)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -578,13 +578,18 @@ def _describe(run: RunDir) -> str:
     return "run files (" + ", ".join(p.name for p in run.files[:4]) + ")"
 
 
-def _discard(path: Path) -> None:
+def _discard(path: Path, strict: bool = False) -> None:
     """Deletes a file or directory so it vanishes at once (rename) even if the delete is cut
-    short."""
+    short. ``strict``: a rename that fails raises (else that entry stays), one already gone
+    does not."""
     trash = path.with_name(f".trash-{uuid.uuid4().hex}")
     try:
         os.rename(path, trash)
+    except FileNotFoundError:
+        return
     except OSError:
+        if strict:
+            raise
         return
     _delete(trash)
 
