@@ -964,6 +964,9 @@ def test_env_kwargs_are_a_json_object_for_gymnasium_and_envpool_ids():
             PPOConfig.for_env(f"gymnasium:{WALK_ID}", env_kwargs=text).validate()
     with pytest.raises(ValueError, match=r"env_kwargs go to .* not to 'cartpole'"):
         PPOConfig.for_env("cartpole", env_kwargs={"a": 1}).validate()
+    # The dataclass itself holds the JSON text; a dict there is refused with the two ways in.
+    with pytest.raises(ValueError, match=r"JSON object string such as .*for_env also takes a dict"):
+        PPOConfig(env=f"gymnasium:{WALK_ID}", env_kwargs={"fail_at": 9}).make_kwargs()
 
 
 @pytest.mark.timeout(60)

@@ -149,9 +149,11 @@ def test_a_run_dir_has_one_writer_at_a_time(tmp_path, capsys):
 
 
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
-    out = tmp_path / "run"
-    with pytest.raises(ckpt.RunDirError, match=r"nothing to resume .*drop resume=True"):
+    out = tmp_path / "exp --out --resume"  # the advice is in Python terms, the path as it is
+    with pytest.raises(ckpt.RunDirError, match=r"nothing to resume in out=.*/exp --out --resume "
+                       r"\(no run.json\); drop resume=True"):  # fmt: skip
         _run(_tiny(), out, resume=True)
+    out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
     with pytest.raises(ckpt.RunDirError, match=r"no run.json"):

@@ -187,7 +187,7 @@ def train(
             return _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop)
     except RunDirError as e:
         if not _FOR_CLI.get():  # say what to do in train()'s own words
-            e.args = (_in_python_terms(str(e)),)
+            e.args = (_in_python_terms(str(e), str(Path(out or "."))),)
         raise
     finally:
         if learner_given is None and learner is not None:  # what we opened (env_on='cpu'
@@ -209,11 +209,13 @@ _PYTHON_TERMS = (
 )
 
 
-def _in_python_terms(text: str) -> str:
-    """A run-directory error's advice for a caller of :func:`train` (it names CLI flags)."""
+def _in_python_terms(text: str, path: str) -> str:
+    """A run-directory error's advice for a caller of :func:`train` (it names CLI flags);
+    ``path``, the run directory, as it is (it may hold anything, '--out' too)."""
+    parts = text.split(path)
     for cli, python in _PYTHON_TERMS:
-        text = text.replace(cli, python)
-    return text
+        parts = [part.replace(cli, python) for part in parts]
+    return path.join(parts)
 
 
 def _device_layout(learner: Any) -> dict[str, Any]:

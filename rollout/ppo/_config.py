@@ -309,7 +309,10 @@ def _env_kwargs(env: str, text: str) -> dict[str, Any]:
     if not text:
         return {}
     if not isinstance(text, str):
-        raise ValueError(f"env_kwargs must be a JSON object string or a dict, got {text!r}.")
+        raise ValueError(
+            f"env_kwargs must be a JSON object string such as '{{\"max_episode_steps\": 50}}' "
+            f"(PPOConfig.for_env also takes a dict and writes it so), got {text!r}."
+        )
     try:
         kwargs = json.loads(text)
     except json.JSONDecodeError as e:
