@@ -83,6 +83,15 @@ def test_plan_replaces_the_bottom_with_top_members(fraction):
     assert parents == {4, 5, 6, 7} and factors == F32
 
 
+def test_plan_replaces_as_many_members_as_the_config_check_counts():
+    """floor(fraction * m) in float64, as PPOConfig checks it: float32 made 1/41 of 41 members
+    and 7/23 of 23 replace 0 and 6."""
+    for n, k in ((41, 1), (23, 7), (37, 3)):
+        returns = np.arange(n, dtype=np.float32)
+        parent, _ = plan(returns, jax.random.key(0), k / n, FACTORS)
+        assert int((np.asarray(parent) != np.arange(n)).sum()) == k, (n, k)
+
+
 def test_recent_returns_ignores_missing_episodes():
     rows = [
         {"returns": [None, 1.0, 5.0]},
@@ -240,6 +249,15 @@ def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
     assert want >= 1
     assert sum(p != i for r in rows for i, p in enumerate(r.get("pbt_parent", []))) == want
     assert (tmp_path / "full" / "pbt_lineage.png").stat().st_size > 0
+    # A PBT row also holds the values its step set (the next row's; the last row has none
+    # after it, and the final checkpoint holds them).
+    for prev, row in itertools.pairwise(rows):
+        if "pbt_parent" in prev:
+            assert prev["pbt_hparams"] == row["hparams"]
+    final = jax.device_get(full.members.hparams)
+    assert rows[-1]["pbt_hparams"] == {
+        k: [float(f"{v:.7g}") for v in final[k]] for k in rows[-1]["pbt_hparams"]
+    }
 
     class Stop(Exception):
         pass
@@ -292,6 +310,7 @@ def test_an_extended_run_takes_the_pbt_step_at_its_old_last_update(tmp_path):
         (["--pbt-fraction", "0.7"], r"pbt_fraction must be in \(0, 0.5\]"),
         (["--pbt-fraction", "0.1"], "replaces no member"),
         (["--pbt-factors", "0.8,-1"], "pbt_factors must be positive finite"),
+        (["--pbt-factors", "0.8,1e39"], "pbt_factors must be positive finite float32"),
         (["--pbt-interval", "0"], "pbt_interval must be a positive integer"),
         (["--pbt-window", "-2"], "pbt_window must be a positive integer"),
         (  # PBT would never act: it used to run silently without it

@@ -873,7 +873,7 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
 @pytest.mark.parametrize("per_call", [1, 3])
 def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(tmp_path, per_call):
     """The rows end at the diverged update, also when the jitted call ran later ones, and have
-    the usual keys."""
+    the usual keys (with PBT, the hyperparameters the members ran with, as every row)."""
     from rollout import envs
     from rollout.ppo import Diverged
 
@@ -882,7 +882,8 @@ def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(
             state, obs, reward, term, trunc, info = super().step(state, action, key, params)
             return state, obs, jnp.where(state.t == 7, jnp.nan, reward), term, trunc, info
 
-    cfg = _tiny(updates_per_call=per_call)
+    pbt = per_call == 3
+    cfg = _tiny(updates_per_call=per_call, pbt=pbt, pbt_fraction=0.5, pbt_interval=3)
     learner = Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(NanAtStep7()))
     out = tmp_path / "run"
     with pytest.raises(Diverged, match=r"diverged at update 1: member\(s\) 0, 1 computed a NaN"):
@@ -890,4 +891,5 @@ def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1] and rows[0]["policy_loss"] == [None, None]
     assert "env_steps_per_s" in rows[0]
+    assert ("hparams" in rows[0]) == pbt
     assert ckpt.checkpoints(out) == []  # the NaN state was not saved

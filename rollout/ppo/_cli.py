@@ -394,6 +394,8 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             diverged = _diverged(host, done)
             if diverged is not None:  # its rows up to the diverged update, in the usual form
                 new_rows = new_rows[: diverged.rows]
+                if cfg.pbt:  # what the members ran with: after a PBT step, the likely cause
+                    _pbt.record_hparams(state, new_rows)
                 for row in new_rows:
                     row["env_steps_per_s"] = sps
                 if run is not None:

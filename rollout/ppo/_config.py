@@ -358,11 +358,17 @@ def _validate_pbt(cfg: PPOConfig) -> None:
         not isinstance(factors, (tuple, list))
         or not factors
         or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in factors)
-        or any(not math.isfinite(v) or v <= 0 for v in factors)
+        # In float32, as they are applied (1e39 is inf there: 0 x inf made a NaN coefficient).
+        or any(not _positive_float32(v) for v in factors)
     ):
         raise ValueError(
-            f"pbt_factors must be positive finite numbers like 0.8,1.2, got {factors!r}."
+            f"pbt_factors must be positive finite float32 numbers like 0.8,1.2, got {factors!r}."
         )
+
+
+def _positive_float32(v: float) -> bool:
+    with np.errstate(over="ignore"):  # 1e39 -> inf: refused below, no warning first
+        return bool(np.isfinite(np.float32(v)) and np.float32(v) > 0)
 
 
 def _unknown_env(env: str, known_envs: Sequence[str]) -> ValueError:

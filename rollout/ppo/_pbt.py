@@ -62,7 +62,9 @@ def plan(
     order = jnp.argsort(-score, stable=True)  # best first; invalid members last
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     m = jnp.sum(valid.astype(jnp.int32))
-    c = jnp.floor(fraction * m).astype(jnp.int32)
+    # floor(fraction * m) in Python's float64, as the config's check computes it (float32 on
+    # the device gave floor(41 * (1/41)) = 0: no member replaced, where the check saw one).
+    c = jnp.asarray([math.floor(fraction * k) for k in range(n + 1)], jnp.int32)[m]
     replaced = valid & (rank >= m - c) & (c > 0)
     k_parent, k_factor = jax.random.split(key)
     pick = jax.random.randint(k_parent, (n,), 0, jnp.maximum(c, 1))
@@ -215,9 +217,7 @@ def after_updates(
     from rollout.ppo._learner import to_host
 
     cfg = learner.config
-    hp = to_host(dict(state.members.hparams))
-    for row in new_rows:
-        row["hparams"] = {k: [float(f"{v:.7g}") for v in hp[k]] for k in HPARAMS}
+    record_hparams(state, new_rows)
     # The run's last update too, when it falls on the interval: a run extended later (a larger
     # --total-steps) then goes on from the state a longer run would have had at that update.
     if done % cfg.pbt_interval:
@@ -225,7 +225,24 @@ def after_updates(
     returns = recent_returns([*rows, *new_rows], cfg.pbt_window, cfg.members)
     state, (parent, _) = learner.exploit_explore(state, returns, pbt_key(cfg.seed, done))
     new_rows[-1]["pbt_parent"] = [int(p) for p in to_host({"p": parent})["p"]]
+    # The values the step set (in effect from the next update): a run's last PBT step has no
+    # next row, and its checkpoint and exports hold these.
+    new_rows[-1]["pbt_hparams"] = _hparams(state)
     return state
+
+
+def record_hparams(state: Any, rows: list[dict[str, Any]]) -> None:
+    """Adds ``hparams``, the per-member values ``state``'s updates ran with, to each row."""
+    hp = _hparams(state)
+    for row in rows:
+        row["hparams"] = {k: list(v) for k, v in hp.items()}
+
+
+def _hparams(state: Any) -> dict[str, list[float]]:
+    from rollout.ppo._learner import to_host
+
+    hp = to_host(dict(state.members.hparams))
+    return {k: [float(f"{v:.7g}") for v in hp[k]] for k in HPARAMS}
 
 
 def chunk(cfg: Any, done: int, k: int) -> int:
@@ -247,10 +264,12 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
     fig = Figure(figsize=(8, 9))
     axes = fig.subplots(len(HPARAMS) + 1, 1, sharex=True)
     colors = [f"C{i % 10}" for i in range(n)]  # as learning_curve.png colours its members
+    # Each row's values, then at a PBT step the values it set: a step, at that update.
+    xs = [x for r, x in zip(rows, steps) for _ in range(1 + ("pbt_hparams" in r))]
     for ax, name in zip(axes, HPARAMS, strict=False):
         for i in range(n):
-            ax.plot(steps, [r["hparams"][name][i] for r in rows], color=colors[i], lw=1.1,
-                    label=f"member {i}")  # fmt: skip
+            ys = [h[name][i] for r in rows for h in (r["hparams"], r.get("pbt_hparams")) if h]
+            ax.plot(xs, ys, color=colors[i], lw=1.1, label=f"member {i}")
         ax.set_ylabel(name)
         if name == "learning_rate":
             ax.set_yscale("log")
