@@ -272,13 +272,13 @@ def assert_member_placement(tree: Any, mesh: Mesh, n: int | None = None) -> None
     )
 
 
-def _ensemble_mesh(tree: Any) -> Mesh | None:
-    """The ensemble mesh (one with an ``'ensemble'`` axis) that a leaf's sharding names."""
-    for _, leaf in _leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and MEMBER_AXIS in sharding.mesh.axis_names:
-            return sharding.mesh
-    return None
+def _on_one_member_block(leaf: Any) -> bool:
+    """Whether the leaf's own ensemble mesh has an ``'ensemble'`` axis of size 1 (an ensemble
+    built to fit on one device or one block, ``ensemble.build(..., devices=[d])``)."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or MEMBER_AXIS not in sharding.mesh.axis_names:
+        return False
+    return sharding.mesh.shape[MEMBER_AXIS] == 1
 
 
 @_chex_style
@@ -290,10 +290,10 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     unannotated parameters (a default bias) that logical partitioning leaves as ``P()``.
     A leaf fails if some device holds all n members' rows, unless the ensemble is meant to
     fit on one device: ``n == 1``, a single device in total, or a ``mesh`` whose
-    ``'ensemble'`` axis has size 1 (without ``mesh``, the ensemble mesh the leaves' own
-    shardings name, as ``ensemble.build(..., devices=[d])`` makes). Leaves without a leading n
-    are skipped, but a tree with no such leaf fails (nothing would be checked: often n given as
-    the device count), and so does a donated (deleted) array.
+    ``'ensemble'`` axis has size 1 (without ``mesh``, leaf by leaf: the ensemble mesh the
+    leaf's own sharding names, as ``ensemble.build(..., devices=[d])`` makes). Leaves
+    without a leading n are skipped, but a tree with no such leaf fails (nothing would be
+    checked: often n given as the device count), and so does a donated (deleted) array.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -310,7 +310,6 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     """
     if n == 1:
         return
-    mesh = mesh if mesh is not None else _ensemble_mesh(tree)
     if mesh is not None:
         if MEMBER_AXIS in mesh.axis_names and mesh.shape[MEMBER_AXIS] == 1:
             return
@@ -325,6 +324,8 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
         if (msg := _check_concrete(path, leaf)) is not None:
             problems.append(msg)
             continue
+        if mesh is None and _on_one_member_block(leaf):  # its own ensemble mesh says so (a
+            continue  # leaf of another ensemble in the tree does not excuse this one)
         whole = [d for d, (start, stop) in _rows_per_device(leaf, n).items() if stop - start == n]
         if whole:
             problems.append(

@@ -61,6 +61,12 @@ def collectives(compiled: Any, across_members: bool = False) -> dict[str, int]:
     """
     if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
+    if not isinstance(compiled, jax.stages.Compiled):
+        raise TypeError(
+            f"collectives takes a lowered or compiled program, got {type(compiled).__name__}: "
+            "pass jax.jit(f).lower(*args) (or its .compile()), e.g. step.lower(...) of a train "
+            "step."
+        )
     member_of = _member_blocks(compiled) if across_members else None
     counts: dict[str, int] = {}
     for line in compiled.as_text().splitlines():

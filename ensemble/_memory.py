@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -330,13 +331,22 @@ def print_memory(
 
 
 def _host_note(tree: Any) -> str:
-    """A line for the tree's host (NumPy) arrays, which no device holds: without it a tree of
-    them reads as 0 MB everywhere, as if it were empty."""
-    host = [x for x in jax.tree_util.tree_leaves(_as_tree(tree)) if isinstance(x, np.ndarray)]
-    if not host:
-        return ""
-    mb = sum(x.nbytes for x in host) / MB
-    return f"\n+ {len(host)} host (NumPy) array(s), {mb:.3f} MB, on no device"
+    """Lines for the tree's host (NumPy) arrays and shapes alone (``ShapeDtypeStruct``), which
+    no device holds: without them such a tree reads as 0 MB everywhere, as if it were empty."""
+    leaves = jax.tree_util.tree_leaves(_as_tree(tree))
+    host = [x for x in leaves if isinstance(x, np.ndarray)]
+    shapes = [x for x in leaves if isinstance(x, jax.ShapeDtypeStruct)]
+    text = ""
+    if host:
+        mb = sum(x.nbytes for x in host) / MB
+        text += f"\n+ {len(host)} host (NumPy) array(s), {mb:.3f} MB, on no device"
+    if shapes:
+        mb = sum(math.prod(x.shape) * x.dtype.itemsize for x in shapes) / MB
+        text += (
+            f"\n+ {len(shapes)} ShapeDtypeStruct(s), {mb:.3f} MB in all, shapes only (no "
+            "memory): for a program's memory use compiled_memory"
+        )
+    return text
 
 
 def _is_function(x: Any) -> bool:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ensemble._mesh import MEMBER_AXIS, layout
 
@@ -42,6 +43,12 @@ def per_member(
     ``hyperparams`` give per-member values (length n) for hyperparameters of a ``tx`` made with
     ``optax.inject_hyperparams``, e.g. ``learning_rate=[1e-3, 3e-4, ...]``.
 
+    ``init`` puts the state where the params' members are: called eagerly on member-sharded
+    params, each moment gets its parameter's sharding and every other ``[n, ...]`` leaf the
+    member axis; inside your ``jit``, under ``jax.set_mesh`` / ``ensemble.sharding.partitioning``,
+    ``[n, ...]`` leaves go on the member axis (in a plain ``jit`` give ``out_shardings``: the
+    params' placement is not known there).
+
     Example:
       >>> import optax, jax.numpy as jnp
       >>> tx = per_member(optax.inject_hyperparams(optax.adam)(1e-3), 2, learning_rate=[1e-3, 1e-4])
@@ -59,8 +66,7 @@ def per_member(
                 f"(shape ({n},)), got shape {v.shape}."
             )
 
-    def init_fn(params: Any) -> Any:
-        _check_member_axis(params, n)
+    def init_core(params: Any) -> Any:
         state = jax.vmap(tx.init, spmd_axis_name=MEMBER_AXIS)(params)
         if values:
             _check_injected(state, sorted(values))
@@ -71,6 +77,10 @@ def per_member(
             )
         return state
 
+    def init_fn(params: Any) -> Any:
+        _check_member_axis(params, n)
+        return _placed_like(init_core, params, n)
+
     def update_fn(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
@@ -80,6 +90,51 @@ def per_member(
         return jax.vmap(member, spmd_axis_name=MEMBER_AXIS)(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _placed_like(init: Any, params: Any, n: int) -> Any:
+    """``init(params)`` with the state on the params' member axis: moments shaped like a
+    parameter get its sharding, other ``[n, ...]`` leaves the member axis, the rest replicated.
+    Optax's zeros depend on no input, so left alone they landed on one device (the whole
+    population's Adam state on device 0) or, under a mesh, on every device. Inside ``jit`` the
+    params' shardings are unknown: there the ambient mesh (``jax.set_mesh``,
+    ``ensemble.sharding.partitioning``) gives the member axis, or the caller's
+    ``out_shardings`` place the state (as ``TrainStep.init`` does)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+        if not _spans_members(jax.sharding.get_abstract_mesh()):
+            return init(params)
+        member = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec(MEMBER_AXIS))
+        return jax.tree.map(lambda x: member(x) if _member_major(x, n) else x, init(params))
+    sharded = [
+        (np.shape(p), s)
+        for p in jax.tree.leaves(params)
+        if isinstance(s := getattr(p, "sharding", None), NamedSharding) and _spans_members(s.mesh)
+    ]
+    if not sharded:  # unplaced params, or one device
+        return init(params)
+    mesh, like = sharded[0][1].mesh, dict(reversed(sharded))
+
+    def target(x: Any) -> NamedSharding:
+        if tuple(x.shape) in like:
+            return like[tuple(x.shape)]
+        return NamedSharding(mesh, PartitionSpec(MEMBER_AXIS if _member_major(x, n) else None))
+
+    shardings = jax.tree.map(target, jax.eval_shape(init, params))
+    return jax.jit(init, out_shardings=shardings)(params)  # straight into the shards
+
+
+def _member_major(x: Any, n: int) -> bool:
+    return len(np.shape(x)) >= 1 and np.shape(x)[0] == n
+
+
+def _spans_members(mesh: Any) -> bool:
+    """A mesh with a member axis of several devices, not manual (inside a member's program)."""
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    return (
+        MEMBER_AXIS in types
+        and mesh.shape[MEMBER_AXIS] > 1
+        and all(t != jax.sharding.AxisType.Manual for t in types.values())
+    )
 
 
 def accepted_extra_args(

@@ -45,7 +45,8 @@ def log_mean_exp(log_probs: jax.Array) -> jax.Array:
     """``log(mean_i exp(log_probs[i]))`` over members = ``logsumexp(axis=0) - log(n)``.
 
     The log of the ensemble's mean probability (the predictive mixture), computed stably: members
-    with log-probabilities of -1000 do not underflow to ``-inf``.
+    with log-probabilities of -1000 do not underflow to ``-inf``. Computed in float32 at least
+    (float16 has no ``log(65536)``: n beyond 65504 gave NaN) and returned in the input's dtype.
 
     Example:
       >>> import jax.numpy as jnp
@@ -54,7 +55,9 @@ def log_mean_exp(log_probs: jax.Array) -> jax.Array:
     """
     log_probs = _member_major(log_probs, "log_mean_exp")
     n = log_probs.shape[0]
-    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(jnp.asarray(n, log_probs.dtype))
+    wide = log_probs.astype(jnp.promote_types(log_probs.dtype, jnp.float32))
+    out = jax.nn.logsumexp(wide, axis=0) - jnp.log(jnp.asarray(n, wide.dtype))
+    return out.astype(log_probs.dtype)
 
 
 def disagreement(logits: jax.Array) -> jax.Array:

@@ -72,6 +72,10 @@ def test_single_device_ensemble_is_not_replication():
     ensemble.assert_no_replicated_members(tree, 4, mesh)
     # Without mesh=, the mesh the leaves' shardings name says the same.
     ensemble.assert_no_replicated_members(tree, 4)
+    # ... leaf by leaf: a one-device ensemble beside a replicated leaf does not excuse it.
+    replicated = jax.device_put(jnp.zeros((4, 3)), NamedSharding(ensemble.make_mesh(4), P()))
+    with pytest.raises(AssertionError, match=r"\['z'\]: shape \(4, 3\)"):
+        ensemble.assert_no_replicated_members({**tree, "z": replicated}, 4)
     ensemble.assert_member_placement(tree, mesh)
 
 

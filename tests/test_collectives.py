@@ -84,3 +84,5 @@ def test_across_members_needs_an_ensemble_mesh():
     assert collectives(compiled) == {}
     with pytest.raises(ValueError, match="one ensemble mesh"):
         collectives(compiled, across_members=True)
+    with pytest.raises(TypeError, match=r"lowered or compiled program, got PjitFunction"):
+        collectives(jax.jit(lambda x: x * 2))  # not yet lowered: no program to read

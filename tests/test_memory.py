@@ -175,6 +175,12 @@ def test_print_memory_tables(capsys):
     text = ensemble.print_memory({"x": x, "h": np.ones(500_000, np.float32)}, file=None)
     assert "total       8.000" in text
     assert text.splitlines()[-1] == "+ 1 host (NumPy) array(s), 2.000 MB, on no device"
+    # So do shapes alone (what compiled_memory takes): 0 MB held, said, not silent.
+    abstract = {"w": jax.ShapeDtypeStruct((8, 250_000), jnp.float32)}
+    text = ensemble.print_memory(abstract, file=None)
+    assert "total       0.000" in text and text.splitlines()[-1].startswith(
+        "+ 1 ShapeDtypeStruct(s), 8.000 MB in all, shapes only"
+    )
 
     step = jax.jit(lambda a: a * 2, donate_argnums=0)
     text = ensemble.print_memory(step, x)

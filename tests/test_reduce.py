@@ -35,6 +35,9 @@ def test_log_mean_exp_matches_numpy_and_is_stable(logits):
     out = ensemble.log_mean_exp(tiny)
     np.testing.assert_allclose(out, [-1000.0 + np.log((1 + np.exp(-1.0)) / 2), -2000.0], rtol=1e-6)
     assert np.all(np.isfinite(out))
+    # float16 holds no log(65536), nor a sum of 70000 ones: computed wider, returned as given.
+    many = ensemble.log_mean_exp(jnp.full((70000, 2), -1.0, jnp.float16))
+    assert many.dtype == jnp.float16 and many.tolist() == [-1.0, -1.0]
 
 
 def test_disagreement_is_fraction_disagreeing_with_mean_probability_argmax(logits):

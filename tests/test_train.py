@@ -153,6 +153,26 @@ def test_per_member_learning_rates():
         assert np.abs(d[1]).max() > 1e-3
 
 
+def test_per_member_init_puts_each_members_state_on_its_devices():
+    """ensemble.per_member used alone: optax's zeros depend on no input, so its state landed on
+    device 0 (all members' Adam moments) or, under a mesh, on every device."""
+    n, mesh = D, ensemble.make_mesh(D)
+    params = ensemble.shard_members({"w": jnp.ones((n, 100)), "b": jnp.ones((n,))}, mesh, n)
+    tx = ensemble.per_member(optax.inject_hyperparams(optax.adam)(1e-3), n,
+                             learning_rate=np.linspace(1e-4, 1e-3, n))  # fmt: skip
+    with ensemble.sharding.partitioning(mesh):
+        under_mesh = jax.jit(tx.init)(params)
+    for state in (tx.init(params), under_mesh):
+        ensemble.debug.assert_member_placement(state, mesh)
+        ensemble.debug.assert_no_replicated_members(state, n)
+        per_device = {d: 0 for d in mesh.devices.flat}
+        for leaf in jax.tree.leaves(state):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] += shard.data.nbytes
+        assert len(set(per_device.values())) == 1  # an eighth each: no device holds them all
+        np.testing.assert_allclose(state.hyperparams["learning_rate"], np.linspace(1e-4, 1e-3, n))
+
+
 class BNNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
