@@ -33,6 +33,7 @@ above and a reachable coordinator address).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 LOOPBACK = "127.0.0.1"
@@ -168,8 +169,11 @@ def launch(
     if not (grace >= 0 and math.isfinite(grace)):
         raise ValueError(f"grace must be a number of seconds >= 0, got {grace}.")
     run = _Run(_binary(stdout or sys.stdout), _binary(stderr or sys.stderr), grace)
-    run.start(command, num_processes, port or free_port(), devices_per_process, env)
-    return run.supervise(timeout)
+    # Signals are ours to forward from before the first process starts: one that came between
+    # the start and the handlers used to end the launcher itself (exit -15, not 143).
+    with run.forwarding_signals():
+        run.start(command, num_processes, port or free_port(), devices_per_process, env)
+        return run.supervise(timeout)
 
 
 def _checked(
@@ -222,8 +226,23 @@ class _Run:
             self.err.write(f"[launch] {message}\n".encode())
             self.err.flush()
 
+    @contextlib.contextmanager
+    def forwarding_signals(self) -> Iterator[None]:
+        """SIGINT / SIGTERM forwarded to the processes meanwhile (from the main thread only)."""
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self.forward)
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
     def start(self, command: list[str], num_processes: int, port: int, devices, env) -> None:
         for rank in range(num_processes):
+            if self.received:  # stopped while starting: start no more
+                break
             self.procs.append(
                 subprocess.Popen(
                     command,
@@ -259,10 +278,6 @@ class _Run:
 
     def supervise(self, timeout: float | None) -> int:
         """Waits for every process; stops them all at the first failure, a signal or timeout."""
-        old = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, self.forward)
         deadline = None if timeout is None else time.monotonic() + timeout
         code, first = 0, None
         try:
@@ -274,8 +289,6 @@ class _Run:
                     p.wait()
             for t in self.threads:
                 t.join(timeout=5)
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
         if self.received and code == 0:
             code = 128 + self.received[0]
         if first is not None:

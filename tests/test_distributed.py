@@ -145,6 +145,18 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
             os.kill(pid, 0)
 
 
+def test_a_signal_while_the_launcher_starts_its_processes_is_forwarded_not_fatal():
+    """The launcher takes SIGINT / SIGTERM before its first process starts (one that came
+    between the start and the handlers ended it with -15), and starts none after one."""
+    run = launcher._Run(io.BytesIO(), io.BytesIO(), grace=1.0)
+    with run.forwarding_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread
+        run.start([sys.executable, "-c", "import time; time.sleep(60)"], 2, 0, None, None)
+        assert run.procs == [] and run.received == [signal.SIGTERM]
+        assert run.supervise(timeout=30) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not run.forward  # the old handler is back
+
+
 def test_launcher_cli_needs_a_command(capsys):
     with pytest.raises(SystemExit):
         launcher.main(["-n", "2"])
