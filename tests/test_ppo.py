@@ -409,11 +409,16 @@ def test_a_misspelt_library_prefix_is_named_with_the_right_one():
 def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):
     from rollout.ppo import main
 
-    argv = ["--members", "3", "--devices", "2", "--out", str(tmp_path), "--no-progress"]
+    new = tmp_path / "new" / "run"  # made for the checks: a refused command leaves none
+    argv = ["--members", "3", "--devices", "2", "--out", str(new), "--no-progress"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--members 3 does not fit 2 devices:" in err
     assert "give --devices a divisor of 3 (1, 3: several" in err
+    assert not (tmp_path / "new").exists()
+    # A typo's member count: one line, not a MemoryError building 10^12 per-member values.
+    assert main(["--members", "1000000000000", "--out", str(new), "--no-progress"]) == 2
+    assert "members=1000000000000 is more than 1,048,576" in capsys.readouterr().err
     from rollout.ppo._cli import UsageError, _check_fits
 
     for members, n_dev in ((8, 4), (2, 4), (4, 4)):

@@ -378,6 +378,10 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
     from rollout.ppo._learner import to_host
 
     cfg = learner.config
+    # The whole state first: where it did not fit in memory, JAX's CPU runtime never delivers
+    # a small result of the same program (device_get of the update count waited forever, deaf
+    # to signals), while the state's own buffers raise RESOURCE_EXHAUSTED.
+    jax.block_until_ready(state)
     done = int(jax.device_get(state.update))  # replicated: every process has it
     bar = _progress(cfg, done, enabled=progress)
     calls, start, steps_at_start, sps = 0, None, done, None
@@ -1007,28 +1011,46 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     else:
         ckpt.check_fresh(found, args.overwrite)
         _check_no_old_logs(args)
-    made = not os.path.exists(args.out)
+    made = _missing_dirs(args.out)  # what check_writable makes, deepest first
     ckpt.check_writable(args.out)
-    info = _join(args, joining, made)
-    signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
-    devices, n_dev = _learner_devices(info, learner_devices)
+    try:
+        info = _join(args, joining)
+        signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
+        devices, n_dev = _learner_devices(info, learner_devices)
+        _check_devices_of(args, info, devices, n_dev)
+        _check_fits(config.members, n_dev, procs, on_cpu=devices is not None)
+        try:
+            config.validate(num_devices=n_dev)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    except UsageError:
+        for folder in made:  # made just now and still empty: a refused command leaves none
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return config, info, devices, n_dev
+
+
+def _missing_dirs(path: str | os.PathLike) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first."""
+    missing, p = [], Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
+def _check_devices_of(args: argparse.Namespace, info: Any, devices: Any, n_dev: int) -> None:
     if args.devices and devices is not None and n_dev < args.devices * info.num_processes:
         raise UsageError(
             f"--devices {args.devices}: each process has only {n_dev // info.num_processes} CPU "
             "devices (ensemble.launch --devices-per-process sets them); give --devices at most "
             "that, or launch with more."
         )
-    _check_fits(config.members, n_dev, procs, on_cpu=devices is not None)
-    try:
-        config.validate(num_devices=n_dev)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return config, info, devices, n_dev
 
 
-def _join(args: argparse.Namespace, joining: Any, made: bool) -> Any:
-    """Joins the other processes (if any) before JAX starts; a no-op for a single process.
-    ``made``: ``--out`` was made just now (removed again if joining fails)."""
+def _join(args: argparse.Namespace, joining: Any) -> Any:
+    """Joins the other processes (if any) before JAX starts; a no-op for a single process."""
     from ensemble import _distributed as distributed
 
     if joining is not None and joining[1] and joining[1] > 1:
@@ -1043,9 +1065,6 @@ def _join(args: argparse.Namespace, joining: Any, made: bool) -> Any:
     try:
         return distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except OSError as e:  # the coordinator's port is taken
-        if made:  # by check_writable just now, and still empty
-            with contextlib.suppress(OSError):
-                os.rmdir(args.out)
         raise UsageError(f"{e} On the command line: --coordinator HOST:PORT.") from None
 
 

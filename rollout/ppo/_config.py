@@ -248,6 +248,13 @@ class PPOConfig:
         """
         _check_types(self)
         _positive_int(self, "members")
+        if (
+            self.members > MAX_MEMBERS
+        ):  # a typo: per-member lists of 10^12 floats end in MemoryError
+            raise ValueError(
+                f"members={self.members} is more than {MAX_MEMBERS:,} (each member is a PPO agent "
+                "with its own envs and optimizer state); give fewer."
+            )
         for name in ("total_steps", "num_envs", "num_steps", "update_epochs", "num_minibatches"):
             _positive_int(self, name)
         _positive_int(self, "updates_per_call")
@@ -385,6 +392,10 @@ def _unknown_env(env: str, known_envs: Sequence[str]) -> ValueError:
     hint = f"did you mean {close[0]!r}? " if close else ""
     ids = ", ".join(f"{p}<id>" for p in prefixes)
     return ValueError(f"unknown env {env!r}; {hint}known envs: {', '.join(names)}, or {ids}.")
+
+
+#: The most members a config takes (far more than any run: beyond it, a typo).
+MAX_MEMBERS = 2**20
 
 
 def _positive_int(cfg: PPOConfig, name: str) -> None:
