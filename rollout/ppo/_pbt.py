@@ -212,7 +212,8 @@ def after_updates(
     ``rows``: the metric rows before this jitted call; ``new_rows``: its rows (the newest is
     update ``done``). Adds ``hparams`` (the per-member values in effect during the update) to
     each new row, and at a PBT step ``pbt_parent`` (the member each member copied; itself when
-    kept) and ``pbt_hparams`` (the values the step set) to the newest. Returns the (donated and replaced, at a PBT step) state.
+    kept) and ``pbt_hparams`` (the values the step set) to the newest. Returns the (donated
+    and replaced, at a PBT step) state.
     """
     from rollout.ppo._learner import to_host
 
