@@ -332,9 +332,7 @@ def _number(reward: Any) -> float:
 #: EnvPool families whose ``max_episode_steps`` only truncates episodes (it changes no reward
 #: or observation), so this layer can apply the limit itself.
 ATARI = "envpool.atari"  # EnvPool's family of the Atari tasks
-_ENVPOOL_OWN_LIMIT = (
-    "envpool.atari", "envpool.box2d", "envpool.classic_control", "envpool.mujoco.gym"
-)  # fmt: skip
+_ENVPOOL_OWN_LIMIT = (ATARI, "envpool.box2d", "envpool.classic_control", "envpool.mujoco.gym")
 
 
 class _EnvPool:

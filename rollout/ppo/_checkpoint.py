@@ -591,10 +591,11 @@ def _discard(path: Path, strict: bool = False) -> None:
         if strict:
             raise
         return
-    _delete(trash)
+    delete(trash)
 
 
-def _delete(path: Path) -> None:
+def delete(path: Path) -> None:
+    """Deletes a file, link or directory tree, where it is (tolerates its being gone)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -612,7 +613,7 @@ def _set_aside(paths: list[Path]) -> None:
 def _clean_leftovers(out: Path) -> None:
     for p in out.iterdir():
         if _LEFTOVER.match(p.name):
-            _delete(p)
+            delete(p)
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -7,14 +7,12 @@ line first, configures the CPU devices, and only then imports the learner.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import contextvars
 import dataclasses
 import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -27,7 +25,7 @@ from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError, config_differences, refuse_changed
 from rollout.ppo._config import _ENV_DEFAULTS, canonical_env, canonical_env_kwargs
-from rollout.ppo._parser import OneLineParser
+from rollout.ppo._parser import OneLineParser, missing_dirs, remove_empty
 
 
 def cpu_devices_for(members: int, cores: int) -> int:
@@ -946,12 +944,10 @@ def _check_no_old_logs(args: argparse.Namespace) -> None:
 
 def _remove_logger_files(out: str, names: Iterable[str]) -> None:
     """Removes these loggers' files from ``out``, where they are (tolerates a race)."""
+    from rollout.ppo import _checkpoint as ckpt
+
     for name in names:
-        path = Path(out) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        ckpt.delete(Path(out) / name)
 
 
 def _logger_files(out: str) -> set[str] | None:
@@ -1011,7 +1007,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     else:
         ckpt.check_fresh(found, args.overwrite)
         _check_no_old_logs(args)
-    made = _missing_dirs(args.out)  # what check_writable makes, deepest first
+    made = missing_dirs(args.out)  # what check_writable makes
     ckpt.check_writable(args.out)
     try:
         info = _join(args, joining)
@@ -1024,20 +1020,9 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         except ValueError as e:
             raise UsageError(str(e)) from None
     except UsageError:
-        for folder in made:  # made just now and still empty: a refused command leaves none
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        remove_empty(made)  # a refused command leaves no folders behind
         raise
     return config, info, devices, n_dev
-
-
-def _missing_dirs(path: str | os.PathLike) -> list[Path]:
-    """``path`` and its parents that do not exist yet, deepest first."""
-    missing, p = [], Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    return missing
 
 
 def _check_devices_of(args: argparse.Namespace, info: Any, devices: Any, n_dev: int) -> None:

@@ -248,9 +248,8 @@ class PPOConfig:
         """
         _check_types(self)
         _positive_int(self, "members")
-        if (
-            self.members > MAX_MEMBERS
-        ):  # a typo: per-member lists of 10^12 floats end in MemoryError
+        # A typo, not a run: building its per-member lists would end in a MemoryError.
+        if self.members > MAX_MEMBERS:
             raise ValueError(
                 f"members={self.members} is more than {MAX_MEMBERS:,} (each member is a PPO agent "
                 "with its own envs and optimizer state); give fewer."

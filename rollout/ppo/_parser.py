@@ -91,7 +91,7 @@ def writable_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
     try:
-        missing = [d for d in (path, *path.absolute().parents) if not d.exists()]
+        missing = missing_dirs(path)
         path.mkdir(parents=True, exist_ok=True)
         _MADE_DIRS.extend(missing)  # deepest first
     except OSError as e:
@@ -111,9 +111,22 @@ _MADE_DIRS: list[Path] = []
 
 def _remove_made_dirs() -> None:
     """Removes the folders ``writable_dir`` created, where still empty."""
-    while _MADE_DIRS:
+    remove_empty(_MADE_DIRS)
+    _MADE_DIRS.clear()
+
+
+def missing_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first (what a ``mkdir(parents=
+    True)`` makes, for :func:`remove_empty` to take back)."""
+    path = Path(path)
+    return [d for d in (path, *path.absolute().parents) if not d.exists()]
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Removes these folders (deepest first) where they are still empty."""
+    for folder in folders:
         try:
-            _MADE_DIRS.pop(0).rmdir()
+            folder.rmdir()
         except OSError:
             pass  # not empty, or gone
 
