@@ -299,9 +299,20 @@ def test_cli_unknown_logger_exits_2_before_training(tmp_path):
     assert rc == 2
     assert not (tmp_path / "run").exists()  # nothing started
     for bad in ("-1", "nan"):
-        rc = main(["--log-interval", bad, "--out", str(tmp_path / "run"), "--no-progress"])
+        argv = ["--log", "tensorboard", "--log-interval", bad, "--no-progress"]
+        rc = main([*argv, "--out", str(tmp_path / "run")])
         assert rc == 2
         assert not (tmp_path / "run").exists()
+
+
+def test_cli_log_interval_without_log_is_refused(tmp_path, capsys):
+    from rollout.ppo import main
+
+    rc = main(["--log-interval", "5", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--log tensorboard" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(60)

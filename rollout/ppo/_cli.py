@@ -676,7 +676,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="env steps per member (default: 500k CartPole, 1M Pendulum)",
     )
-    p.add_argument("--out", default="runs/ppo", help="run dir: run.json, metrics, PNG, checkpoints")
+    p.add_argument(
+        "--out",
+        default="runs/ppo",
+        help="run dir: run.json, metrics.jsonl, PNG, checkpoints (default runs/ppo)",
+    )
     run = p.add_mutually_exclusive_group()
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
     run.add_argument(
@@ -762,7 +766,8 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log",
         default="",
-        help="extra metric outputs next to metrics.jsonl: tensorboard, wandb (comma-separated)",
+        help="extra metric outputs: tensorboard, wandb (comma-separated); metrics.jsonl is "
+        "always written",
     )
     p.add_argument(
         "--log-interval",
@@ -845,6 +850,11 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         log_names = _loggers.parse_log_flag(args.log)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.log_interval is not None and not log_names:
+        raise UsageError(
+            "--log-interval paces --log outputs and there are none; add --log tensorboard "
+            "(or wandb) or drop --log-interval (metrics.jsonl always has every row)."
+        )
     interval = _loggers.DEFAULT_INTERVAL_S if args.log_interval is None else args.log_interval
     if not (interval >= 0 and math.isfinite(interval)):
         raise UsageError(f"--log-interval must be a number of seconds >= 0, got {interval}.")
@@ -908,7 +918,8 @@ def _print_header(args: argparse.Namespace, config: Any, info: Any, n_dev: int) 
         print(
             f"note: --total-steps {config.total_steps} is not a multiple of one update's batch "
             f"(num_envs x num_steps = {config.batch_size}): the run takes {config.num_updates} "
-            f"updates, {config.num_updates * config.batch_size} env steps per member.",
+            f"update{'s' * (config.num_updates != 1)}, "
+            f"{config.num_updates * config.batch_size} env steps per member.",
             file=sys.stderr,
         )
 
