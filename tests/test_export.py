@@ -104,6 +104,7 @@ def test_loaded_policy_acts_like_the_learner(which, request, tmp_path):
         "hidden": [64, 64],
         "action_dim": learner.spec.action_dim,
         "discrete": which == "cartpole",
+        "action_groups": [],
         "activation": "tanh",
     }
     with np.load(paths[1] / "obs_norm.npz") as f:
@@ -169,13 +170,18 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
     (path,) = export.export_members(learner, state, tmp_path, members=[2])
     meta_path = path / "member.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["version"] == export.VERSION == 2
+    assert meta["version"] == export.VERSION == 3
     obs = _observations(learner)
     want = np.asarray(export.read_member(path).head(obs))
-    meta_path.write_text(json.dumps({**meta, "version": 1}))  # what version 1 wrote for MLPs
-    np.testing.assert_array_equal(export.read_member(path).head(obs), want)
-    meta_path.write_text(json.dumps({**meta, "version": 3}))
-    with pytest.raises(export.NotAnExport, match=r"format version 3; .* reads 1, 2"):
+    older = {k: v for k, v in meta["network"].items() if k != "action_groups"}  # (new in 3)
+    for version in (1, 2):  # what versions 1 (MLPs only) and 2 wrote
+        meta_path.write_text(json.dumps({**meta, "version": version, "network": older}))
+        np.testing.assert_array_equal(export.read_member(path).head(obs), want)
+    meta_path.write_text(json.dumps({**meta, "network": older}))
+    with pytest.raises(export.NotAnExport, match=r"field 'network.action_groups' is missing"):
+        export.read_member(path)
+    meta_path.write_text(json.dumps({**meta, "version": 4}))
+    with pytest.raises(export.NotAnExport, match=r"format version 4; .* reads 1, 2, 3"):
         export.read_member(path)
     meta_path.write_text(json.dumps({**meta, "network": {**meta["network"], "kind": "GRU"}}))
     with pytest.raises(export.NotAnExport, match=r"field 'network.kind' is \"GRU\", not 'Actor"):

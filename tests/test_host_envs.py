@@ -87,8 +87,8 @@ class Walk(gym.Env):
         self.grid, self.steps = grid, 0
         if int_actions:
             self.action_space = spaces.Box(0, 3, (2,), np.int64)
-        if multi_actions:  # two discrete choices per step: no head of the PPO networks
-            self.action_space = spaces.MultiDiscrete([3, 3])
+        if multi_actions:  # three binary choices per step: no head of the PPO networks
+            self.action_space = spaces.MultiBinary(3)
 
     def _obs(self):
         extra = float(os.getpid()) if self.report_pid else self.np_random.normal()
@@ -1252,9 +1252,9 @@ def test_cli_unknown_gymnasium_id_is_one_line_exit_2(tmp_path, capsys):
     argv = ["--env", f"gymnasium:{WALK_ID}", "--env-kwargs", '{"multi_actions": true}']
     assert main([*argv, "--out", str(out), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: gymnasium:{WALK_ID}: action space MultiDiscrete([3 3]) is not supported "
+        f"error: gymnasium:{WALK_ID}: action space MultiBinary(3) is not supported "
         "(observations: a Box, or for gymnasium ids any space gymnasium can flatten; actions: a "
-        "Box or a Discrete)."
+        "Box, a Discrete or a MultiDiscrete)."
     )
     assert not out.exists()
 

@@ -59,6 +59,8 @@ class Probe(gym.Env):
 gym.register("Start-v0", entry_point=Probe, kwargs={"act": spaces.Discrete(3, start=-1)})
 gym.register("Box64-v0", entry_point=Probe, kwargs={"act": spaces.Box(
     np.array([-0.1, 0.3]), np.array([0.1, 0.7]), dtype=np.float64)})
+gym.register("Multi-v0", entry_point=Probe, kwargs={"act": spaces.MultiDiscrete([3, 2, 4],
+             start=[-1, 4, 0])})
 gym.register("Old-v0", entry_point=Probe, kwargs={"old_step": True})
 gym.register("Plain-v0", entry_point=Probe)
 gym.register("Scale-v0", entry_point=Probe, kwargs={"act": spaces.Box(-1, 1, (2,)), "scale": 10})
@@ -113,6 +115,27 @@ def test_a_discrete_space_starting_at_k_gets_actions_shifted_into_it(tmp_path):
     assert env.step(0)[1] == -1 + 0.25 and env.step(2)[1] == 1 + 0.5
     assert envs.make("gymnasium:nu_probe:Start-v0").action_space.num_actions == 3
     _train_and_compare("Start-v0", tmp_path / "episodes.jsonl")
+
+
+@pytest.mark.timeout(60)
+def test_a_multidiscrete_space_trains_with_each_element_shifted_into_it(tmp_path):
+    """``MultiDiscrete([3, 2, 4], start=[-1, 4, 0])``: one categorical per element (was
+    refused); index i of element j reaches the env as i + start[j], and an action outside
+    ``nvec`` is refused naming the element."""
+    from rollout.hostenv._worker import _check_discrete, make_gymnasium
+
+    env = make_gymnasium("nu_probe:Multi-v0")
+    assert env.action_space.nvec.tolist() == [3, 2, 4] and not env.action_space.start.any()
+    env.reset(seed=0)
+    assert env.step(np.array([0, 0, 0], np.int32))[1] == -1 + 4 + 0 + 0.25
+    assert env.step(np.array([2, 1, 3], np.int32))[1] == 1 + 5 + 3 + 0.5
+    space = envs.make("gymnasium:nu_probe:Multi-v0").action_space
+    assert isinstance(space, envs.MultiDiscrete) and space.nvec == (3, 2, 4)
+    with pytest.raises(
+        ValueError, match=r"action \[0, 2, 0\] of this worker's env 1 .*\(element 1"
+    ):
+        _check_discrete(np.array([[0, 1, 3], [0, 2, 0]], np.int32), np.array([3, 2, 4]))
+    _train_and_compare("Multi-v0", tmp_path / "episodes.jsonl")
 
 
 @pytest.mark.timeout(60)

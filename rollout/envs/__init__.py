@@ -5,7 +5,8 @@ Every env is a frozen (hashable) dataclass of static configuration with pure met
 - `env.reset(key, params=None) -> (state, obs)`
 - `env.step(state, action, key, params=None) -> (state, obs, reward, terminated, truncated, info)`
 - `env.observation_space` (a `Box`: `shape`, `dtype`, `low`, `high`), `env.action_space` (a
-  `Discrete` with `num_actions`, or a `Box` with `shape`, `low`, `high`), `env.max_episode_steps`.
+  `Discrete` with `num_actions`, a `MultiDiscrete` with `nvec`, or a `Box` with `shape`, `low`,
+  `high`), `env.max_episode_steps`.
 
 `state` is a NamedTuple pytree that includes the step counter `t` (truncation at the time
 limit). `params` is the env's array input that may change every step (the audio env's
@@ -69,6 +70,7 @@ from rollout.envs._core import (
     Box,
     Discrete,
     Env,
+    MultiDiscrete,
     Space,
     valid_discrete_action,
 )
@@ -173,6 +175,7 @@ __all__ = [
     "CartPoleState",
     "Discrete",
     "Env",
+    "MultiDiscrete",
     "Pendulum",
     "PendulumState",
     "Space",

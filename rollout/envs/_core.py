@@ -67,6 +67,50 @@ class Discrete:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiDiscrete:
+    """Several discrete choices per step: element ``j`` of an action is in ``0 .. nvec[j] - 1``
+    (gymnasium's ``MultiDiscrete`` with a vector ``nvec``); one int32 vector ``[len(nvec)]``
+    per env. The PPO policy picks each element from its own categorical distribution.
+
+    Example:
+      >>> import jax
+      >>> space = MultiDiscrete((3, 2))
+      >>> a = space.sample(jax.random.key(0))
+      >>> a.shape, a.dtype, bool((a >= 0).all() and (a < space.nvec_array()).all())
+      ((2,), dtype('int32'), True)
+    """
+
+    nvec: tuple[int, ...]
+    dtype: Any = jnp.int32
+
+    def __post_init__(self) -> None:
+        nvec = self.nvec
+        ints = isinstance(nvec, (tuple, list)) and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in nvec
+        )
+        if not ints or not nvec:
+            raise ValueError(
+                f"MultiDiscrete: nvec must be a non-empty tuple of positive ints, got {nvec!r}."
+            )
+        object.__setattr__(self, "nvec", tuple(int(n) for n in nvec))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.nvec),)
+
+    def nvec_array(self) -> np.ndarray:
+        """`nvec` as an int32 array."""
+        return np.asarray(self.nvec, np.int32)
+
+    def sample(self, key: PRNGKey) -> Array:
+        """A uniformly random action (each element uniform over its choices)."""
+        u = jax.random.uniform(key, self.shape)
+        return jnp.minimum(jnp.floor(u * self.nvec_array()), self.nvec_array() - 1).astype(
+            self.dtype
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Box:
     """A float box of `shape`; `low`/`high` are per-element tuples (flattened), may be inf.
 
@@ -119,7 +163,7 @@ class Box:
         return jax.random.uniform(key, self.shape, self.dtype, low, high)
 
 
-Space = Discrete | Box
+Space = Discrete | MultiDiscrete | Box
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +207,7 @@ class Env:
 
     @property
     def action_space(self) -> Space:
-        """The space of one action: a `Discrete` or a `Box`."""
+        """The space of one action: a `Discrete`, a `MultiDiscrete` or a `Box`."""
         raise NotImplementedError
 
     @property

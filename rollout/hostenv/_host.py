@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from rollout._devices import available_cores
 from rollout._host_call import host_call
 from rollout._relay import finish_dispatched, remember
-from rollout.envs._core import Box, Discrete, Space
+from rollout.envs._core import Box, Discrete, MultiDiscrete, Space
 from rollout.hostenv import _fast
 from rollout.hostenv._fast import C_SESSION, C_T
 from rollout.hostenv._group import HostEnvError, InProcessGroup, WorkerGroup
@@ -73,13 +73,20 @@ class HostState(NamedTuple):
 
 
 def _space(space: Any, what: str, env_name: str) -> Space:
-    """A gymnasium Box / Discrete as a ``rollout.envs`` space."""
+    """A gymnasium Box / Discrete / MultiDiscrete as a ``rollout.envs`` space."""
     import gymnasium
 
     if isinstance(space, gymnasium.spaces.Discrete) and what == "action":
         if int(space.start) != 0:
             raise ValueError(f"{env_name}: Discrete action spaces must start at 0, got {space}")
         return Discrete(int(space.n))
+    if isinstance(space, gymnasium.spaces.MultiDiscrete) and what == "action":
+        if np.ndim(space.nvec) != 1 or np.any(space.start != 0):
+            raise ValueError(
+                f"{env_name}: MultiDiscrete action spaces must be one vector of choices "
+                f"starting at 0, got {space}; flatten it in the env"
+            )
+        return MultiDiscrete(tuple(int(n) for n in space.nvec))
     if isinstance(space, gymnasium.spaces.Box):
         if what == "action" and not np.issubdtype(np.dtype(space.dtype), np.floating):
             # The policy's Gaussian samples floats; rounding them would be a different policy.
@@ -98,7 +105,8 @@ def _space(space: Any, what: str, env_name: str) -> Space:
         return Box(tuple(space.shape), tuple(low), tuple(high), jnp.uint8 if uint8 else jnp.float32)
     raise ValueError(
         f"{env_name}: {what} space {space} is not supported (observations: a Box, or for "
-        "gymnasium ids any space gymnasium can flatten; actions: a Box or a Discrete)."
+        "gymnasium ids any space gymnasium can flatten; actions: a Box, a Discrete or a "
+        "MultiDiscrete)."
     )
 
 
@@ -391,11 +399,11 @@ class HostEnvs:
         self.replicas = int(np.prod([s for a, s in shape.items() if a != "ensemble"]))
         self.per_group = members // self.num_groups
         rows = self.per_group * num_envs
-        discrete = isinstance(env.action_space, Discrete)
+        discrete = isinstance(env.action_space, (Discrete, MultiDiscrete))
         shapes = dict(
             obs_shape=tuple(env.observation_space.shape),
             obs_dtype=self._obs_dtype,
-            action_shape=() if discrete else tuple(env.action_space.shape),
+            action_shape=tuple(env.action_space.shape),
             action_dtype=np.int32 if discrete else np.float32,
         )
         self._action_shape, self._action_dtype = shapes["action_shape"], shapes["action_dtype"]
@@ -656,7 +664,7 @@ class HostEnvs:
         if self._action_dtype == np.int32 and not jnp.issubdtype(action.dtype, jnp.integer):
             # The int32 cast would truncate 1.7 to 1: a wrong action taken without a word.
             raise TypeError(
-                f"host env {self.env.name}: a Discrete action space takes integer actions, not "
+                f"host env {self.env.name}: a discrete action space takes integer actions, not "
                 f"{action.dtype}; cast them yourself (e.g. jnp.round(a).astype(jnp.int32))"
             )
         return action.astype(self._action_dtype), seeds

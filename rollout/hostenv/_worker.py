@@ -161,7 +161,8 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
     """``gymnasium.make(env_id, **kwargs)``, its observations made one flat vector where they
     are not a ``Box`` (``Discrete``: one-hot; ``Tuple``, ``Dict``, ``MultiDiscrete``,
     ``MultiBinary``: concatenated) by gymnasium's own ``FlattenObservation``, and a
-    ``Discrete(n, start=k)`` action space made ``Discrete(n)`` (see :func:`_actions_from_zero`).
+    ``Discrete`` / ``MultiDiscrete`` action space with a ``start`` made one that starts at 0
+    (see :func:`_actions_from_zero`).
     The learner, the workers and ``evaluate`` all make their envs here, so they see the same
     observations and take the same actions."""
     import gymnasium
@@ -180,32 +181,57 @@ def make_gymnasium(env_id: str, **kwargs: Any) -> Any:
 
 
 def _actions_from_zero(env: Any) -> Any:
-    """``env``, its ``Discrete(n, start=k)`` actions (k != 0) taken as ``Discrete(n)``: the
-    policy's categorical head picks indices 0..n-1, and action i reaches the env as i + k.
-    Without the shift a policy's 0 would be stepped as action 0, not the space's first action
-    (or be outside the space, for k > 0)."""
+    """``env``, its ``Discrete(n, start=k)`` actions (k != 0) taken as ``Discrete(n)``, and a
+    ``MultiDiscrete``'s the same per element: the policy's categorical heads pick indices
+    0..n-1, and index i reaches the env as i + k. Without the shift a policy's 0 would be
+    stepped as action 0, not the space's first action (or be outside the space, for k > 0)."""
     import gymnasium
 
     space = env.action_space
-    if not isinstance(space, gymnasium.spaces.Discrete) or int(space.start) == 0:
-        return env
-    start, n = int(space.start), int(space.n)
-    return gymnasium.wrappers.TransformAction(
-        env, lambda a: int(a) + start, gymnasium.spaces.Discrete(n)
-    )
+    if isinstance(space, gymnasium.spaces.Discrete) and int(space.start) != 0:
+        start, n = int(space.start), int(space.n)
+        return gymnasium.wrappers.TransformAction(
+            env, lambda a: int(a) + start, gymnasium.spaces.Discrete(n)
+        )
+    if isinstance(space, gymnasium.spaces.MultiDiscrete) and np.any(space.start != 0):
+        start, dtype = space.start.copy(), space.dtype
+        zero = gymnasium.spaces.MultiDiscrete(space.nvec, dtype=dtype)
+        return gymnasium.wrappers.TransformAction(
+            env, lambda a: (np.asarray(a) + start).astype(dtype), zero
+        )
+    return env
 
 
-def _check_discrete(actions: np.ndarray, n: int | None) -> None:
-    """Refuses actions outside a Discrete space of ``n`` actions (``None``: not Discrete).
-    Discrete actions reach the workers as int32 (``HostEnvs.step`` casts them)."""
+def _discrete_sizes(space: Any) -> int | np.ndarray | None:
+    """A Discrete space's action count, a MultiDiscrete's ``nvec``, or None (not discrete)."""
+    kind = type(space).__name__  # gymnasium's, or the gym spaces of an EnvPool wheel
+    if kind == "Discrete":
+        return int(space.n)
+    if kind == "MultiDiscrete":
+        return np.asarray(space.nvec)
+    return None
+
+
+def _check_discrete(actions: np.ndarray, n: int | np.ndarray | None) -> None:
+    """Refuses actions outside a Discrete space of ``n`` actions, or per element outside a
+    MultiDiscrete of ``nvec`` ``n`` (``None``: not discrete). Discrete actions reach the
+    workers as int32 (``HostEnvs.step`` casts them)."""
     if n is None or not actions.size:
         return
     bad = np.flatnonzero((actions < 0) | (actions >= n))
-    if bad.size:
+    if not bad.size:
+        return
+    if np.ndim(n) == 0:
         raise ValueError(
             f"action {actions.flat[bad[0]]} of this worker's env {bad[0]} is outside the "
             f"Discrete action space of {n} actions (integers in [0, {n}))"
         )
+    env, j = np.unravel_index(bad[0], actions.shape)
+    raise ValueError(
+        f"action {actions[env].tolist()} of this worker's env {env} is outside the "
+        f"MultiDiscrete action space of nvec {np.asarray(n).tolist()} (element {j} must be in "
+        f"[0, {n[j]}))"
+    )
 
 
 class _Gymnasium:
@@ -226,8 +252,8 @@ class _Gymnasium:
                 "'gymnasium:<module>:<id>', which every worker imports"
             ) from None
         space = self.envs[0].action_space
-        self.discrete = isinstance(space, gymnasium.spaces.Discrete)
-        self.actions = int(space.n) if self.discrete else None
+        self.actions = _discrete_sizes(space)
+        self.action_dtype = space.dtype  # a MultiDiscrete's (int64 by default)
         self.obs_shape = self.envs[0].observation_space.shape
         self.pixels = np.dtype(self.envs[0].observation_space.dtype) == np.uint8
 
@@ -242,7 +268,10 @@ class _Gymnasium:
             # Each env its own writable action: in this process (workers_per_device=0) the
             # rows are the callback's read-only view, and an env that scales its action in
             # place failed there with NumPy's "output array is read-only" (not in a worker).
-            action = int(actions[i]) if self.discrete else np.array(actions[i])
+            if isinstance(self.actions, int):  # Discrete
+                action = int(actions[i])
+            else:
+                action = np.array(actions[i], self.action_dtype)
             o, r, te, tr, _ = _five(env.step(action))
             te, tr = _flag(te, "terminated"), _flag(tr, "truncated")
             final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), _number(r), te, tr
@@ -365,7 +394,7 @@ class _EnvPool:
 
         self.kwargs, self.task, self.num_envs, self.threads = dict(kwargs), task, num_envs, threads
         self.pools: list[tuple[Any, slice]] = []  # (pool, its rows)
-        self.actions: int | None = None  # the Discrete action count, once a pool exists
+        self.actions: int | np.ndarray | None = None  # see _discrete_sizes, once a pool exists
         self.limit: int | None = None  # the time limit applied here, if any
         family = registry.specs[task][0]
         # Atari's info says when a game is over (ViZDoom's episodic_life has no such key), and
@@ -395,7 +424,7 @@ class _EnvPool:
                                 seed=int(seeds[rows.start]), **kw)  # fmt: skip
             self.pools.append((pool, rows))
             space = pool.action_space
-            self.actions = int(space.n) if type(space).__name__ == "Discrete" else None
+            self.actions = _discrete_sizes(space)
             o, info = pool.reset()
             obs.append(np.asarray(o)[np.argsort(info["env_id"])])
         return np.concatenate(obs)
@@ -463,7 +492,7 @@ def _serve(wire: Wire, backend: Any, shared: SharedArrays, lo: int, hi: int) -> 
     seq = _Sequence()
     while True:
         try:
-            kind, n, payload = wire.recv()  # type: ignore[misc]  (no timeout: never None)
+            kind, n, payload = wire.recv()  # type: ignore[misc] # no timeout: never None
         except (EOFError, OSError):
             return  # the parent went away
         if kind == CLOSE:
@@ -490,7 +519,7 @@ def main(fd: int) -> None:
     os.set_inheritable(fd, False)
     wire = Wire(socket.socket(fileno=fd))
     try:
-        first, _, init = wire.recv()  # type: ignore[misc]  (no timeout: never None)
+        first, _, init = wire.recv()  # type: ignore[misc] # no timeout: never None
     except (EOFError, OSError):
         return
     if first != INIT:  # the parent failed while starting us: it is going away

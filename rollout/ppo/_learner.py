@@ -469,11 +469,11 @@ class Learner:
             pi, value = self.network.apply({"params": params}, obs, method="policy"), None
         else:
             pi, value = self.network.apply({"params": params}, obs)
-        action = nets.sample(pi, draw.noise, self.spec.discrete)
+        action = nets.sample(pi, draw.noise, self.spec.discrete, self.spec.action_groups)
         return Act(
             obs=obs,
             action=action,
-            log_prob=nets.log_prob(pi, action, self.spec.discrete),
+            log_prob=nets.log_prob(pi, action, self.spec.discrete, self.spec.action_groups),
             value=value,
             env_action=envlib.to_env_action(action, self.spec),
             env_keys=draw.env_keys,
@@ -588,7 +588,7 @@ class Learner:
         cfg, spec = self.config, self.spec
         t, adv, target = mb
         pi, value = self.network.apply({"params": params}, t.obs)
-        logp = nets.log_prob(pi, t.action, spec.discrete)
+        logp = nets.log_prob(pi, t.action, spec.discrete, spec.action_groups)
         log_ratio = logp - t.log_prob
         ratio = jnp.exp(log_ratio)
         if cfg.norm_adv:  # per minibatch; population std (PureJaxRL's; CleanRL's torch: ddof=1)
@@ -600,7 +600,7 @@ class Learner:
             v_loss = 0.5 * jnp.maximum((value - target) ** 2, (v_clipped - target) ** 2).mean()
         else:
             v_loss = 0.5 * ((value - target) ** 2).mean()
-        ent = nets.entropy(pi, spec.discrete).mean()
+        ent = nets.entropy(pi, spec.discrete, spec.action_groups).mean()
         loss = pg_loss - hp["ent_coef"] * ent + cfg.vf_coef * v_loss
         stats = dict(
             policy_loss=pg_loss,

@@ -259,9 +259,12 @@ def noise(key: jax.Array, shape: tuple[int, ...], discrete: bool, action_dim: in
     return draw(key, (*shape, action_dim), jnp.float32)
 
 
-def sample(pi, noise: jax.Array, discrete: bool) -> jax.Array:
+def sample(pi, noise: jax.Array, discrete: bool, groups: tuple[int, ...] = ()) -> jax.Array:
     """One action per row from :func:`noise`: the Gumbel-max of the logits (what
     ``jax.random.categorical`` computes), or mean + std * N(0, 1).
+
+    ``groups`` (a ``MultiDiscrete``'s ``nvec``): the logits are that many categoricals side by
+    side, and the action is one index per categorical, ``[..., len(groups)]``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -271,24 +274,46 @@ def sample(pi, noise: jax.Array, discrete: bool) -> jax.Array:
       >>> bool(a == jax.random.categorical(key, logits))
       True
     """
+    if discrete and groups:
+        parts = zip(split_groups(pi, groups), split_groups(noise, groups))
+        return jnp.stack([jnp.argmax(p + g, axis=-1) for p, g in parts], axis=-1)
     if discrete:
         return jnp.argmax(pi + noise, axis=-1)
     mean, log_std = pi
     return mean + jnp.exp(log_std) * noise
 
 
-def log_prob(pi, action: jax.Array, discrete: bool) -> jax.Array:
+def log_prob(pi, action: jax.Array, discrete: bool, groups: tuple[int, ...] = ()) -> jax.Array:
+    """The log-probability of ``action`` (see :func:`sample` for ``groups``: the sum over the
+    independent categoricals)."""
+    if discrete and groups:
+        parts = split_groups(pi, groups)
+        return sum(_categorical_log_prob(p, action[..., j]) for j, p in enumerate(parts))
     if discrete:
-        logp = jax.nn.log_softmax(pi, axis=-1)
-        return jnp.take_along_axis(logp, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return _categorical_log_prob(pi, action)
     mean, log_std = pi
     z = (action - mean) * jnp.exp(-log_std)
     return jnp.sum(-0.5 * z * z - log_std - 0.5 * _LOG_2PI, axis=-1)
 
 
-def entropy(pi, discrete: bool) -> jax.Array:
+def entropy(pi, discrete: bool, groups: tuple[int, ...] = ()) -> jax.Array:
+    """The policy's entropy (see :func:`sample` for ``groups``: the sum over them)."""
     if discrete:
-        logp = jax.nn.log_softmax(pi, axis=-1)
-        return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return sum(_categorical_entropy(p) for p in split_groups(pi, groups))
     _, log_std = pi
     return jnp.sum(log_std + 0.5 + 0.5 * _LOG_2PI, axis=-1)
+
+
+def split_groups(pi: jax.Array, groups: tuple[int, ...]) -> list[jax.Array]:
+    """The logits of each categorical: ``groups`` sizes along the last axis (``()``: one)."""
+    return jnp.split(pi, np.cumsum(groups)[:-1].tolist(), axis=-1) if groups else [pi]
+
+
+def _categorical_log_prob(logits: jax.Array, action: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _categorical_entropy(logits: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

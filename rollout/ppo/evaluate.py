@@ -35,6 +35,26 @@ from rollout.ppo._parser import OneLineParser
 Policy = Callable[[Any], Any]
 
 
+__all__ = [
+    "DEFAULT_MAX_STEPS",
+    "EnvFailed",
+    "build_parser",
+    "check_env",
+    "ensemble_act",
+    "envpool_returns",
+    "episode_returns",
+    "evaluate",
+    "format_table",
+    "gymnasium_returns",
+    "is_functional",
+    "main",
+    "make_kwargs",
+    "record_video",
+    "reset_keys",
+    "step_cap",
+]
+
+
 def reset_keys(seed: int, episodes: int) -> Any:
     """The episodes' reset keys: the same for every policy evaluated with ``seed``."""
     import jax
@@ -45,12 +65,12 @@ def reset_keys(seed: int, episodes: int) -> Any:
 def ensemble_act(members: Sequence[Any]) -> Policy:
     """The ensemble's deterministic policy: argmax of the mean probabilities, or the mean
     action (clipped into the box) for continuous actions."""
-    import jax.numpy as jnp
+
+    from rollout.ppo.export import argmax_action
 
     if members[0].discrete:
-        return lambda obs: jnp.argmax(
-            sum(m.probs(obs) for m in members) / len(members), axis=-1
-        ).astype(jnp.int32)
+        groups = members[0].action_groups
+        return lambda obs: argmax_action(sum(m.probs(obs) for m in members) / len(members), groups)
     return lambda obs: members[0].clip_action(sum(m.head(obs) for m in members) / len(members))
 
 
@@ -287,16 +307,18 @@ def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
     except ValueError as e:  # unknown, or its library missing: the message says which
         raise ValueError(f"{where(members[0])}: cannot make its env {env_id!r}: {e}") from None
 
-    def says(shape: Any, n: int, discrete: bool, scale: float) -> str:  # what goes in and out
-        pixels = "" if scale == 1 else f" scaled by {scale:.4g}"
+    def says(shape: Any, n: int, discrete: bool, scale: float, groups: Any) -> str:
+        pixels = "" if scale == 1 else f" scaled by {scale:.4g}"  # what goes in and out
         acts = f"{n} discrete actions" if discrete else f"{n}-dim continuous actions"
+        if groups:
+            acts = f"MultiDiscrete actions of nvec {list(groups)}"
         return f"observations {tuple(shape)}{pixels} and {acts}"
 
-    has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale)
+    has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale, spec.action_groups)
     for m in members:
         net = m.meta["network"]  # (an MLP has no obs_scale: it takes the env's as it comes)
         scale = net.get("obs_scale", spec.obs_scale)
-        takes = says(net["obs_shape"], net["action_dim"], net["discrete"], scale)
+        takes = says(net["obs_shape"], net["action_dim"], net["discrete"], scale, m.action_groups)
         if takes != has:
             again = (
                 export.export_command(path(m).parent)
@@ -372,6 +394,7 @@ def record_video(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m rollout.ppo.evaluate`` (see the module docstring)."""
     p = OneLineParser(
         prog="python -m rollout.ppo.evaluate",
         description="Deterministic episodes of exported PPO members and of their ensemble.",

@@ -2,14 +2,14 @@
 
 :func:`export_members` writes, for each member ``i``, ``<directory>/member_<i>/`` with
 
-- ``member.json``: ``{"format": "rollout.ppo.member", "version": 2, "member": i, "env": ...,
+- ``member.json``: ``{"format": "rollout.ppo.member", "version": 3, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
   "hparams": {...}, "config": {...}, "env_from_config": ...}``. ``gymnasium_id`` is what
   ``gymnasium.make`` takes for the env (``null`` where gymnasium has no such env);
   ``env_from_config`` is false for a member trained on an env object that its config does not
   make (``Learner(config, env=...)``), which ``evaluate`` then refuses (absent: true).
-  ``network`` holds ``kind``, ``obs_shape``, ``action_dim``, ``discrete`` and ``activation``,
-  and per kind:
+  ``network`` holds ``kind``, ``obs_shape``, ``action_dim``, ``discrete``,
+  ``action_groups`` and ``activation``, and per kind:
 
   - ``"ActorCritic"`` (vector observations): ``hidden`` (layer widths); ``activation`` "tanh".
   - ``"ImageActorCritic"`` (image observations): ``convs`` (``[features, kernel size,
@@ -43,8 +43,11 @@ The policy is: ``z = clip((obs - mean) / sqrt(var + epsilon), -clip, clip)`` whe
   ``h = relu(h @ dense.kernel + dense.bias)``; ``head = h @ actor_out.kernel + actor_out.bias``.
 
 The deterministic action is ``argmax(head)`` (discrete) or ``clip(head, low, high)``
-(continuous: the mean of the Gaussian). Version 1 (vector observations only) is the same
-``ActorCritic`` format and is still read.
+(continuous: the mean of the Gaussian). A MultiDiscrete action space's ``nvec`` is
+``action_groups`` (``[]`` otherwise): the head is then that many categoricals side by side
+(``action_dim`` is their sum), and the action is one argmax per group, an int vector of
+``len(action_groups)``. Versions 1 (vector observations only) and 2 are the same format without
+``action_groups`` (one categorical) and are still read.
 
 Each member is taken from its own shards (``ensemble.member``): exporting member ``i`` copies
 member ``i``'s arrays to the host and nothing else. With several processes, each process writes
@@ -83,11 +86,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollout._devices import available_cores
+from rollout.ppo._networks import split_groups
+
+__all__ = [
+    "FORMAT",
+    "READABLE_VERSIONS",
+    "VERSION",
+    "ExportedMember",
+    "NotAnExport",
+    "argmax_action",
+    "export_command",
+    "export_from_state",
+    "export_members",
+    "export_run",
+    "gymnasium_id",
+    "load_member",
+    "main",
+    "member_arrays",
+    "member_dirs",
+    "network_meta",
+    "read_member",
+]
 
 FORMAT = "rollout.ppo.member"
-VERSION = 2
+VERSION = 3
 #: Format versions this module reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 #: The learner's observation normalisation: clip and epsilon of ``Learner._normalize``.
 OBS_CLIP, OBS_EPSILON = 10.0, 1e-8
 _GYMNASIUM_IDS = {"cartpole": "CartPole-v1", "pendulum": "Pendulum-v1"}
@@ -266,6 +290,7 @@ def network_meta(config: Any, spec: Any) -> dict[str, Any]:
         "obs_shape": [int(s) for s in spec.obs_shape],
         "action_dim": int(spec.action_dim),
         "discrete": bool(spec.discrete),
+        "action_groups": [int(g) for g in spec.action_groups],
     }
     if isinstance(net, nets.ActorCritic):
         hidden = [int(h) for h in net.hidden]
@@ -359,6 +384,11 @@ class ExportedMember:
     def discrete(self) -> bool:
         return bool(self.meta["network"]["discrete"])
 
+    @property
+    def action_groups(self) -> tuple[int, ...]:
+        """A MultiDiscrete action's ``nvec``; ``()`` for one categorical or a Box."""
+        return tuple(self.meta["network"].get("action_groups", ()))
+
     def normalize(self, obs: jax.Array) -> jax.Array:
         norm = self.meta["obs_norm"]
         obs = jnp.asarray(obs, jnp.float32)
@@ -397,8 +427,12 @@ class ExportedMember:
         return h.reshape(*lead, -1)
 
     def probs(self, obs: jax.Array) -> jax.Array:
-        """Discrete only: the action probabilities ``softmax(logits)``."""
-        return jax.nn.softmax(self.head(obs), axis=-1)
+        """Discrete only: the action probabilities ``softmax(logits)`` (per group of
+        :attr:`action_groups`, side by side)."""
+        return jnp.concatenate(
+            [jax.nn.softmax(x, axis=-1) for x in split_groups(self.head(obs), self.action_groups)],
+            axis=-1,
+        )
 
     def clip_action(self, action: jax.Array) -> jax.Array:
         """A continuous action clipped into the env's box (as the learner's env step does)."""
@@ -409,8 +443,24 @@ class ExportedMember:
         """Deterministic actions for raw observations: argmax (int32) or the clipped mean."""
         head = self.head(obs)
         if self.discrete:
-            return jnp.argmax(head, axis=-1).astype(jnp.int32)
+            return argmax_action(head, self.action_groups)
         return self.clip_action(head)
+
+
+def argmax_action(scores: jax.Array, groups: tuple[int, ...] = ()) -> jax.Array:
+    """The int32 action that maximises ``scores`` (logits or probabilities): one index, or one
+    per group of ``groups`` (a MultiDiscrete's ``nvec``), ``[..., len(groups)]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> argmax_action(jnp.array([0.1, 0.7, 0.2, 0.6, 0.4]), (3, 2)).tolist()
+      [1, 0]
+    """
+    if not groups:
+        return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return jnp.stack([jnp.argmax(x, axis=-1) for x in split_groups(scores, groups)], -1).astype(
+        jnp.int32
+    )
 
 
 def export_command(export: Path) -> str:
@@ -478,6 +528,11 @@ _FIELDS = (
     ),
     ("config", *_object),
 )
+_GROUPS_FIELD = (
+    "network.action_groups",
+    lambda v: isinstance(v, list) and all(_int(g, 1) for g in v),
+    "a list of positive integers ([] but for a MultiDiscrete action)",
+)
 #: The fields of each network kind (its activation is part of the format).
 _NETWORK_FIELDS = {
     "ActorCritic": (
@@ -523,7 +578,8 @@ def _check_fields(meta_path: Path, meta: Any) -> None:
         )
     kind = _field(meta, "network.kind")  # (checked first in the loop; may be any JSON value)
     per_kind = _NETWORK_FIELDS.get(kind, ()) if isinstance(kind, str) else ()
-    for name, ok, what in (*_FIELDS, *per_kind):
+    groups = (_GROUPS_FIELD,) if version >= 3 else ()  # (versions 1, 2: one categorical)
+    for name, ok, what in (*_FIELDS, *per_kind, *groups):
         value = _field(meta, name)
         if value is _MISSING:
             raise _edited(meta_path, f"field {name!r} is missing")
@@ -552,6 +608,15 @@ def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
             meta_path,
             f"field 'gymnasium_id' is {_show(meta['gymnasium_id'])} but env {_show(env)} is "
             f"gymnasium's {_show(gymnasium_id(env))}",
+        )
+    groups = network.get("action_groups", [])
+    if groups and (not network["discrete"] or sum(groups) != network["action_dim"]):
+        what = f"adds up to {sum(groups)}" if network["discrete"] else "is set"
+        raise _edited(
+            meta_path,
+            f"field 'network.action_groups' {what}, but 'network.action_dim' is "
+            f"{network['action_dim']} and 'network.discrete' {_show(network['discrete'])} (a "
+            "MultiDiscrete's groups add up to the discrete action_dim)",
         )
     for side in ("low", "high"):
         box, n = meta["action"][side], network["action_dim"]
