@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -52,6 +52,9 @@ from ensemble._mesh import (
     take_member,
     unmapped_names,
 )
+
+if TYPE_CHECKING:
+    from ensemble._train import TrainStep
 
 RngLike = Any  # a key (typed or legacy), an int seed, or a dict of them per rng stream
 
@@ -107,12 +110,20 @@ class LinenEnsemble:
         mesh = resolve_mesh(n, mesh, devices, model_parallel)
         if isinstance(shared_rngs, str):
             shared_rngs = (shared_rngs,)
+        if not isinstance(shared_rngs, Sequence | frozenset | set) or not all(
+            isinstance(name, str) for name in shared_rngs
+        ):
+            raise TypeError(
+                "shared_rngs= takes the names of the rng streams all members share, e.g. "
+                f"('noise',); got {shared_rngs!r}."
+            )
         self._model = model
         self._in_axes = check_in_axes(in_axes)
         self._shared_rngs = frozenset(shared_rngs)
         self._members = Members(int(n), mesh, merge_rules(rules), axis_name, bool(data_parallel))
         self._cache = ProgramCache()
         self._warned_method = False
+        self._warned_shared = False
 
     # ------------------------------------------------------------------ properties
 
@@ -277,6 +288,7 @@ class LinenEnsemble:
                 f"got {type(rngs).__name__}."
             )
         keys = stream_keys(rngs, default=None) if rngs else {}
+        self._check_shared_names(keys)
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
         (arrays, kw_arrays), static = self._split(args, kwargs)
@@ -287,6 +299,21 @@ class LinenEnsemble:
         jitted = self._cache.get_or_make(cache_key, make, stacklevel=3)
         with explained_errors():
             return jitted(variables, keys, arrays, kw_arrays)
+
+    def _check_shared_names(self, keys: Mapping[str, Any]) -> None:
+        """A ``shared_rngs`` name that an apply's rngs do not have is likely misspelled, and
+        the stream it meant is then split per member without a word: warn once. (``'params'``
+        is init's stream: applies rarely take it.)"""
+        missing = sorted(self._shared_rngs - set(keys) - {"params"})
+        if not keys or not missing or self._warned_shared:
+            return
+        self._warned_shared = True
+        warnings.warn(
+            f"shared_rngs names {', '.join(map(repr, missing))}, which this apply's rngs "
+            f"({', '.join(map(repr, sorted(keys)))}) do not have: misspelled? Streams not named "
+            "in shared_rngs are split per member.",
+            stacklevel=3,
+        )
 
     def _make_apply(self, static, mutable, method, axes) -> Callable[..., Any]:
         model, members = self._model, self._members
@@ -335,7 +362,7 @@ class LinenEnsemble:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, loss_fn: Callable[..., Any], tx: Any, **options: Any) -> Any:
+    def train_step(self, loss_fn: Callable[..., Any], tx: Any, **options: Any) -> TrainStep:
         """:func:`ensemble.train_step` for this ensemble (its n, mesh, rules and axis name).
 
         ``per_member_batch`` defaults to this ensemble's ``in_axes``: an ensemble built with

@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import ArrayLike
 
 from ensemble._core import check_live
 from ensemble._mesh import MEMBER_AXIS, member_index, take_member
 
 
-def mean(y: jax.Array) -> jax.Array:
+def mean(y: ArrayLike) -> jax.Array:
     """Ensemble mean over the member axis: ``y[n, ...] -> [...]``.
 
     Example:
@@ -29,7 +30,7 @@ def mean(y: jax.Array) -> jax.Array:
     return jnp.mean(y, axis=0)
 
 
-def variance(y: jax.Array, *, ddof: int = 0) -> jax.Array:
+def variance(y: ArrayLike, *, ddof: int = 0) -> jax.Array:
     """Variance over the member axis (population variance by default; ``ddof=1`` for sample).
 
     Example:
@@ -41,7 +42,7 @@ def variance(y: jax.Array, *, ddof: int = 0) -> jax.Array:
     return jnp.var(y, axis=0, ddof=ddof)
 
 
-def log_mean_exp(log_probs: jax.Array) -> jax.Array:
+def log_mean_exp(log_probs: ArrayLike) -> jax.Array:
     """``log(mean_i exp(log_probs[i]))`` over members = ``logsumexp(axis=0) - log(n)``.
 
     The log of the ensemble's mean probability (the predictive mixture), computed stably: members
@@ -60,7 +61,7 @@ def log_mean_exp(log_probs: jax.Array) -> jax.Array:
     return out.astype(log_probs.dtype)
 
 
-def disagreement(logits: jax.Array) -> jax.Array:
+def disagreement(logits: ArrayLike) -> jax.Array:
     """Per example, the fraction of members whose top class differs from the ensemble's.
 
     ``logits`` are ``[n, ..., classes]``. The ensemble's top class is the argmax of the mean of

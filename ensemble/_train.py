@@ -422,6 +422,13 @@ def train_step(
       A :class:`TrainStep`: ``step(params, opt_state, *batch) -> (params, opt_state, losses)``
       (``+ (aux,)``), losses of shape ``[n]``; ``step.init(params)`` makes ``opt_state``.
 
+    BatchNorm (state the loss updates): pass the member-major ``batch_stats`` as a per-member
+    batch argument, return ``(loss, new_batch_stats)`` with ``has_aux=True``, and pass the
+    returned ones to the next call (:meth:`TrainStep.scan` cannot carry them: use single
+    steps). Dropout: a per-member batch argument ``jax.random.split(key, n)``, used as the
+    member's ``rngs={'dropout': k}``, a new key each step. Both as code: the module docstring
+    of ``ensemble._train``, and the README.
+
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble
       >>> model = nn.Dense(1)

@@ -1,5 +1,7 @@
 """LinenEnsemble and build(): placement read off addressable shards, numbers vs the plain model."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,23 @@ def test_every_leaf_placed_and_member_equals_plain_model(n):
     plain = nn.unbox(MLP().init(jax.random.split(jax.random.key(0), n)[3], x))
     for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(variables)):
         np.testing.assert_array_equal(a, b[3])
+
+
+def test_shared_rngs_takes_stream_names_and_warns_of_one_an_apply_lacks():
+    x = jnp.ones((6, 4))
+    with pytest.raises(TypeError, match=r"shared_rngs= takes the names .* got True"):
+        ensemble.build(DropBN(), D, shared_rngs=True)
+    ens = ensemble.build(DropBN(), D, shared_rngs=("dropuot", "params"))  # misspelled
+    variables = ens.init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(1)}
+    with pytest.warns(UserWarning, match=r"shared_rngs names 'dropuot', which this apply's rngs"):
+        y = ens.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])[0]
+    assert not np.allclose(y[0], y[1])  # the stream it meant stays split, as the warning says
+    shared = ensemble.build(DropBN(), D, shared_rngs=("dropout", "params"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right name (and init's 'params'): no warning
+        y = shared.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])[0]
+    np.testing.assert_allclose(y[0], y[1], rtol=1e-6)
 
 
 def test_dropout_and_batchnorm_per_member():

@@ -1,6 +1,7 @@
 """The README's Python snippets run as written (so the README stays true)."""
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,4 +17,5 @@ def test_readme_has_snippets():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_snippet_runs(index):
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
+    code = textwrap.dedent(BLOCKS[index])  # (a block inside a list item is indented)
+    exec(compile(code, f"README.md[python block {index}]", "exec"), {})

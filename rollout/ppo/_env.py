@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rollout._relay import finish_dispatched
+
+if TYPE_CHECKING:
+    from rollout.hostenv import HostEnvs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +32,14 @@ class EnvSpec:
 
     obs_shape: tuple[int, ...]
     discrete: bool
-    action_dim: int  # number of actions (discrete) or action vector size (continuous)
+    action_dim: int  # number of actions (discrete; all groups') or action vector size
     action_low: Any = None
     action_high: Any = None
     obs_scale: float = 1.0  # images in [0, 255]: 1/255 (the network's input scaling)
     obs_dtype: Any = np.float32  # what the env returns: uint8 (pixels) or float32
+    #: A MultiDiscrete action's ``nvec`` (one categorical each, an action ``[len]``); ``()``
+    #: for a single Discrete or a Box.
+    action_groups: tuple[int, ...] = ()
 
     @property
     def image(self) -> bool:
@@ -112,11 +118,8 @@ def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
     missing library or spaces the networks cannot take are a ``ValueError`` here, before
     anything is compiled.
     """
-    from rollout.envs import Discrete
-
     env = make_env(name, kwargs)
-    spec_of(env)  # raises for observation / action shapes the PPO networks do not support
-    if not isinstance(env.action_space, Discrete):
+    if not spec_of(env).discrete:  # (raises for spaces the PPO networks do not support)
         return "continuous"
     return "image" if len(env.observation_space.shape) == 3 else "discrete"
 
@@ -127,6 +130,11 @@ class MemberEnvs(Protocol):
     def reset(self, keys: jax.Array) -> tuple[Any, jax.Array]: ...
 
     def step(self, state: Any, action: jax.Array, keys: jax.Array) -> tuple: ...
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes stepping the envs (``[]`` where they step in this one, or closed)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -163,13 +171,18 @@ class FunctionalEnvs:
     def step(self, state: Any, action: jax.Array, keys: jax.Array) -> tuple:
         return self._step(state, action, keys)
 
+    @property
+    def pids(self) -> list[int]:
+        """The ``rollout.on_cpu`` worker processes of ``on="cpu"`` (``[]`` on device)."""
+        return [] if self._cpu is None else self._cpu.pids
+
     def close(self) -> None:
         if self._cpu is not None:
             finish_dispatched()
             self._cpu.close()
 
 
-def member_envs(env: Any, config: Any, mesh: Any) -> MemberEnvs:
+def member_envs(env: Any, config: Any, mesh: Any) -> FunctionalEnvs | HostEnvs:
     """``env``'s instances for ``config.members`` members x ``config.num_envs`` on ``mesh``.
 
     Host envs (with ``bind``) always step in their worker processes; ``config.env_on`` only
@@ -182,7 +195,7 @@ def member_envs(env: Any, config: Any, mesh: Any) -> MemberEnvs:
 
 def spec_of(env: Any) -> EnvSpec:
     """Reads the observation and action spaces off a ``rollout.envs`` environment."""
-    from rollout.envs import Box, Discrete
+    from rollout.envs import Box, Discrete, MultiDiscrete
 
     obs_space = env.observation_space
     obs_shape = tuple(obs_space.shape)
@@ -205,10 +218,13 @@ def spec_of(env: Any) -> EnvSpec:
                 "policy picks one action per env; use Discrete(n) (shape ())."
             )
         return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
+    if isinstance(space, MultiDiscrete):
+        nvec = tuple(space.nvec)
+        return EnvSpec(obs_shape, True, sum(nvec), None, None, scale, dtype, action_groups=nvec)
     if not isinstance(space, Box):
         raise ValueError(
             f"{name}: action space {type(space).__module__}.{type(space).__qualname__} is not "
-            "supported: use rollout.envs.Discrete or rollout.envs.Box."
+            "supported: use rollout.envs.Discrete, MultiDiscrete or Box."
         )
     if tuple(space.shape) != (int(np.prod(space.shape)),):
         raise ValueError(
