@@ -400,34 +400,96 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
         return dict(checkpointer.metadata(path).custom_metadata or {})
 
 
-def restore_checkpoint(directory: str | os.PathLike[str], like: Any) -> Any:
+def restore_checkpoint(
+    directory: str | os.PathLike[str], like: Any, *, partial: bool = False
+) -> Any:
     """Reads a checkpoint of :func:`save_checkpoint` straight into the shardings of ``like``.
 
-    ``like`` is a tree of arrays or ``jax.ShapeDtypeStruct`` (with ``sharding=``) of the same
-    structure; each process reads only the shards it holds. The checkpoint may come from a run
-    with another number of processes or devices. Collective: every process calls it. A leaf of
-    another shape (another member count) or dtype than the checkpoint's is one ``ValueError``.
+    ``like`` is a tree of JAX arrays or ``jax.ShapeDtypeStruct`` (with ``sharding=``) of the
+    same structure; each process reads only the shards it holds. The checkpoint may come from
+    a run with another number of processes or devices. Collective: every process calls it. A
+    leaf of another shape (another member count) or dtype than the checkpoint's is one
+    ``ValueError``, as is a tree of another structure. ``partial=True`` reads only the leaves
+    ``like`` has (the params of a checkpoint that also holds the optimizer state, for
+    inference). NumPy leaves carry no placement: a process with one device reads them onto
+    it; with several, they are refused (place ``like`` first: arrays from ``ens.init`` /
+    ``step.init``, or ``jax.device_put``).
 
     Example (members written from one mesh, read back onto the same devices):
       >>> import tempfile, jax, numpy as np, ensemble
       >>> n = jax.device_count()
       >>> w = ensemble.shard_members(np.arange(2.0 * n).reshape(n, 2), ensemble.make_mesh(n), n)
-      >>> back = restore_checkpoint(save_checkpoint(tempfile.mkdtemp() + "/c", {"w": w}), {"w": w})
+      >>> path = save_checkpoint(tempfile.mkdtemp() + "/c", {"w": w, "opt": w + 1})
+      >>> back = restore_checkpoint(path, {"w": w, "opt": w})
       >>> back["w"].sharding == w.sharding, bool((back["w"] == w).all())
       (True, True)
+      >>> list(restore_checkpoint(path, {"w": w}, partial=True))  # the params alone
+      ['w']
     """
     import orbax.checkpoint as ocp
 
-    def abstract(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-
     path = os.path.abspath(os.fspath(directory))
-    like = jax.tree_util.tree_map(abstract, like)
+    like = _abstract(path, like)
     with ocp.StandardCheckpointer() as checkpointer:
-        _check_shapes(path, checkpointer.metadata(path).item_metadata, like)
-        return checkpointer.restore(path, like)
+        stored = checkpointer.metadata(path).item_metadata
+        _check_shapes(path, stored, like)
+        if not partial:
+            try:
+                return checkpointer.restore(path, like)
+            except ValueError as e:  # orbax's: the whole metadata tree, and a flag we lack
+                if "tree structures do not match" not in str(e):
+                    raise
+                raise ValueError(_structure_mismatch(path, stored, like)) from None
+    restore = ocp.checkpoint_utils.construct_restore_args(like)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        args = ocp.args.PyTreeRestore(item=like, restore_args=restore, partial_restore=True)
+        return checkpointer.restore(path, args=args)
+
+
+def _abstract(path: str, like: Any) -> Any:
+    """``like`` as ShapeDtypeStructs with shardings (see :func:`restore_checkpoint`)."""
+    one_device = jax.device_count() == 1
+    unplaced = []
+
+    def abstract(p: Any, x: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(x, "sharding", None)
+        if sharding is None and one_device:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        elif sharding is None:
+            unplaced.append(jax.tree_util.keystr(p))
+        dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)  # (typed keys: theirs)
+        return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+
+    like = jax.tree_util.tree_map_with_path(abstract, like)
+    if unplaced:
+        raise ValueError(
+            f"restore_checkpoint({path}): like{unplaced[0]} (of {len(unplaced)} such leaves) has "
+            f"no placement on this process's {jax.device_count()} devices: pass arrays already "
+            "placed (from ens.init / step.init, or jax.device_put) or ShapeDtypeStructs with "
+            "sharding=."
+        )
+    return like
+
+
+def _structure_mismatch(path: str, stored: Any, like: Any) -> str:
+    """One line for a ``like`` whose leaves are not the checkpoint's."""
+    names = lambda tree: {
+        "/".join(_path_names(p))
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if getattr(x, "shape", None) is not None
+    }
+    have, want = names(stored), names(like)
+    some = lambda xs, k=3: ", ".join(sorted(xs)[:k]) + (", ..." if len(xs) > k else "")
+    if want < have:
+        return (
+            f"restore_checkpoint({path}): like has {len(want)} of the checkpoint's {len(have)} "
+            f"leaves (not {some(have - want)}); pass partial=True to read only those like has."
+        )
+    named = f" (like has {some(want - have)})" if want - have else ""
+    return (
+        f"restore_checkpoint({path}): like's tree is not the checkpoint's{named}; the "
+        f"checkpoint holds {some(have, 6)}."
+    )
 
 
 def _check_shapes(path: str, stored: Any, like: Any) -> None:

@@ -224,6 +224,55 @@ def test_single_process_helpers(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "k", "n"]
 
 
+@pytest.mark.timeout(120)
+def test_restore_takes_the_params_alone_and_refuses_unplaced_leaves_in_one_line(tmp_path):
+    """Params alone for inference (``partial=True``; without it one line, not orbax's dump of
+    the whole tree and a flag this function lacked); NumPy leaves: read onto the only device
+    of a one-device process, refused with several (orbax read them in the saved layout, and
+    failed on another device count with advice to pass the tree just passed)."""
+    n = jax.device_count()
+    mesh, small = make_mesh(n), make_mesh(n, devices=jax.devices()[: n // 2])
+    w = distributed.member_batch_from_local(
+        np.arange(2.0 * n, dtype=np.float32).reshape(n, 2), mesh, n
+    )
+    path = distributed.save_checkpoint(tmp_path / "c", {"params": {"w": w}, "opt": {"m": w + 1}})
+    like = {
+        "params": {
+            "w": jax.ShapeDtypeStruct((n, 2), np.float32, sharding=member_sharding(small, 2))
+        }
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"like has 1 of the checkpoint's 2 leaves \(not opt/m\); pass partial=True",
+    ):
+        distributed.restore_checkpoint(path, like)
+    back = distributed.restore_checkpoint(path, like, partial=True)
+    assert list(back) == ["params"] and back["params"]["w"].sharding == member_sharding(small, 2)
+    np.testing.assert_array_equal(back["params"]["w"], np.asarray(w))
+    host = {
+        "params": {"w": np.zeros((n, 2), np.float32)},
+        "opt": {"m": np.zeros((n, 2), np.float32)},
+    }
+    with pytest.raises(
+        ValueError, match=r"like\['opt'\]\['m'\] \(of 2 such leaves\) has no placement"
+    ):
+        distributed.restore_checkpoint(path, host)
+    with pytest.raises(ValueError, match=r"not the checkpoint's \(like has params/b\)"):
+        distributed.restore_checkpoint(path, {"params": {"w": w, "b": w}, "opt": {"m": w}})
+    code = (
+        "import sys, numpy as np, jax\n"
+        "from ensemble.distributed import restore_checkpoint\n"
+        f"z = np.zeros(({n}, 2), np.float32)\n"
+        "back = restore_checkpoint(sys.argv[1], {'params': {'w': z}, 'opt': {'m': z}})\n"
+        "print(jax.device_count(), back['params']['w'].sum(), back['opt']['m'].sum())\n"
+    )
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, path], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.stdout.split() == ["1", str(float(w.sum())), str(float((w + 1).sum()))], proc.stderr
+
+
 def test_initialize_too_late_says_what_to_do():
     jnp.zeros(1).block_until_ready()  # the backend is up
     with pytest.raises(RuntimeError, match="before any JAX computation"):
