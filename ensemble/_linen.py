@@ -14,6 +14,7 @@ user can rely on:
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -123,7 +124,7 @@ class LinenEnsemble:
         self._members = Members(int(n), mesh, merge_rules(rules), axis_name, bool(data_parallel))
         self._cache = ProgramCache()
         self._warned_method = False
-        self._warned_shared = False
+        self._warned_shared: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ properties
 
@@ -201,6 +202,7 @@ class LinenEnsemble:
 
     def _init_program(self, rng: RngLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         keys = stream_keys(rng, default="params")
+        self._check_shared_names(keys, stacklevel=4)  # (the caller of init / lower_init)
         axes = self._check_args(args)
         (arrays, kw_arrays), static = self._split(args, kwargs)
         call_args = (keys, arrays, kw_arrays)
@@ -288,7 +290,7 @@ class LinenEnsemble:
                 f"got {type(rngs).__name__}."
             )
         keys = stream_keys(rngs, default=None) if rngs else {}
-        self._check_shared_names(keys)
+        self._check_shared_names(keys, stacklevel=3)
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
         (arrays, kw_arrays), static = self._split(args, kwargs)
@@ -300,20 +302,21 @@ class LinenEnsemble:
         with explained_errors():
             return jitted(variables, keys, arrays, kw_arrays)
 
-    def _check_shared_names(self, keys: Mapping[str, Any]) -> None:
-        """A ``shared_rngs`` name that an apply's rngs do not have is likely misspelled, and
-        the stream it meant is then split per member without a word: warn once. (``'params'``
-        is init's stream: applies rarely take it.)"""
-        missing = sorted(self._shared_rngs - set(keys) - {"params"})
-        if not keys or not missing or self._warned_shared:
-            return
-        self._warned_shared = True
-        warnings.warn(
-            f"shared_rngs names {', '.join(map(repr, missing))}, which this apply's rngs "
-            f"({', '.join(map(repr, sorted(keys)))}) do not have: misspelled? Streams not named "
-            "in shared_rngs are split per member.",
-            stacklevel=3,
-        )
+    def _check_shared_names(self, keys: Mapping[str, Any], stacklevel: int) -> None:
+        """A ``shared_rngs`` name that a call's rngs lack while they have a stream spelled
+        almost like it (``'dropuot'`` / ``'dropout'``) is a misspelling, and the stream it
+        meant is then split per member without a word: warn, once per pair. (An apply may
+        use only some of the shared streams: a missing name alone says nothing.)"""
+        split = [k for k in keys if k not in self._shared_rngs]
+        for name in sorted(self._shared_rngs - set(keys)):
+            for close in difflib.get_close_matches(name, split, n=1, cutoff=0.75):
+                if (name, close) not in self._warned_shared:
+                    self._warned_shared.add((name, close))
+                    warnings.warn(
+                        f"shared_rngs names {name!r}, and this call's rngs have {close!r} "
+                        "instead: misspelled? That stream is split per member.",
+                        stacklevel=stacklevel,
+                    )
 
     def _make_apply(self, static, mutable, method, axes) -> Callable[..., Any]:
         model, members = self._model, self._members

@@ -177,6 +177,9 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
     for version in (1, 2):  # what versions 1 (MLPs only) and 2 wrote
         meta_path.write_text(json.dumps({**meta, "version": version, "network": older}))
         np.testing.assert_array_equal(export.read_member(path).head(obs), want)
+    odd = {**older, "action_groups": ["x"]}  # not a field of version 2: not read there
+    meta_path.write_text(json.dumps({**meta, "version": 2, "network": odd}))
+    assert export.read_member(path).action_groups == ()
     meta_path.write_text(json.dumps({**meta, "network": older}))
     with pytest.raises(export.NotAnExport, match=r"field 'network.action_groups' is missing"):
         export.read_member(path)

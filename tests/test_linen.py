@@ -81,21 +81,31 @@ def test_every_leaf_placed_and_member_equals_plain_model(n):
         np.testing.assert_array_equal(a, b[3])
 
 
-def test_shared_rngs_takes_stream_names_and_warns_of_one_an_apply_lacks():
+def test_shared_rngs_takes_stream_names_and_warns_of_a_misspelled_one():
     x = jnp.ones((6, 4))
     with pytest.raises(TypeError, match=r"shared_rngs= takes the names .* got True"):
         ensemble.build(DropBN(), D, shared_rngs=True)
     ens = ensemble.build(DropBN(), D, shared_rngs=("dropuot", "params"))  # misspelled
     variables = ens.init(jax.random.key(0), x)
     rngs = {"dropout": jax.random.key(1)}
-    with pytest.warns(UserWarning, match=r"shared_rngs names 'dropuot', which this apply's rngs"):
+    with pytest.warns(
+        UserWarning, match=r"shared_rngs names 'dropuot', and this call's rngs have 'dropout'"
+    ) as seen:
         y = ens.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])[0]
+    assert seen[0].filename == __file__  # points at the user's line
     assert not np.allclose(y[0], y[1])  # the stream it meant stays split, as the warning says
-    shared = ensemble.build(DropBN(), D, shared_rngs=("dropout", "params"))
+    with pytest.warns(UserWarning, match=r"'dropuot', and this call's rngs have 'dropout'") as seen:
+        ensemble.build(DropBN(), D, shared_rngs=("dropuot",)).init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x
+        )
+    assert seen[0].filename == __file__
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the right name (and init's 'params'): no warning
-        y = shared.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])[0]
-    np.testing.assert_allclose(y[0], y[1], rtol=1e-6)
+        warnings.simplefilter("error")  # right names, used by some calls only: no warning
+        for shared in (("dropout", "params"), ("dropout", "noise")):
+            ens = ensemble.build(DropBN(), D, shared_rngs=shared)
+            y = ens.apply(variables, x, train=True, rngs=rngs, mutable=["batch_stats"])[0]
+            np.testing.assert_allclose(y[0], y[1], rtol=1e-6)
+            ens.apply(variables, x)
 
 
 def test_dropout_and_batchnorm_per_member():

@@ -61,6 +61,10 @@ gym.register("Box64-v0", entry_point=Probe, kwargs={"act": spaces.Box(
     np.array([-0.1, 0.3]), np.array([0.1, 0.7]), dtype=np.float64)})
 gym.register("Multi-v0", entry_point=Probe, kwargs={"act": spaces.MultiDiscrete([3, 2, 4],
              start=[-1, 4, 0])})
+gym.register("Multi8-v0", entry_point=Probe, kwargs={"act": spaces.MultiDiscrete([3, 2],
+             dtype=np.int8)})
+gym.register("Multi2D-v0", entry_point=Probe, kwargs={"act": spaces.MultiDiscrete([[2, 3],
+             [2, 2]])})
 gym.register("Old-v0", entry_point=Probe, kwargs={"old_step": True})
 gym.register("Plain-v0", entry_point=Probe)
 gym.register("Scale-v0", entry_point=Probe, kwargs={"act": spaces.Box(-1, 1, (2,)), "scale": 10})
@@ -136,6 +140,13 @@ def test_a_multidiscrete_space_trains_with_each_element_shifted_into_it(tmp_path
     ):
         _check_discrete(np.array([[0, 1, 3], [0, 2, 0]], np.int32), np.array([3, 2, 4]))
     _train_and_compare("Multi-v0", tmp_path / "episodes.jsonl")
+    # The env gets its own dtype (the policy's actions are int32), in the workers and in
+    # evaluate alike (both make it here); a 2-D nvec is refused in one line.
+    step = make_gymnasium("nu_probe:Multi8-v0").func
+    assert step(np.array([2, 1], np.int32)).dtype == np.int8
+    with pytest.raises(ValueError) as e:
+        envs.make("gymnasium:nu_probe:Multi2D-v0")
+    assert "must have a vector nvec" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 @pytest.mark.timeout(60)

@@ -81,10 +81,11 @@ def _space(space: Any, what: str, env_name: str) -> Space:
             raise ValueError(f"{env_name}: Discrete action spaces must start at 0, got {space}")
         return Discrete(int(space.n))
     if isinstance(space, gymnasium.spaces.MultiDiscrete) and what == "action":
-        if np.ndim(space.nvec) != 1 or np.any(space.start != 0):
+        if np.ndim(space.nvec) != 1:  # (a start is shifted away before: make_gymnasium)
             raise ValueError(
-                f"{env_name}: MultiDiscrete action spaces must be one vector of choices "
-                f"starting at 0, got {space}; flatten it in the env"
+                f"{env_name}: MultiDiscrete action spaces must have a vector nvec (one policy "
+                f"head per element), got nvec {np.asarray(space.nvec).tolist()}; flatten it "
+                "in the env"
             )
         return MultiDiscrete(tuple(int(n) for n in space.nvec))
     if isinstance(space, gymnasium.spaces.Box):

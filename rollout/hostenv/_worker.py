@@ -184,7 +184,9 @@ def _actions_from_zero(env: Any) -> Any:
     """``env``, its ``Discrete(n, start=k)`` actions (k != 0) taken as ``Discrete(n)``, and a
     ``MultiDiscrete``'s the same per element: the policy's categorical heads pick indices
     0..n-1, and index i reaches the env as i + k. Without the shift a policy's 0 would be
-    stepped as action 0, not the space's first action (or be outside the space, for k > 0)."""
+    stepped as action 0, not the space's first action (or be outside the space, for k > 0).
+    A MultiDiscrete's actions also reach it in its own dtype (int64 by default; the policy's
+    are int32), in the workers and in ``evaluate`` alike."""
     import gymnasium
 
     space = env.action_space
@@ -193,7 +195,7 @@ def _actions_from_zero(env: Any) -> Any:
         return gymnasium.wrappers.TransformAction(
             env, lambda a: int(a) + start, gymnasium.spaces.Discrete(n)
         )
-    if isinstance(space, gymnasium.spaces.MultiDiscrete) and np.any(space.start != 0):
+    if isinstance(space, gymnasium.spaces.MultiDiscrete):
         start, dtype = space.start.copy(), space.dtype
         zero = gymnasium.spaces.MultiDiscrete(space.nvec, dtype=dtype)
         return gymnasium.wrappers.TransformAction(
@@ -253,7 +255,6 @@ class _Gymnasium:
             ) from None
         space = self.envs[0].action_space
         self.actions = _discrete_sizes(space)
-        self.action_dtype = space.dtype  # a MultiDiscrete's (int64 by default)
         self.obs_shape = self.envs[0].observation_space.shape
         self.pixels = np.dtype(self.envs[0].observation_space.dtype) == np.uint8
 
@@ -268,10 +269,7 @@ class _Gymnasium:
             # Each env its own writable action: in this process (workers_per_device=0) the
             # rows are the callback's read-only view, and an env that scales its action in
             # place failed there with NumPy's "output array is read-only" (not in a worker).
-            if isinstance(self.actions, int):  # Discrete
-                action = int(actions[i])
-            else:
-                action = np.array(actions[i], self.action_dtype)
+            action = int(actions[i]) if isinstance(self.actions, int) else np.array(actions[i])
             o, r, te, tr, _ = _five(env.step(action))
             te, tr = _flag(te, "terminated"), _flag(tr, "truncated")
             final[i], reward[i], term[i], trunc[i] = self._checked(o, "step"), _number(r), te, tr

@@ -387,7 +387,7 @@ class ExportedMember:
     @property
     def action_groups(self) -> tuple[int, ...]:
         """A MultiDiscrete action's ``nvec``; ``()`` for one categorical or a Box."""
-        return tuple(self.meta["network"].get("action_groups", ()))
+        return tuple(_groups_of(self.meta))
 
     def normalize(self, obs: jax.Array) -> jax.Array:
         norm = self.meta["obs_norm"]
@@ -609,7 +609,7 @@ def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
             f"field 'gymnasium_id' is {_show(meta['gymnasium_id'])} but env {_show(env)} is "
             f"gymnasium's {_show(gymnasium_id(env))}",
         )
-    groups = network.get("action_groups", [])
+    groups = _groups_of(meta)
     if groups and (not network["discrete"] or sum(groups) != network["action_dim"]):
         what = f"adds up to {sum(groups)}" if network["discrete"] else "is set"
         raise _edited(
@@ -626,6 +626,11 @@ def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
         if box is not None and len(box) != n:
             what = f"has {len(box)} bounds but 'network.action_dim' is {n}"
             raise _edited(meta_path, f"field 'action.{side}' {what}")
+
+
+def _groups_of(meta: dict[str, Any]) -> list[int]:
+    """``network.action_groups`` from version 3 on; versions 1 and 2 had one categorical."""
+    return meta["network"].get("action_groups", []) if meta["version"] >= 3 else []
 
 
 def _check_obs_norm(meta_path: Path, meta: dict[str, Any]) -> None:
