@@ -18,6 +18,9 @@ batch argument and return the new ones as aux::
     step = train_step(loss_fn, optax.adam(1e-3), n=ens.n, mesh=ens.mesh, has_aux=True,
                       per_member_batch=(True, False, False))
     params, opt_state, losses, batch_stats = step(params, opt_state, batch_stats, x, y)
+    # K steps in one call, each step's new statistics passed to the next (xs, ys: [K, ...]):
+    params, opt_state, losses, batch_stats = step.scan(params, opt_state, batch_stats, xs, ys,
+                                                       carry=0)
 
 Dropout: pass ``jax.random.split(key, n)`` as a per-member batch argument and use it as the
 member's ``rngs={'dropout': k}``.
@@ -179,7 +182,12 @@ class TrainStep:
             return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
     def scan(
-        self, params: Any, opt_state: Any, *batches: Any, stacked: bool | Sequence[bool] = True
+        self,
+        params: Any,
+        opt_state: Any,
+        *batches: Any,
+        stacked: bool | Sequence[bool] = True,
+        carry: int | None = None,
     ) -> tuple[Any, ...]:
         """K steps in one compiled call, the batches of the K steps stacked on a leading axis.
 
@@ -188,8 +196,13 @@ class TrainStep:
         at every step instead (a dataset the steps index into), passed once. Returns what K
         calls of the step would, with losses ``[n, K]`` (and aux ``[n, K, ...]``): the same
         numbers, but the dispatch (which costs more than a small step, and more on a mesh of
-        several devices) is paid once. Aux is stacked per step, so state that a loss updates
-        (BatchNorm's ``batch_stats``, passed as a batch argument) needs the single step.
+        several devices) is paid once.
+
+        ``carry=i`` (with ``has_aux``): state the loss updates, such as BatchNorm's
+        ``batch_stats``, goes from step to step: batch argument ``i`` (passed once, member-major)
+        is the first step's, each step's aux is the next step's, and the last aux comes back in
+        its place, ``(params, opt_state, losses, state)``: what K calls passing each call's aux
+        to the next would give.
 
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble
@@ -206,20 +219,54 @@ class TrainStep:
           (4, 10)
         """
         flags = stacked_flags(stacked, len(batches))
+        if carry is not None:
+            flags = self._carried(carry, flags)
         with explained_errors():
-            return self._program(params, opt_state, batches, flags)(params, opt_state, *batches)
+            program = self._program(params, opt_state, batches, flags, carry)
+            return program(params, opt_state, *batches)
+
+    def _carried(self, carry: Any, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        """``flags`` with the carried argument passed once; a ``carry`` that cannot be, refused."""
+        count = len(flags)
+        if isinstance(carry, bool) or not isinstance(carry, int) or not 0 <= carry < count:
+            raise ValueError(
+                f"carry={carry!r} names the batch argument that each step's aux replaces: an "
+                f"index in [0, {count})."
+            )
+        if not self._has_aux:
+            raise ValueError(
+                "carry= needs a loss that returns (loss, new state): build the step with "
+                "has_aux=True."
+            )
+        if self._batch_axes(count)[carry] is None:
+            raise ValueError(
+                f"carry={carry}: batch argument {carry} is shared by the members, but state a "
+                "member's loss updates is its own: mark it per member (per_member_batch)."
+            )
+        return tuple(False if i == carry else f for i, f in enumerate(flags))
 
     def lower(
-        self, params: Any, opt_state: Any, *batch: Any, stacked: bool | Sequence[bool] | None = None
+        self,
+        params: Any,
+        opt_state: Any,
+        *batch: Any,
+        stacked: bool | Sequence[bool] | None = None,
+        carry: int | None = None,
     ) -> jax.stages.Lowered:
         """The lowered step, e.g. ``step.lower(p, s, x).compile().memory_analysis()``; with
-        ``stacked`` (as for :meth:`scan`), the lowered :meth:`scan`."""
+        ``stacked`` (and ``carry``, as for :meth:`scan`), the lowered :meth:`scan`."""
+        if carry is not None and stacked is None:
+            stacked = True
         flags = None if stacked is None else stacked_flags(stacked, len(batch))
+        if carry is not None:
+            flags = self._carried(carry, flags)
         # Shape structs without a sharding stand for the state where the step keeps it (on the
         # member axis): lowered as unplaced inputs instead, the step lost its donation and
         # compiled_memory over-reported its peak (by a third for a small MLP).
         params, opt_state = jax.tree.map(self._placed_spec, (params, opt_state))
-        return self._program(params, opt_state, batch, flags).lower(params, opt_state, *batch)
+        return self._program(params, opt_state, batch, flags, carry).lower(
+            params, opt_state, *batch
+        )
 
     def _placed_spec(self, x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
@@ -244,8 +291,10 @@ class TrainStep:
         opt_state: Any,
         batch: tuple[Any, ...],
         stacked: tuple[bool, ...] | None = None,
+        carry: int | None = None,
     ) -> Callable[..., Any]:
-        """The jitted step for these inputs (``stacked``: the :meth:`scan` of that layout)."""
+        """The jitted step for these inputs (``stacked``: the :meth:`scan` of that layout;
+        ``carry``: its carried argument)."""
         if isinstance(params, optax.LookaheadParams):
             raise ValueError(
                 "params are optax.LookaheadParams: this step differentiates the loss with "
@@ -271,13 +320,19 @@ class TrainStep:
             tuple(jax.tree.leaves((p_sh, s_sh))),
             axes,
             stacked,
+            carry,
         )
         if key not in self._cache:
-            self._cache[key] = self._compile(axes, p_sh, s_sh, stacked)
+            self._cache[key] = self._compile(axes, p_sh, s_sh, stacked, carry)
         return self._cache[key]
 
     def _compile(
-        self, axes: tuple[int | None, ...], p_sh: Any, s_sh: Any, stacked: tuple[bool, ...] | None
+        self,
+        axes: tuple[int | None, ...],
+        p_sh: Any,
+        s_sh: Any,
+        stacked: tuple[bool, ...] | None,
+        carry: int | None = None,
     ) -> Callable[..., Any]:
         members, has_aux = self._members, self._has_aux
         member_grads = _member_grads(self._loss_fn, has_aux)
@@ -298,13 +353,24 @@ class TrainStep:
             )
             return (params, opt_state, loss, aux) if has_aux else (params, opt_state, loss)
 
-        def one(carry, batch):
-            out = step(*carry, *batch)
+        def one(state, batch):
+            out = step(*state, *batch)
             return out[:2], out[2:]  # (params, opt_state), (losses[, aux])
 
+        def one_carrying(state, batch):
+            params, opt_state, carried = state
+            batch = (*batch[:carry], carried, *batch[carry + 1 :])
+            params, opt_state, loss, aux = step(params, opt_state, *batch)
+            _check_carried(carry, carried, aux)
+            return (params, opt_state, aux), loss
+
         def steps(params, opt_state, *batches):
-            (params, opt_state), rest = scan_steps(one, (params, opt_state), batches, stacked)
-            return (params, opt_state, *rest)
+            if carry is None:
+                (params, opt_state), rest = scan_steps(one, (params, opt_state), batches, stacked)
+                return (params, opt_state, *rest)
+            state = (params, opt_state, batches[carry])
+            (params, opt_state, carried), losses = scan_steps(one_carrying, state, batches, stacked)
+            return params, opt_state, losses, carried
 
         scan = stacked is not None
         loss_sharding = member_sharding(self.mesh, 1 + scan, None, members.rules)
@@ -379,6 +445,17 @@ def _member_update(
     return update
 
 
+def _check_carried(index: int, carried: Any, aux: Any) -> None:
+    """A carried argument and the aux that replaces it must be alike, leaf for leaf."""
+    spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    if jax.tree.structure(carried) != jax.tree.structure(aux) or spec(carried) != spec(aux):
+        raise ValueError(
+            f"scan(carry={index}): each step's aux replaces batch argument {index}, so it must "
+            f"be alike leaf for leaf (structure, shapes, dtypes): aux {spec(aux)}, argument "
+            f"{spec(carried)}."
+        )
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
@@ -424,10 +501,10 @@ def train_step(
 
     BatchNorm (state the loss updates): pass the member-major ``batch_stats`` as a per-member
     batch argument, return ``(loss, new_batch_stats)`` with ``has_aux=True``, and pass the
-    returned ones to the next call (:meth:`TrainStep.scan` cannot carry them: use single
-    steps). Dropout: a per-member batch argument ``jax.random.split(key, n)``, used as the
-    member's ``rngs={'dropout': k}``, a new key each step. Both as code: the module docstring
-    of ``ensemble._train``, and the README.
+    returned ones to the next call (or ``step.scan(..., carry=i)``, which does so for K
+    steps in one call). Dropout: a per-member batch argument ``jax.random.split(key, n)``,
+    used as the member's ``rngs={'dropout': k}``, a new key each step. Both as code: the
+    module docstring of ``ensemble._train``, and the README.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, optax, ensemble

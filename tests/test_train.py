@@ -226,6 +226,58 @@ def test_batchnorm_and_dropout_flow_through_aux():
     assert out.shape == (n, 6, 1)
 
 
+def test_scan_carries_batchnorm_statistics_from_step_to_step():
+    """``carry=`` passes each step's aux (the new batch_stats) to the next step: equal to K
+    calls that do the same. Without it every step started from the statistics passed in."""
+    n, K = D, 4
+    xs = jax.random.normal(jax.random.key(1), (K, 6, 3))
+    ys = jnp.ones((K, 6, 1))
+    net = BNNet()
+    ens = ensemble.build(net, n)
+    variables = ens.init(jax.random.key(0), xs[0])
+
+    def loss_fn(p, stats, key, x, y):
+        out, upd = net.apply({"params": p, "batch_stats": stats}, x, train=True,
+                             rngs={"dropout": key}, mutable=["batch_stats"])  # fmt: skip
+        return jnp.mean((out - y) ** 2), upd["batch_stats"]
+
+    step = ens.train_step(loss_fn, optax.adam(1e-2), has_aux=True,
+                          per_member_batch=(True, True, False, False), donate=False)  # fmt: skip
+    keys = jnp.stack([jax.random.split(jax.random.key(t), n) for t in range(K)])
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state, want_losses = step.init(params), []
+    for t in range(K):
+        params, opt_state, losses, stats = step(params, opt_state, stats, keys[t], xs[t], ys[t])
+        want_losses.append(losses)
+    start = (variables["params"], step.init(variables["params"]), variables["batch_stats"])
+    got_params, _, got_losses, got_stats = step.scan(*start, keys, xs, ys, carry=0)
+    np.testing.assert_allclose(got_losses, jnp.stack(want_losses, 1), rtol=1e-6)
+    for want, got in zip(
+        jax.tree.leaves((params, stats)), jax.tree.leaves((got_params, got_stats))
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert specs(got_stats) == specs(variables["batch_stats"])
+    lowered = step.lower(*start, keys, xs, ys, carry=0)  # the same program, for memory checks
+    assert len(jax.tree.leaves(lowered.out_info)) == len(
+        jax.tree.leaves(step.scan(*start, keys, xs, ys, carry=0))
+    )
+    with pytest.raises(ValueError, match=r"carry=2: batch argument 2 is shared"):
+        step.scan(*start, keys, xs, ys, carry=2)
+    with pytest.raises(ValueError, match=r"carry=4 names the batch argument .* in \[0, 4\)"):
+        step.scan(*start, keys, xs, ys, carry=4)
+    per = (True, True, False, False)
+    odd_loss = lambda p, s, k, x, y: (loss_fn(p, s, k, x, y)[0], jnp.zeros(2))
+    odd = ens.train_step(odd_loss, optax.sgd(0.1), has_aux=True, per_member_batch=per)
+    with pytest.raises(
+        ValueError, match=r"scan\(carry=0\): each step's aux replaces batch argument 0"
+    ):
+        odd.scan(*start, keys, xs, ys, carry=0)
+    plain_loss = lambda p, s, k, x, y: loss_fn(p, s, k, x, y)[0]
+    plain = ens.train_step(plain_loss, optax.sgd(0.1), per_member_batch=per)
+    with pytest.raises(ValueError, match=r"carry= needs a loss that returns \(loss, new state\)"):
+        plain.scan(*start, keys, xs, ys, carry=0)
+
+
 def test_train_step_errors():
     n = D
     x = jnp.ones((4, 3))
