@@ -670,8 +670,15 @@ class Learner:
 
         The envs wait first for the updates already dispatched (JAX runs them asynchronously)
         to finish their env steps: closing under a running update would make it restart them.
+        ``with Learner(config) as learner:`` closes it at the end of the block.
         """
         self.envs.close()
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
