@@ -223,9 +223,10 @@ class NNXEnsemble(nnx.Module):
         """A train step shaped like the linen one: ``step.init()`` makes the per-member optimizer,
         ``step(ens, optimizer, *batch) -> losses[n]`` updates both in place.
 
-        ``options``: ``per_member_batch``, ``has_aux``, ``donate``, and per-member
+        ``options``: ``per_member_batch``, ``has_aux``, ``donate``, per-member
         ``hyperparams={'learning_rate': [...]}`` for a ``tx`` made with
-        ``optax.inject_hyperparams``.
+        ``optax.inject_hyperparams``, and ``wrt`` (which Variables ``step.init()``'s optimizer
+        trains, as for :func:`nnx_optimizer`: ``nnx.LoRAParam`` trains the LoRA weights only).
 
         Example:
           >>> import jax.numpy as jnp, optax, ensemble
@@ -236,8 +237,9 @@ class NNXEnsemble(nnx.Module):
           (4,)
         """
         hyperparams = dict(options.pop("hyperparams", None) or {})
+        wrt = options.pop("wrt", nnx.Param)
         step = nnx_train_step(loss_fn, **options)
-        step.make_optimizer = functools.partial(nnx_optimizer, self, tx, **hyperparams)
+        step.make_optimizer = functools.partial(nnx_optimizer, self, tx, wrt=wrt, **hyperparams)
         return step
 
     # -- internals -------------------------------------------------------------------------------

@@ -477,6 +477,25 @@ def test_optimizers_reading_the_loss_get_each_members_own(kind):
         )
 
 
+def test_train_step_wrt_trains_the_lora_weights_only():
+    """``ens.train_step(..., wrt=nnx.LoRAParam)``: ``step.init()``'s optimizer trains those
+    Variables alone, as ``nnx_optimizer(ens, tx, wrt=...)`` does (``wrt`` used to be a
+    TypeError naming nnx_train_step)."""
+    make = lambda rngs: nnx.LoRALinear(3, 2, lora_rank=2, rngs=rngs)
+    ens = build_nnx(make, D, rngs=3)
+    x, y = jnp.ones((4, 3)), jnp.ones((4, 2))
+    base = np.asarray(ens.members.kernel[...])
+    member = ens.member(2)
+    step = ens.train_step(mse, optax.sgd(0.1), wrt=nnx.LoRAParam)
+    step(ens, step.init(), x, y)
+    np.testing.assert_array_equal(ens.members.kernel[...], base)  # the frozen weights
+    ref = nnx.Optimizer(member, optax.sgd(0.1), wrt=nnx.LoRAParam)
+    ref.update(member, nnx.grad(mse, argnums=nnx.DiffState(0, nnx.LoRAParam))(member, x, y))
+    got = ens.member(2).lora.lora_b[...]
+    assert np.abs(np.asarray(got)).max() > 0  # (lora_b starts at zero: it did train)
+    np.testing.assert_allclose(got, member.lora.lora_b[...], rtol=1e-5, atol=1e-7)
+
+
 def test_a_line_search_needing_value_fn_is_named_with_what_works():
     ens = build_nnx(linear, D, rngs=3)
     x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
