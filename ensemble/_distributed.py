@@ -347,10 +347,21 @@ def save_checkpoint(
     # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
     path = os.path.abspath(os.fspath(directory))
-    with orbax_logs_held(), ocp.StandardCheckpointer() as checkpointer:
+    with orbax_logs_held(about=path), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, tree, force=force, custom_metadata=metadata)
         checkpointer.wait_until_finished()
     return path
+
+
+#: The loggers orbax's records reach: its own (absl), and asyncio's "Task exception was never
+#: retrieved" for a write task of its event loop that failed.
+_ORBAX_LOGGERS = ("absl", "asyncio")
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+        return f"{os.sep}orbax{os.sep}" in record.getMessage()
+    return f"{os.sep}orbax{os.sep}" in record.pathname
 
 
 class _HoldOrbaxLogs(logging.Filter):
@@ -361,28 +372,56 @@ class _HoldOrbaxLogs(logging.Filter):
         self.level, self.held = level, []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= self.level and f"{os.sep}orbax{os.sep}" in record.pathname:
+        if record.levelno >= self.level and _from_orbax(record):
             self.held.append(record)
             return False
         return True
 
 
+class _DropLateOrbaxErrors(logging.Filter):
+    """Drops the error records orbax's threads log after a write already failed and raised
+    (they name a path of that write): the error raised said it, and they came after the
+    program's own one-line report of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not self.failed or not _from_orbax(record):
+            return True
+        message = record.getMessage()
+        return not any(path in message for path in self.failed)
+
+
+_LATE = _DropLateOrbaxErrors()
+for _name in _ORBAX_LOGGERS:
+    logging.getLogger(_name).addFilter(_LATE)
+
+
 @contextlib.contextmanager
-def orbax_logs_held(level: int = logging.ERROR) -> Iterator[None]:
+def orbax_logs_held(level: int = logging.ERROR, about: str | None = None) -> Iterator[None]:
     """Orbax's log records of ``level`` and above: dropped if the block raises, passed on if not.
 
     A failed write (a full disk) makes orbax log the same error with a traceback from each of
     its threads, hundreds of lines, before raising it once; reading a damaged checkpoint warns
-    before it raises. The error raised says it all.
+    before it raises. The error raised says it all. ``about``: the path written; error records
+    naming it that orbax's threads log after the block raised are dropped too.
     """
-    logger, hold = logging.getLogger("absl"), _HoldOrbaxLogs(level)
-    logger.addFilter(hold)
+    loggers, hold = [logging.getLogger(name) for name in _ORBAX_LOGGERS], _HoldOrbaxLogs(level)
+    for logger in loggers:
+        logger.addFilter(hold)
     try:
         yield
+    except BaseException:
+        if about is not None:
+            _LATE.failed.add(about)
+        raise
     finally:
-        logger.removeFilter(hold)
+        for logger in loggers:
+            logger.removeFilter(hold)
     for record in hold.held:  # reached only when the block succeeded
-        logger.handle(record)
+        logging.getLogger(record.name).handle(record)
 
 
 def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
