@@ -482,7 +482,17 @@ def restore_checkpoint(
     restore = ocp.checkpoint_utils.construct_restore_args(like)
     with ocp.PyTreeCheckpointer() as checkpointer:
         args = ocp.args.PyTreeRestore(item=like, restore_args=restore, partial_restore=True)
-        return checkpointer.restore(path, args=args)
+        out = checkpointer.restore(path, args=args)
+    # A leaf the checkpoint lacks comes back as the shape struct given: refused, not returned.
+    leaves = jax.tree_util.tree_leaves_with_path(out)
+    absent = [p for p, x in leaves if not isinstance(x, jax.Array)]
+    if absent:
+        raise ValueError(
+            f"restore_checkpoint({path}, partial=True): like{jax.tree_util.keystr(absent[0])} "
+            f"(of {len(absent)} such leaves) is not in the checkpoint, which holds "
+            f"{_some_leaves(stored, 6)}."
+        )
+    return out
 
 
 def _abstract(path: str, like: Any) -> Any:
@@ -510,24 +520,34 @@ def _abstract(path: str, like: Any) -> Any:
     return like
 
 
-def _structure_mismatch(path: str, stored: Any, like: Any) -> str:
-    """One line for a ``like`` whose leaves are not the checkpoint's."""
-    names = lambda tree: {
+def _leaf_names(tree: Any) -> set[str]:
+    return {
         "/".join(_path_names(p))
         for p, x in jax.tree_util.tree_leaves_with_path(tree)
         if getattr(x, "shape", None) is not None
     }
-    have, want = names(stored), names(like)
-    some = lambda xs, k=3: ", ".join(sorted(xs)[:k]) + (", ..." if len(xs) > k else "")
+
+
+def _some(names: set[str], k: int = 3) -> str:
+    return ", ".join(sorted(names)[:k]) + (", ..." if len(names) > k else "")
+
+
+def _some_leaves(tree: Any, k: int) -> str:
+    return _some(_leaf_names(tree), k)
+
+
+def _structure_mismatch(path: str, stored: Any, like: Any) -> str:
+    """One line for a ``like`` whose leaves are not the checkpoint's."""
+    have, want = _leaf_names(stored), _leaf_names(like)
     if want < have:
         return (
             f"restore_checkpoint({path}): like has {len(want)} of the checkpoint's {len(have)} "
-            f"leaves (not {some(have - want)}); pass partial=True to read only those like has."
+            f"leaves (not {_some(have - want)}); pass partial=True to read only those like has."
         )
-    named = f" (like has {some(want - have)})" if want - have else ""
+    named = f" (like has {_some(want - have)})" if want - have else ""
     return (
         f"restore_checkpoint({path}): like's tree is not the checkpoint's{named}; the "
-        f"checkpoint holds {some(have, 6)}."
+        f"checkpoint holds {_some(have, 6)}."
     )
 
 

@@ -784,6 +784,14 @@ def nnx_optimizer(
         raise TypeError(
             f"nnx_optimizer needs an NNXEnsemble (from ensemble.build), got {type(ens).__name__}."
         )
+    if not jax.tree.leaves(nnx.state(ens.members, wrt)):  # (per_member's vmap then failed)
+        kinds = sorted({type(v).__name__ for _, v in nnx.iter_graph(ens.members)
+                        if isinstance(v, nnx.Variable)})  # fmt: skip
+        raise ValueError(
+            f"nnx_optimizer: wrt={wrt!r} selects none of the ensemble's Variables (it has "
+            f"{', '.join(kinds) or 'none'}), so there is nothing to train; give a filter that "
+            "selects some (the default, nnx.Param, trains the parameters)."
+        )
     member_tx = per_member(tx, ens.n, **hyperparams)
     graphdef, ens_state = nnx.split(ens)
 

@@ -221,9 +221,22 @@ class TrainStep:
         flags = stacked_flags(stacked, len(batches))
         if carry is not None:
             flags = self._carried(carry, flags)
+            self._check_carry_layout(carry, batches[carry])
         with explained_errors():
             program = self._program(params, opt_state, batches, flags, carry)
             return program(params, opt_state, *batches)
+
+    def _check_carry_layout(self, carry: int, state: Any) -> None:
+        """The carried argument is the first step's state, ``[n, ...]``: one stacked per step
+        (``[K, n, ...]``) is refused saying so (the batch check's advice would not fit)."""
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+            shape = np.shape(leaf)
+            if not shape or shape[0] != self.n:
+                raise ValueError(
+                    f"scan(carry={carry}): batch argument {carry} is the first step's state, "
+                    f"passed once with a leading member axis of n={self.n} (not stacked per "
+                    f"step); its leaf {jax.tree_util.keystr(path)} has shape {shape}."
+                )
 
     def _carried(self, carry: Any, flags: tuple[bool, ...]) -> tuple[bool, ...]:
         """``flags`` with the carried argument passed once; a ``carry`` that cannot be, refused."""

@@ -248,6 +248,12 @@ def test_restore_takes_the_params_alone_and_refuses_unplaced_leaves_in_one_line(
         distributed.restore_checkpoint(path, like)
     back = distributed.restore_checkpoint(path, like, partial=True)
     assert list(back) == ["params"] and back["params"]["w"].sharding == member_sharding(small, 2)
+    unwrapped = like["params"]  # {"w": ...} without "params": no leaf of the checkpoint
+    with pytest.raises(
+        ValueError,
+        match=r"like\['w'\] \(of 1 such leaves\) is not in the checkpoint, which holds opt/m, p",
+    ):
+        distributed.restore_checkpoint(path, unwrapped, partial=True)
     np.testing.assert_array_equal(back["params"]["w"], np.asarray(w))
     host = {
         "params": {"w": np.zeros((n, 2), np.float32)},

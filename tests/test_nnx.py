@@ -491,6 +491,12 @@ def test_train_step_wrt_trains_the_lora_weights_only():
     np.testing.assert_array_equal(ens.members.kernel[...], base)  # the frozen weights
     ref = nnx.Optimizer(member, optax.sgd(0.1), wrt=nnx.LoRAParam)
     ref.update(member, nnx.grad(mse, argnums=nnx.DiffState(0, nnx.LoRAParam))(member, x, y))
+    plain = build_nnx(linear, D, rngs=3)  # no LoRA weights: nothing to train, said so
+    with pytest.raises(
+        ValueError,
+        match=r"wrt=.*LoRAParam.* selects none of the ensemble's Variables \(it has Param\)",
+    ):
+        plain.train_step(mse, optax.sgd(0.1), wrt=nnx.LoRAParam).init()
     got = ens.member(2).lora.lora_b[...]
     assert np.abs(np.asarray(got)).max() > 0  # (lora_b starts at zero: it did train)
     np.testing.assert_allclose(got, member.lora.lora_b[...], rtol=1e-5, atol=1e-7)

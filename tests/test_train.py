@@ -261,6 +261,12 @@ def test_scan_carries_batchnorm_statistics_from_step_to_step():
     assert len(jax.tree.leaves(lowered.out_info)) == len(
         jax.tree.leaves(step.scan(*start, keys, xs, ys, carry=0))
     )
+    stacked_stats = jax.tree.map(lambda a: jnp.stack([a] * K), variables["batch_stats"])
+    with pytest.raises(
+        ValueError,
+        match=r"scan\(carry=0\): batch argument 0 is the first step's state, passed once",
+    ):
+        step.scan(start[0], start[1], stacked_stats, keys, xs, ys, carry=0)
     with pytest.raises(ValueError, match=r"carry=2: batch argument 2 is shared"):
         step.scan(*start, keys, xs, ys, carry=2)
     with pytest.raises(ValueError, match=r"carry=4 names the batch argument .* in \[0, 4\)"):
