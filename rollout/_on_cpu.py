@@ -387,7 +387,9 @@ class _Coalescer:
         seen to take (a running mean), within [_COALESCE_MIN_S, _COALESCE_S]. A CPU runtime
         with more devices than threads runs only some device programs at a time, so most
         bursts never complete and each wait ran to its timeout: a fixed 50 ms made a rollout
-        on 4 simulated devices over 2 cores 11x slower than on 2, the CPU idle."""
+        on 4 simulated devices over 2 cores 11x slower than on 2, the CPU idle. A wait that
+        runs out halves the next one (down to the floor), so bursts that never complete at
+        all stop costing their timeout too."""
         if self._gathered_s is None:
             return _COALESCE_S
         return min(_COALESCE_S, max(_COALESCE_MIN_S, 4 * self._gathered_s))
@@ -401,13 +403,13 @@ class _Coalescer:
                 with self._cv:
                     if expected > 1 and not self._leftover:
                         # Wait for the burst: every device's call of this step (or a timeout).
-                        start = time.monotonic()
-                        if self._cv.wait_for(
-                            lambda: len(self._queue) >= expected, timeout=self._timeout()
-                        ):
+                        start, timeout = time.monotonic(), self._timeout()
+                        if self._cv.wait_for(lambda: len(self._queue) >= expected, timeout):
                             took = time.monotonic() - start
                             mean = took if self._gathered_s is None else self._gathered_s
                             self._gathered_s = 0.9 * mean + 0.1 * took
+                        else:  # (the timeout is 4x _gathered_s: half of it next time)
+                            self._gathered_s = timeout / 8
                     group = [r for r in self._queue if r.joins(req)]
                     self._queue = [r for r in self._queue if not r.joins(req)]
                     # Calls that could not join (other shared values) arrived with this burst:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import re
 import signal
@@ -177,8 +178,6 @@ def test_the_merge_wait_shrinks_to_what_whole_bursts_take():
     seen to arrive, 4x the time they took (at least 1 ms). With more devices than CPU threads
     most bursts never complete, and a fixed 50 ms made each step wait it out: a PPO rollout on
     4 simulated devices over 2 cores ran 11x slower than on 2."""
-    import threading
-
     import rollout._on_cpu as impl
 
     c = impl._Coalescer()
@@ -199,6 +198,14 @@ def test_the_merge_wait_shrinks_to_what_whole_bursts_take():
     assert impl._COALESCE_MIN_S <= c._timeout() < impl._COALESCE_S
     lone = impl._Request("sig", [np.ones((3, 1))], [])  # its burst's other call never comes
     assert c.submit(lone, 2, run)[0].tolist() == [[2.0]] * 3
+    # Bursts that never complete at all: each wait that runs out halves the next one.
+    never = impl._Coalescer()
+    waits = []
+    for _ in range(8):
+        waits.append(never._timeout())
+        never.submit(impl._Request("sig", [np.ones((1, 1))], []), 2, run)
+    assert waits[0] == impl._COALESCE_S and waits[-1] == impl._COALESCE_MIN_S
+    assert all(b == max(a / 2, impl._COALESCE_MIN_S) for a, b in itertools.pairwise(waits)), waits
 
 
 @pytest.mark.timeout(120)
