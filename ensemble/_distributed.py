@@ -450,7 +450,7 @@ def restore_checkpoint(
     leaf of another shape (another member count) or dtype than the checkpoint's is one
     ``ValueError``, as is a tree of another structure. ``partial=True`` reads only the leaves
     ``like`` has (the params of a checkpoint that also holds the optimizer state, for
-    inference). NumPy leaves carry no placement: a process with one device reads them onto
+    inference). NumPy leaves carry no placement: a run with one device (in all) reads them onto
     it; with several, they are refused (place ``like`` first: arrays from ``ens.init`` /
     ``step.init``, or ``jax.device_put``).
 
@@ -513,7 +513,7 @@ def _abstract(path: str, like: Any) -> Any:
     if unplaced:
         raise ValueError(
             f"restore_checkpoint({path}): like{unplaced[0]} (of {len(unplaced)} such leaves) has "
-            f"no placement on this process's {jax.device_count()} devices: pass arrays already "
+            f"no placement on the run's {jax.device_count()} devices: pass arrays already "
             "placed (from ens.init / step.init, or jax.device_put) or ShapeDtypeStructs with "
             "sharding=."
         )

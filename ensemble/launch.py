@@ -361,7 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gloo CPU collectives). Use ensemble.distributed.initialize() in the command.",
         epilog="example: python -m ensemble.launch -n 2 --devices-per-process 2 -- python train.py",
     )
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument(
+        "-n", "--num-processes", type=int, required=True, help="how many processes to start"
+    )
     parser.add_argument(
         "--devices-per-process",
         type=int,
@@ -369,7 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="CPU devices each process simulates (JAX_NUM_CPU_DEVICES); default: inherited",
     )
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop everything after S s")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop everything after SECONDS (exit 124; default: no limit)",
+    )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
     )

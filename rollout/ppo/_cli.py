@@ -686,7 +686,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--overwrite", action="store_true", help="remove the run already in --out and start anew"
     )
-    p.add_argument("--seed", type=int, default=None, help="root seed; members get split keys")
+    p.add_argument(
+        "--seed", type=int, default=None, help="root seed; members get split keys (default 0)"
+    )
     p.add_argument(
         "--env-on",
         choices=("device", "cpu"),
@@ -701,14 +703,22 @@ def _ppo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-coef", type=_floats, default=None, help="clip range, or one per member")
     p.add_argument("--num-envs", type=int, default=None, help="parallel envs per member")
     p.add_argument("--num-steps", type=int, default=None, help="rollout length per update")
-    p.add_argument("--updates-per-call", type=int, default=None, help="PPO updates per jit call")
     p.add_argument(
-        "--pbt", action="store_const", const=True, default=None, help="population-based training"
+        "--updates-per-call", type=int, default=None, help="PPO updates per jit call (default 8)"
     )
-    p.add_argument("--pbt-interval", type=int, default=None, help="PPO updates between PBT steps")
+    p.add_argument(
+        "--pbt",
+        action="store_const",
+        const=True,
+        default=None,
+        help="population-based training (default off)",
+    )
+    p.add_argument(
+        "--pbt-interval", type=int, default=None, help="PPO updates between PBT steps (10)"
+    )
     p.add_argument("--pbt-fraction", type=float, default=None, help="bottom/top fraction (0.25)")
     p.add_argument("--pbt-factors", type=_floats, default=None, help="perturbations (0.8,1.2)")
-    p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking")
+    p.add_argument("--pbt-window", type=int, default=None, help="updates averaged for ranking (3)")
 
 
 def _tuning_args(p: argparse.ArgumentParser) -> None:
@@ -752,7 +762,9 @@ def _widths(text: str) -> tuple[int, ...]:
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint-every", type=int, default=10, help="jit calls per checkpoint")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=10, help="jit calls per checkpoint (default 10)"
+    )
     p.add_argument(
         "--devices",
         type=int,

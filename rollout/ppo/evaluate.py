@@ -401,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("directory", help="an export (member_<i>/ subdirectories) or one member")
     p.add_argument("--episodes", type=int, default=10, help="episodes per policy (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the episodes' initial states")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the episodes' initial states (default 0)"
+    )
     p.add_argument("--video", default=None, help="record one episode (.gif, or .mp4 with ffmpeg)")
     p.add_argument(
         "--max-steps",

@@ -84,6 +84,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from rollout._devices import available_cores
 from rollout.ppo._networks import split_groups
@@ -389,7 +390,7 @@ class ExportedMember:
         """A MultiDiscrete action's ``nvec``; ``()`` for one categorical or a Box."""
         return tuple(_groups_of(self.meta))
 
-    def normalize(self, obs: jax.Array) -> jax.Array:
+    def normalize(self, obs: ArrayLike) -> jax.Array:
         norm = self.meta["obs_norm"]
         obs = jnp.asarray(obs, jnp.float32)
         if not norm["enabled"]:
@@ -397,7 +398,7 @@ class ExportedMember:
         z = (obs - self.obs_mean) / jnp.sqrt(self.obs_var + norm["epsilon"])
         return jnp.clip(z, -norm["clip"], norm["clip"])
 
-    def head(self, obs: jax.Array) -> jax.Array:
+    def head(self, obs: ArrayLike) -> jax.Array:
         """The policy head for raw observations ``[..., *obs_shape]``: logits, or the mean."""
         network = self.meta["network"]
         act_fn = _ACTIVATIONS[network["activation"]]
@@ -426,7 +427,7 @@ class ExportedMember:
             h = act_fn(h + self.params[f"convs_{k}/bias"])
         return h.reshape(*lead, -1)
 
-    def probs(self, obs: jax.Array) -> jax.Array:
+    def probs(self, obs: ArrayLike) -> jax.Array:
         """Discrete only: the action probabilities ``softmax(logits)`` (per group of
         :attr:`action_groups`, side by side)."""
         return jnp.concatenate(
@@ -439,7 +440,7 @@ class ExportedMember:
         low, high = (_bound(self.meta["action"][k], s) for k, s in (("low", -1), ("high", 1)))
         return jnp.clip(action, low, high)  # None: unbounded on that side
 
-    def act(self, obs: jax.Array) -> jax.Array:
+    def act(self, obs: ArrayLike) -> jax.Array:
         """Deterministic actions for raw observations: argmax (int32) or the clipped mean."""
         head = self.head(obs)
         if self.discrete:
@@ -755,7 +756,7 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
 
 def load_member(
     directory: str | os.PathLike, device: jax.Device | None = None
-) -> Callable[[jax.Array], jax.Array]:
+) -> Callable[[ArrayLike], jax.Array]:
     """The deterministic policy ``act(obs) -> action`` of an exported member (jittable).
 
     ``obs``: raw observations ``[..., *obs_shape]`` (normalisation is inside). Discrete:
