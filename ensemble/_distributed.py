@@ -490,7 +490,7 @@ def restore_checkpoint(
         raise ValueError(
             f"restore_checkpoint({path}, partial=True): like{jax.tree_util.keystr(absent[0])} "
             f"(of {len(absent)} such leaves) is not in the checkpoint, which holds "
-            f"{_some_leaves(stored, 6)}."
+            f"{_some(_leaf_names(stored), 6)}."
         )
     return out
 
@@ -530,10 +530,6 @@ def _leaf_names(tree: Any) -> set[str]:
 
 def _some(names: set[str], k: int = 3) -> str:
     return ", ".join(sorted(names)[:k]) + (", ..." if len(names) > k else "")
-
-
-def _some_leaves(tree: Any, k: int) -> str:
-    return _some(_leaf_names(tree), k)
 
 
 def _structure_mismatch(path: str, stored: Any, like: Any) -> str:

@@ -274,11 +274,8 @@ def sample(pi, noise: jax.Array, discrete: bool, groups: tuple[int, ...] = ()) -
       >>> bool(a == jax.random.categorical(key, logits))
       True
     """
-    if discrete and groups:
-        parts = zip(split_groups(pi, groups), split_groups(noise, groups))
-        return jnp.stack([jnp.argmax(p + g, axis=-1) for p, g in parts], axis=-1)
     if discrete:
-        return jnp.argmax(pi + noise, axis=-1)
+        return argmax_action(pi + noise, groups)
     mean, log_std = pi
     return mean + jnp.exp(log_std) * noise
 
@@ -302,6 +299,22 @@ def entropy(pi, discrete: bool, groups: tuple[int, ...] = ()) -> jax.Array:
         return sum(_categorical_entropy(p) for p in split_groups(pi, groups))
     _, log_std = pi
     return jnp.sum(log_std + 0.5 + 0.5 * _LOG_2PI, axis=-1)
+
+
+def argmax_action(scores: jax.Array, groups: tuple[int, ...] = ()) -> jax.Array:
+    """The int32 action that maximises ``scores`` (logits or probabilities): one index, or one
+    per group of ``groups`` (a MultiDiscrete's ``nvec``), ``[..., len(groups)]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> argmax_action(jnp.array([0.1, 0.7, 0.2, 0.6, 0.4]), (3, 2)).tolist()
+      [1, 0]
+    """
+    if not groups:
+        return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return jnp.stack([jnp.argmax(x, axis=-1) for x in split_groups(scores, groups)], -1).astype(
+        jnp.int32
+    )
 
 
 def split_groups(pi: jax.Array, groups: tuple[int, ...]) -> list[jax.Array]:

@@ -87,7 +87,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from rollout._devices import available_cores
-from rollout.ppo._networks import split_groups
+from rollout.ppo._networks import argmax_action, split_groups
 
 __all__ = [
     "FORMAT",
@@ -446,22 +446,6 @@ class ExportedMember:
         if self.discrete:
             return argmax_action(head, self.action_groups)
         return self.clip_action(head)
-
-
-def argmax_action(scores: jax.Array, groups: tuple[int, ...] = ()) -> jax.Array:
-    """The int32 action that maximises ``scores`` (logits or probabilities): one index, or one
-    per group of ``groups`` (a MultiDiscrete's ``nvec``), ``[..., len(groups)]``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> argmax_action(jnp.array([0.1, 0.7, 0.2, 0.6, 0.4]), (3, 2)).tolist()
-      [1, 0]
-    """
-    if not groups:
-        return jnp.argmax(scores, axis=-1).astype(jnp.int32)
-    return jnp.stack([jnp.argmax(x, axis=-1) for x in split_groups(scores, groups)], -1).astype(
-        jnp.int32
-    )
 
 
 def export_command(export: Path) -> str:
