@@ -30,7 +30,6 @@ import collections
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules
+from ensemble._warn import warn_user
 
 InAxes = int | None | Sequence[int | None]
 Axes = tuple[int | None, ...]
@@ -406,7 +406,7 @@ class ProgramCache(collections.OrderedDict):
         self.size = size
         self.warned = False
 
-    def get_or_make(self, key: Hashable, make: Callable[[], Any], stacklevel: int = 4) -> Any:
+    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
         if key in self:
             self.move_to_end(key)
             return self[key]
@@ -415,13 +415,12 @@ class ProgramCache(collections.OrderedDict):
             self.popitem(last=False)
             if not self.warned:
                 self.warned = True
-                warnings.warn(
+                warn_user(
                     f"an ensemble call compiled its {self.size + 1}th program, one per new "
                     "combination of Python values in its inputs (static: train=True, a number, "
                     "a function as method=); the least recently used are now dropped and "
                     "compiled again when needed. Pass a number that changes between calls as "
                     "an array (jnp.asarray(x)): arrays are traced and compile once.",
-                    stacklevel=stacklevel,  # the user's call
                 )
         return value
 

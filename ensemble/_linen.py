@@ -15,7 +15,6 @@ user can rely on:
 from __future__ import annotations
 
 import difflib
-import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +52,7 @@ from ensemble._mesh import (
     take_member,
     unmapped_names,
 )
+from ensemble._warn import warn_user
 
 if TYPE_CHECKING:
     from ensemble._train import TrainStep
@@ -202,7 +202,7 @@ class LinenEnsemble:
 
     def _init_program(self, rng: RngLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         keys = stream_keys(rng, default="params")
-        self._check_shared_names(keys, stacklevel=4)  # (the caller of init / lower_init)
+        self._check_shared_names(keys)
         axes = self._check_args(args)
         (arrays, kw_arrays), static = self._split(args, kwargs)
         call_args = (keys, arrays, kw_arrays)
@@ -290,7 +290,7 @@ class LinenEnsemble:
                 f"got {type(rngs).__name__}."
             )
         keys = stream_keys(rngs, default=None) if rngs else {}
-        self._check_shared_names(keys, stacklevel=3)
+        self._check_shared_names(keys)
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
         (arrays, kw_arrays), static = self._split(args, kwargs)
@@ -298,11 +298,11 @@ class LinenEnsemble:
         if cache_key not in self._cache:
             self._warn_new_function(method)
         make = lambda: self._make_apply(static, mutable, method, axes)
-        jitted = self._cache.get_or_make(cache_key, make, stacklevel=3)
+        jitted = self._cache.get_or_make(cache_key, make)
         with explained_errors():
             return jitted(variables, keys, arrays, kw_arrays)
 
-    def _check_shared_names(self, keys: Mapping[str, Any], stacklevel: int) -> None:
+    def _check_shared_names(self, keys: Mapping[str, Any]) -> None:
         """A ``shared_rngs`` name that a call's rngs lack while they have a stream spelled
         almost like it (``'dropuot'`` / ``'dropout'``) is a misspelling, and the stream it
         meant is then split per member without a word: warn, once per pair. (An apply may
@@ -312,10 +312,9 @@ class LinenEnsemble:
             for close in difflib.get_close_matches(name, split, n=1, cutoff=0.75):
                 if (name, close) not in self._warned_shared:
                     self._warned_shared.add((name, close))
-                    warnings.warn(
+                    warn_user(
                         f"shared_rngs names {name!r}, and this call's rngs have {close!r} "
                         "instead: misspelled? That stream is split per member.",
-                        stacklevel=stacklevel,
                     )
 
     def _make_apply(self, static, mutable, method, axes) -> Callable[..., Any]:
@@ -347,11 +346,10 @@ class LinenEnsemble:
             for k in self._cache
         ):
             self._warned_method = True
-            warnings.warn(
+            warn_user(
                 f"ens.apply got a new function object as method= ({method.__qualname__}) with "
                 "the code of one it already compiled; each new function compiles anew. Define "
                 "it once, outside the loop, or pass a method name (method='encode').",
-                stacklevel=3,
             )
 
     @staticmethod
@@ -437,12 +435,11 @@ def warn_unmapped(names: Sequence[Sequence[Any]], rules: LogicalRules, mesh: Mes
         return
     missing = unmapped_names(names, rules)
     if missing:
-        warnings.warn(
+        warn_user(
             f"parameter annotations use logical axes {missing} that no rule maps to a mesh axis "
             f"(rules: {rules}); each member spans {mesh.devices.size // n} devices, and those "
             "dimensions will be replicated on all of them. Add (name, <mesh axis or None>) to "
             "rules= to make the choice explicit.",
-            stacklevel=4,
         )
 
 

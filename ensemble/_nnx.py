@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -66,6 +65,7 @@ from ensemble._mesh import (
 )
 from ensemble._optim import per_member
 from ensemble._steps import one_step_of, scan_steps, stacked_flags
+from ensemble._warn import warn_user
 
 __all__ = ["NNXEnsemble", "build_nnx", "lower_build_nnx", "nnx_optimizer", "nnx_train_step"]
 
@@ -659,12 +659,11 @@ def _warn_if_rngs_unused(make_member: Callable[[nnx.Rngs], Any], keys: Any, n: i
             dependent.update(eqn.outvars)
     outs = [v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)]
     if drew == [False] and jaxpr.outvars and not any(v in dependent for v in outs):
-        warnings.warn(
+        warn_user(
             f"the factory draws no key from the nnx.Rngs it is given and no state it makes "
             f"depends on them, so all {n} members are the same model (same initial "
             "parameters, same dropout masks). Build the module from the factory's rngs, e.g. "
             "lambda rngs: MyModel(..., rngs=rngs), not from an nnx.Rngs made inside it.",
-            stacklevel=4,
         )
 
 

@@ -28,7 +28,6 @@ member's ``rngs={'dropout': k}``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +50,7 @@ from ensemble._core import (
 from ensemble._mesh import MEMBER_AXIS, MODEL_AXIS, check_mesh, member_sharding, merge_rules
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
 from ensemble._steps import one_step_of, scan_steps, stacked_flags
+from ensemble._warn import warn_user
 
 
 class TrainStep:
@@ -160,12 +160,11 @@ class TrainStep:
             )
         except Exception as e:  # an exotic state layout: the member axis only
             if self.mesh.shape[MODEL_AXIS] > 1:
-                warnings.warn(
+                warn_user(
                     f"train_step: the optimizer state's layout is not one optax can map onto "
                     f"the parameters ({type(e).__name__}: {e}), so its moments are split over "
                     "the members only, not over the 'model' devices like the parameters: each "
                     "of a member's devices holds them whole.",
-                    stacklevel=3,
                 )
             return jax.tree.map(default, abstract)
 

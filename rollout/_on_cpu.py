@@ -28,7 +28,6 @@ import numbers
 import pickle
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -39,6 +38,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ensemble._warn import warn_user
 from rollout._devices import available_cores
 from rollout._host_call import drop_padding, equal_ranks, pad_results
 from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
@@ -946,12 +946,11 @@ def _warn_batch_dependent_keys(keys: list, raw: list, axes: list) -> None:
         if impl is None and "rbg" in default and x.dtype == np.uint32 and x.shape[-1:] == (4,):
             impl = default
         if impl is not None and "rbg" in impl:
-            warnings.warn(
+            warn_user(
                 f"on_cpu(fn): batched {impl!r} keys draw bits that depend on the batch a row is "
                 "vmapped in, so results will depend on the worker count and chunking; use "
                 "threefry keys (jax.random.key's default) for results that do not",
                 RuntimeWarning,
-                stacklevel=3,
             )
             return
 

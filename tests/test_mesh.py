@@ -82,8 +82,9 @@ def test_unmapped_annotation_warns_only_when_a_split_is_dropped():
         warnings.simplefilter("error")
         ensemble.build(model, 8, rules=[("hidden", None)]).init(jax.random.key(0), x)
     # A member spans 2 devices: 'vocab' unmapped means those devices each hold it whole.
-    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices"):
+    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices") as seen:
         ensemble.build(model, 4, rules=[("hidden", None)]).init(jax.random.key(0), x)
+    assert seen[0].filename == __file__  # the user's line, not the library's
 
 
 def test_nnx_unmapped_annotation_is_replicated_like_linen():
@@ -100,8 +101,9 @@ def test_nnx_unmapped_annotation_is_replicated_like_linen():
         ens = ensemble.build(factory, 8, rules=[("hidden", None)], rngs=0)
     kernel = ens.members.kernel[...]
     assert {s.data.shape for s in kernel.addressable_shards} == {(1, 4, 8)}
-    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices"):
+    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices") as seen:
         ens = ensemble.build(factory, 4, rules=[("hidden", None)], rngs=0)
+    assert seen[0].filename == __file__
     kernel = ens.members.kernel[...]
     assert {s.data.shape for s in kernel.addressable_shards} == {(1, 4, 8)}  # whole per device
     keys = jax.random.split(jax.random.key(0), 4)

@@ -145,8 +145,9 @@ def test_an_optimizer_of_an_ensemble_of_another_n_is_named():
 @pytest.mark.timeout(60)
 def test_a_factory_that_ignores_its_rngs_warns_that_the_members_are_copies():
     """lambda rngs: nnx.Linear(3, 2, rngs=nnx.Rngs(0)) made n identical members silently."""
-    with pytest.warns(UserWarning, match="all 8 members are the same model"):
+    with pytest.warns(UserWarning, match="all 8 members are the same model") as seen:
         ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=nnx.Rngs(0)), D)
+    assert seen[0].filename == __file__  # the user's line
     kernel = np.asarray(ens.members.kernel[...])
     np.testing.assert_array_equal(kernel[0], kernel[1])  # what the warning says
 
@@ -191,6 +192,7 @@ def test_a_lambda_method_per_call_warns_and_compiled_programs_do_not_pile_up():
         outs = [ens.apply(variables, x, method=lambda m, x: m.encode(x)) for _ in range(6)]
     assert len([w for w in record if "new function object" in str(w.message)]) == 1  # once
     assert len([w for w in record if "compiled its 4th program" in str(w.message)]) == 1
+    assert {w.filename for w in record} == {__file__}  # the user's line
     assert len(ens._cache) == 3
     first = weakref.ref(next(iter(ens._cache.values())))
     for _ in range(3):
@@ -224,6 +226,7 @@ def test_a_python_number_new_every_call_keeps_a_bounded_number_of_nnx_programs(m
     with pytest.warns(UserWarning, match="compiled its 4th program") as record:
         outs = [ens(x, scale=float(t)) for t in range(6)]
     assert len(record) == 1 and len(_nnx._PROGRAMS) == 3
+    assert record[0].filename == __file__
     ref = ens.member(2)(x)
     for t, out in enumerate(outs):
         np.testing.assert_allclose(out[2], ref * t, rtol=1e-6)

@@ -345,8 +345,9 @@ def test_threefry_draws_do_not_depend_on_workers_and_rbg_keys_warn():
     np.testing.assert_array_equal(results[0], fn(keys))
 
     f = on_cpu(fn, workers=W)
-    with pytest.warns(RuntimeWarning, match="'rbg' keys draw bits that depend on the batch"):
+    with pytest.warns(RuntimeWarning, match="'rbg' keys draw bits that depend on the batch") as w:
         jax.eval_shape(f, jax.random.split(jax.random.key(0, impl="rbg"), 7))
+    assert w[0].filename == __file__  # the user's line
     raw = jnp.zeros((7, 4), jnp.uint32)  # raw key data under an rbg-family default
     with jax.default_prng_impl("unsafe_rbg"), pytest.warns(RuntimeWarning, match="'unsafe_rbg'"):
         jax.eval_shape(on_cpu(lambda k: k + 1, workers=W), raw)

@@ -43,7 +43,6 @@ import math
 import numbers
 import secrets
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -53,6 +52,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ensemble._warn import warn_user
 from rollout._devices import available_cores
 from rollout._host_call import host_call
 from rollout._relay import finish_dispatched, remember
@@ -433,12 +433,11 @@ class HostEnvs:
             else:
                 why = f"this process has bound the {_fast.SLOTS} device groups it can serve"
                 fix = "use fewer HostEnvs"
-            warnings.warn(
+            warn_user(
                 f"host env {self.env.name}: every step goes through Python, about 400 us of the "
                 f"learner's CPU per step slower ({why}); {fix} for the compiled step, or set "
                 "ROLLOUT_HOSTENV_FFI=0 to silence this.",
                 RuntimeWarning,
-                stacklevel=4,
             )
         return slot
 
@@ -759,12 +758,11 @@ class HostEnvs:
         m, e = t.shape
         if not self._warned.is_set():
             self._warned.set()
-            warnings.warn(
+            warn_user(
                 f"host env {self.env.name}: restarting the envs from reset (resumed from a "
                 "checkpoint, or stepped after close()); the episodes that were running end here "
                 "as truncated with reward 0.",
                 RuntimeWarning,
-                stacklevel=1,
             )
         self.restarts += 1
         new_session, new_obs = self._new_session(g, seeds)
