@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     rollout.configure_cpu_devices(len(os.sched_getaffinity(0)))
     de = load_example()
+    try:
+        de.load_digits()
+    except ValueError as e:  # scikit-learn missing: one line
+        parser.error(str(e))
     report = {"machine": machine(), "rows": []}
     for hidden in args.hidden:
         for members in args.members:

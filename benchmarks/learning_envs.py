@@ -53,7 +53,8 @@ def run(env: str, steps: int, out: Path, members: int) -> tuple[float, int]:
            "--total-steps", str(steps), "--out", str(out), "--no-progress"]  # fmt: skip
     cmd += ["--resume"] if rows else []
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    if subprocess.run(cmd, cwd=ROOT).returncode:  # the run printed why
+        raise SystemExit(f"learning_envs.py: the run of {env} failed: {' '.join(cmd)}")
     return time.perf_counter() - start, start_steps
 
 
@@ -103,6 +104,13 @@ def main() -> None:
     )
     args = p.parse_args()
     p.results_dir(RESULTS)
+    from rollout.ppo import PPOConfig
+
+    for env in args.envs:  # a missing extra is one line now, not after the runs before it
+        try:
+            PPOConfig.for_env(env, members=args.members)
+        except ValueError as e:
+            p.error(f"--envs {env}: {str(e).splitlines()[0]}")
     results = []
     for env in args.envs:
         out = args.runs / env.replace(":", "_")

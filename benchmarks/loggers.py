@@ -175,6 +175,12 @@ def _parse_args():
     )
     p.add_argument("--num-steps", type=positive_int, default=128, help="rollout length per update")
     args = p.parse_args()
+    from rollout.ppo import _loggers
+
+    try:  # both backends are timed: a missing package is one line before any run
+        _loggers.parse_log_flag("tensorboard,wandb")
+    except ValueError as e:
+        p.error(str(e))
     if args.updates < 2 * UPDATES_PER_CALL:  # the first call compiles and has no rate
         p.error(
             f"--updates must be >= {2 * UPDATES_PER_CALL} (two timed calls), got {args.updates}"

@@ -4,6 +4,7 @@ is taken from its own devices, and ``python -m rollout.ppo.evaluate`` reports re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import subprocess
@@ -298,11 +299,12 @@ def test_evaluate_cli_prints_a_row_per_member_and_the_ensemble(cartpole, tmp_pat
     video = tmp_path / "episode.gif"
     proc = _run_evaluate(tmp_path, "--episodes", "2", "--seed", "1", "--video", video)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # A video, or one line saying why not (gymnasium's renderer needs pygame).
+    # A video, or one line saying why not (gymnasium's renderer needs pygame): with the
+    # [video] extra (the test extra has it) always a video.
     notes = [line for line in proc.stderr.splitlines() if line.startswith("video")]
     assert len(notes) == 1, proc.stderr
-    if notes[0].startswith("video skipped: "):
-        assert not video.exists()
+    if not all(importlib.util.find_spec(m) for m in ("pygame", "imageio")):
+        assert notes[0].startswith("video skipped: ") and not video.exists()
     else:
         assert notes[0].startswith(f"video: {video} (") and video.stat().st_size > 0
     lines = proc.stdout.strip().splitlines()
@@ -504,6 +506,17 @@ def test_export_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+
+
+@pytest.mark.parametrize("module", ["imageio", "pygame"])
+def test_video_without_its_packages_names_the_extra(module, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "imageio.v2", raising=False)
+    meta = {"env": "cartpole", "gymnasium_id": None}
+    note = evaluate.record_video(None, meta, str(tmp_path / "run.gif"), seed=0)
+    assert note.startswith("video skipped: cannot render CartPole-v1 (")
+    assert note.endswith("; pip install 'sharded-ensembles[video]'"), note
+    assert not (tmp_path / "run.gif").exists()
 
 
 @pytest.mark.parametrize("env", ["gymnax:Catch-bsuite", "envpool:HalfCheetah-v5", "audio"])

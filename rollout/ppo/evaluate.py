@@ -376,7 +376,9 @@ def record_video(
         frames = [env.render()]
     except Exception as e:  # gymnasium / imageio / a renderer (pygame) missing
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"video skipped: cannot render {gym_id} ({type(e).__name__}: {first})"
+        missing = isinstance(e, ImportError) or type(e).__name__ == "DependencyNotInstalled"
+        fix = "; pip install 'sharded-ensembles[video]'" if missing else ""
+        return f"video skipped: cannot render {gym_id} ({type(e).__name__}: {first}){fix}"
     try:  # the episode from the same seed again (its first frame is that one), a frame a step
         _run_episode(env, jax.jit(policy), seed, step_cap(env, max_steps),
                      on_step=lambda: frames.append(env.render()))  # fmt: skip
