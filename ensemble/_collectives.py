@@ -42,7 +42,7 @@ _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?
 _AXES = re.compile(
     r"replica_groups=mesh\[((?:'\w+'=\d+,?)*)\]"
     r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"  # the mesh's devices, as an iota
-    r" \{((?:'\w+',?\s*)*)\}[,\s]"
+    r" \{((?:'\w+',?\s*)*)\}(?:[,\s]|$)"  # the op's last field ends the line
 )
 
 

@@ -25,6 +25,7 @@ from ensemble.debug import collectives
         ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply", [[0, 2], [1, 3]]),
         ("replica_groups=mesh['a'=2,'b'=2] {'b'}, use_global", [[0, 1], [2, 3]]),
         ("replica_groups=mesh['a'=2,'b'=2] {'a'}, use_global", [[0, 2], [1, 3]]),
+        ("replica_groups=mesh['a'=2,'b'=2] {'b'}", [[0, 1], [2, 3]]),  # last on its line
         # The mesh's devices in another order (a mesh listing 'data' before 'ensemble').
         (
             "replica_groups=mesh['a'=3,'b'=2], device_ids=([2,3]T(1,0)) {'b'}, use_global",
@@ -64,6 +65,18 @@ def test_collectives_across_members_are_those_that_move_data_between_members(fn,
     compiled = jax.jit(fn).lower(x).compile()
     assert collectives(compiled) == within
     assert collectives(compiled, across_members=True) == across
+
+
+def test_an_all_to_all_within_each_member_does_not_cross():
+    """A member's block moved from one split over its 2 'model' devices to another: an
+    all-to-all among the member's own devices, whose replica_groups end its HLO line (it was
+    read as one group of all devices, so as crossing members)."""
+    mesh = ensemble.make_mesh(4, model_parallel=2, devices=jax.devices()[:8])
+    x = jax.device_put(jnp.ones((4, 8, 16)), NamedSharding(mesh, P("ensemble", None, "model")))
+    out = NamedSharding(mesh, P("ensemble", "model", None))
+    compiled = jax.jit(lambda x: x * 1, out_shardings=out).lower(x).compile()
+    assert collectives(compiled) == {"all-to-all": 1}
+    assert collectives(compiled, across_members=True) == {}
 
 
 @pytest.mark.parametrize("names", [("data", "ensemble", "model"), ("model", "data", "ensemble")])
