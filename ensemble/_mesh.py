@@ -345,11 +345,12 @@ def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:
     types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
     submesh = Mesh(devices, names, axis_types=types)
     pieces: dict[int, list[jax.Array]] = {k: [] for k in split}
-    for device in [d for d in devices.flat if d.process_index == jax.process_index()]:
-        shards = [_shard_on(leaves[k], device) for k in split]
-        row = np.int32(i - (shards[0].index[0].start or 0))
-        for k, piece in zip(split, _rows(tuple(s.data for s in shards), row)):
-            pieces[k].append(piece)
+    with jax.set_mesh(None):  # each cut runs on one device, whatever mesh the caller has set
+        for device in [d for d in devices.flat if d.process_index == jax.process_index()]:
+            shards = [_shard_on(leaves[k], device) for k in split]
+            row = np.int32(i - (shards[0].index[0].start or 0))
+            for k, piece in zip(split, _rows(tuple(s.data for s in shards), row)):
+                pieces[k].append(piece)
     for k in split:
         spec = PartitionSpec(*tuple(leaves[k].sharding.spec)[1:])
         out[k] = jax.make_array_from_single_device_arrays(

@@ -77,3 +77,20 @@ def test_taking_every_member_compiles_once_per_device_not_per_leaf():
     for i in range(n):
         _check_member(ensemble.member(tree, i), tree, i, _owners(mesh, n, i))
     assert _rows._cache_size() - before <= D  # one program per device for all six leaves
+
+
+@pytest.mark.parametrize("n", [8, 4, 1])
+def test_member_inside_the_partitioning_context(n):
+    """``partitioning(ens.mesh)`` sets the mesh for the user's own code; taking a member there
+    failed in jit with 'incompatible devices' (a one-device cut under the whole mesh)."""
+    from flax import nnx
+
+    ens = ensemble.build(MLP(), n)
+    x = jnp.ones((2, 5))
+    variables = ens.init(jax.random.key(0), x)
+    nnx_ens = ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), n)
+    with ensemble.sharding.partitioning(ens.mesh):
+        got = ens.member(variables, n - 1)
+        plain = nnx_ens.member(n - 1)
+    np.testing.assert_array_equal(plain(x), nnx_ens(x)[n - 1])  # (on its devices, not the mesh)
+    _check_member(got, variables, n - 1, _owners(ens.mesh, n, n - 1))
