@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import subprocess
@@ -533,3 +534,27 @@ def test_metrics_count_games_with_raw_scores_where_an_env_says_so():
     # (its first step counted too: 10 steps, 100 points) and 19 (9 steps, 90 points).
     np.testing.assert_array_equal(np.asarray(carry.finished), [370.0, 37.0, 4.0])
     assert np.sum(dones) == 7 + 6  # every lost life still ends a training episode
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env_on", ["device", "cpu"])
+def test_jax_enable_x64_keeps_the_state_float32_and_runs_resume_either_way(env_on, tmp_path):
+    """Under jax_enable_x64 a continuous policy's log_std and the running statistics were
+    float64 beside float32 weights (the update failed in optax's clip), and a run saved so
+    could not resume without x64 (its statistics' checksums no longer matched)."""
+    cfg = PPOConfig.for_env("pendulum", members=2, num_envs=4, num_steps=32, total_steps=256,
+                            env_on=env_on)  # fmt: skip
+    dtypes = lambda tree: [(jax.tree_util.keystr(p), x.dtype) for p, x in
+                           jax.tree_util.tree_leaves_with_path(tree)]  # fmt: skip
+    with Learner(cfg, devices=jax.devices()[:2]) as learner:
+        plain = dtypes(learner.init())
+    with jax.enable_x64(True):
+        with Learner(cfg, devices=jax.devices()[:2]) as learner:
+            assert dtypes(learner.init()) == plain
+        train(cfg, tmp_path / "run", progress=False, devices=jax.devices()[:2])
+    longer = dataclasses.replace(cfg, total_steps=512)
+    warned = []
+    state, rows = train(longer, tmp_path / "run", resume=True, progress=False,
+                        devices=jax.devices()[:2], warn=warned.append)  # fmt: skip
+    assert not warned, warned
+    assert rows[-1]["env_steps"] == 512 and dtypes(state) == plain

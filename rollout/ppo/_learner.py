@@ -48,7 +48,8 @@ class RunningStats(NamedTuple):
     def zeros(cls, shape: tuple[int, ...]) -> RunningStats:
         """Empty statistics of values of ``shape``: mean 0, variance 1, a count of 1e-4."""
         # count starts at a tiny epsilon like gymnasium's RunningMeanStd (avoids 0/0).
-        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.asarray(1e-4, jnp.float32))
+        f32 = jnp.float32  # also under jax_enable_x64, as every other leaf of the state
+        return cls(jnp.zeros(shape, f32), jnp.ones(shape, f32), jnp.asarray(1e-4, f32))
 
     def update(self, batch: jax.Array) -> RunningStats:
         """These statistics merged with those of ``batch`` (its axis 0 is the sample axis)."""

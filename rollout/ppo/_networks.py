@@ -53,7 +53,7 @@ class ActorCritic(nn.Module):
         self.critic = [dense(w, math.sqrt(2.0)) for w in self.hidden]
         self.critic_out = dense(1, 1.0)
         if not self.discrete:
-            self.log_std = self.param("log_std", zeros, (self.action_dim,))
+            self.log_std = self.param("log_std", zeros, (self.action_dim,), jnp.float32)
 
     def __call__(self, obs: jax.Array):
         """Actor and critic together: ``(policy(obs), value(obs))``."""
@@ -139,7 +139,7 @@ class ImageActorCritic(nn.Module):
         self.actor_out = nn.Dense(self.action_dim, kernel_init=orthogonal(0.01), bias_init=zeros)
         self.critic_out = nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=zeros)
         if not self.discrete:
-            self.log_std = self.param("log_std", zeros, (self.action_dim,))
+            self.log_std = self.param("log_std", zeros, (self.action_dim,), jnp.float32)
 
     def features(self, obs: jax.Array) -> jax.Array:
         lead = obs.shape[:-3]
