@@ -142,9 +142,10 @@ class TrainStep:
         def like_param(leaf: Any, sharding: Any, shape: Any) -> Any:
             if not _shaped(leaf):  # the masked-out parameters of optax.masked / multi_transform
                 return leaf
-            return sharding if leaf.shape == shape else default(leaf)
+            return sharding if leaf.shape == shape.shape else default(leaf)
 
-        shapes = jax.tree.map(np.shape, params)
+        # Shapes as leaves (a tuple would be a node, and tuples of parameters are nodes too).
+        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), np.float32), params)
         param_shardings = jax.tree.map(lambda p: self._sharding_of(p, p), params)
         try:
             # Moments shaped like a parameter get that parameter's sharding (e.g. split on
@@ -156,7 +157,7 @@ class TrainStep:
                 param_shardings,
                 shapes,
                 transform_non_params=default,
-                is_leaf=lambda x: isinstance(x, NamedSharding | tuple),
+                is_leaf=lambda x: isinstance(x, NamedSharding),
             )
         except Exception as e:  # an exotic state layout: the member axis only
             if self.mesh.shape[MODEL_AXIS] > 1:

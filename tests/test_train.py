@@ -102,6 +102,29 @@ def test_member_step_equals_plain_optax():
         )
 
 
+@pytest.mark.parametrize("n", [D, D // 2])
+def test_params_holding_tuples_train_like_plain_optax(n):
+    """A tuple of parameters (``{'layers': (w1, w2)}``) was taken for a shape when the state's
+    shardings were matched to the params: step.init failed in jit with a ShapeDtypeStruct."""
+    mesh = ensemble.make_mesh(n, model_parallel=D // n)
+    params = {"layers": (jnp.arange(n * 3.0).reshape(n, 3), jnp.ones((n, 2)))}
+    params = ensemble.shard_members(params, mesh, n)
+    loss = lambda p, x: jnp.sum(jnp.sin(p["layers"][0] * x)) + jnp.sum(p["layers"][1] ** 2)
+    step = ensemble.train_step(loss, optax.adam(0.1), n=n, mesh=mesh, donate=False)
+    opt_state = step.init(params)
+    mu = opt_state[0].mu["layers"]
+    assert [m.sharding for m in mu] == [p.sharding for p in params["layers"]]
+    new, _, losses = step(params, opt_state, jnp.ones(3))
+    tx = optax.adam(0.1)
+    for i in (0, n - 1):
+        p = ensemble.member(params, i)
+        value, grads = jax.value_and_grad(loss)(p, jnp.ones(3))
+        ref = optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
+        np.testing.assert_allclose(losses[i], value, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(ensemble.member(new, i)), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_huge_gradient_on_one_member_leaves_the_others_alone():
     n = D
     xs = jax.random.normal(jax.random.key(1), (n, 4, 3))
