@@ -35,7 +35,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from ensemble._mesh import MEMBER_AXIS
 
-_KINDS = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+_KINDS = (
+    "all-gather|all-reduce|reduce-scatter|ragged-all-to-all|all-to-all|collective-permute"
+    "|collective-broadcast"
+)
 _OP = re.compile(rf"\s({_KINDS})(?:-start)?\(")
 _LISTED = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")

@@ -43,6 +43,17 @@ def test_device_groups_are_read_from_every_form(text, groups):
     assert _groups(f"  %x = f32[{n}] all-reduce(%y), {text}", max(4, n)) == groups
 
 
+@pytest.mark.parametrize(
+    "op", ["ragged-all-to-all", "collective-broadcast", "all-gather-start", "all-to-all"]
+)
+def test_every_collective_kind_is_counted(op):
+    """XLA:CPU compiles neither a ragged all-to-all nor a collective broadcast; a GPU does."""
+    from ensemble._collectives import _OP
+
+    found = _OP.search(f"  %x = f32[8] {op}(%y), replica_groups={{{{0,1}}}}")
+    assert found is not None and op.startswith(found.group(1))
+
+
 def _on_members(shape, spec):
     mesh = ensemble.make_mesh(4, devices=jax.devices()[:8])  # members x 2 'data' devices
     assert dict(mesh.shape) == {"ensemble": 4, "data": 2, "model": 1}
