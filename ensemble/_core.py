@@ -430,14 +430,36 @@ class ProgramCache(collections.OrderedDict):
 # member's 'data' and 'model' always are. Users put such prints in models to debug them, and
 # the bare error names neither the print nor a way out, so the entry points say both.
 _DEBUG_CALLBACK_BUG = "axis_index() takes 1 positional argument"
+# A member's shard_map (only its member axis manual) runs compiled only: run op by op, under
+# jax.disable_jit() or by jax_debug_nans / jax_debug_infs hunting the op that made a NaN, it
+# fails in shard_map's check of its out_specs with this.
+_EAGER_SHARD_MAP = "must refer to an axis marked as manual"
+_PLAIN_MEMBER = "ens.model.apply(ens.member(variables, i), x) (NNX: ens.member(i)(x))"
 
 
 @contextlib.contextmanager
 def explained_errors() -> Iterator[None]:
-    """Re-raises JAX's error for a ``jax.debug.print`` / ``jax.debug.callback`` inside a member
-    (see ``_DEBUG_CALLBACK_BUG``) with what it is and what to do; other errors pass unchanged."""
+    """Re-raises JAX's errors that name neither their cause nor a way out: a
+    ``jax.debug.print`` / ``jax.debug.callback`` inside a member (``_DEBUG_CALLBACK_BUG``), and
+    a member run op by op (``_EAGER_SHARD_MAP``); other errors pass unchanged."""
     try:
         yield
+    except ValueError as e:
+        if _EAGER_SHARD_MAP not in str(e):
+            raise
+        if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+            # A FloatingPointError: what JAX's NaN check passes on as its own finding.
+            raise FloatingPointError(
+                "jax_debug_nans / jax_debug_infs: an ensemble call's output holds a NaN or an "
+                "inf. JAX looks for the op that made it by running the call op by op, which an "
+                f"ensemble member cannot do with jax {jax.__version__}; find it in the member "
+                f"run as the plain model under the same flag: {_PLAIN_MEMBER}."
+            ) from None
+        raise RuntimeError(
+            "ensemble calls run compiled only (each member is a shard_map over the member "
+            "axis), so they do not run under jax.disable_jit(); call them outside it, or step "
+            f"through one member as the plain model: {_PLAIN_MEMBER}."
+        ) from None
     except TypeError as e:
         if _DEBUG_CALLBACK_BUG not in str(e):
             raise
@@ -446,8 +468,7 @@ def explained_errors() -> Iterator[None]:
             f"with jax {jax.__version__} (its lowering inside a partly manual shard_map calls "
             "lax.axis_index wrongly: the error above). To look at a value, return it (or sow "
             "it, mutable=['intermediates']) and print it outside the call, or run one member "
-            "as the plain model outside the ensemble: ens.model.apply(ens.member(variables, i), "
-            "x) (NNX: ens.member(i)(x))."
+            f"as the plain model outside the ensemble: {_PLAIN_MEMBER}."
         ) from e
 
 

@@ -262,3 +262,28 @@ def test_a_plain_nnx_optimizer_is_refused_by_the_train_step():
     with pytest.raises(ValueError, match=r"not made with ensemble.nnx_optimizer"):
         step(ens, nnx.Optimizer(ens, tx, wrt=nnx.Param), x)
     step(ens, step.init(), x)  # the optimizer the step makes is per member
+
+
+class LogNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.log(nn.Dense(1)(x))  # NaN for the members whose output is negative
+
+
+def test_op_by_op_runs_say_members_run_compiled():
+    """Under jax.disable_jit(), and when jax_debug_nans re-runs a call op by op to find a NaN,
+    every ensemble call failed with shard_map's 'out_specs ... must refer to an axis marked as
+    manual' (a real NaN hid behind it)."""
+    ens = ensemble.build(LogNet(), D)
+    x = jnp.ones((4, 3))
+    variables = ens.init(jax.random.key(0), x)
+    assert np.isnan(np.asarray(ens.apply(variables, x))).any()  # some members make a NaN
+    nnx_ens = ensemble.build(linear, D)
+    with jax.disable_jit():
+        for call in (lambda: ens.apply(variables, x), lambda: nnx_ens(x)):
+            with pytest.raises(RuntimeError, match=r"^ensemble calls run compiled only .*"):
+                call()
+    with jax.debug_nans(True):
+        with pytest.raises(FloatingPointError, match=r"output holds a NaN or an inf\. .*"):
+            ens.apply(variables, x)
+        assert nnx_ens(x).shape == (D, 4, 2)  # calls without a NaN run as before

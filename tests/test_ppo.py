@@ -354,6 +354,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items() if k != "env_steps_per_s"} for r in rs]
     assert strip(rows) == strip(full_rows)
     _assert_member_sharded(resumed.members, learner.mesh, 4)
+    assert learner._init_program._cache_size() == 1  # (it compiled anew for every run)
+    with jax.debug_nans(True), pytest.raises(RuntimeError, match=r"marks 'no episode finished"):
+        learner.init()  # its NaN markers would be reported as NaNs
 
     other = _tiny("cartpole", 4, total_steps=6 * 32, updates_per_call=2, gamma=0.9)
     with pytest.raises(ValueError, match=r"another config \(gamma 0.99 -> 0.9\)"):

@@ -244,6 +244,7 @@ class Learner:
         self._host_envs = hasattr(self.env, "bind")
         self._envs_beside_members = config.env_on == "device" and not self._host_envs
         self._programs: dict[int, Callable[..., Any]] = {}
+        self._init_program: Any = None  # kept: train(..., learner=) reuses what it compiled
         self._state_shardings: Any = None
         self._pbt_step: Any = None
 
@@ -252,16 +253,18 @@ class Learner:
     def init(self, seed: int | None = None) -> TrainState:
         """A fresh train state, every member-shaped leaf on the member axis from the start."""
         cfg, n = self.config, self.config.members
+        _refuse_debug_nans()
         seed = cfg.seed if seed is None else seed
         k_params, k_members = jax.random.split(jax.random.key(seed))
         sample_obs = jnp.zeros((1, *self.spec.obs_shape), jnp.float32)
         params = self.ensemble.init(k_params, sample_obs)["params"]
         member_keys = jax.random.key_data(jax.random.split(k_members, n))
         hparams = {k: jnp.asarray(cfg.per_member(k), jnp.float32) for k in _HPARAMS}
-        shardings = self.state_shardings()
-        init = jax.jit(self._init_state, out_shardings=shardings)
+        if self._init_program is None:
+            shardings = self.state_shardings()
+            self._init_program = jax.jit(self._init_state, out_shardings=shardings)
         with jax.set_mesh(self.mesh):
-            return init(params, member_keys, hparams)
+            return self._init_program(params, member_keys, hparams)
 
     def _init_state(self, params, member_keys, hparams) -> TrainState:
         cfg, n = self.config, self.config.members
@@ -341,6 +344,7 @@ class Learner:
         has ended; set ``anneal_lr=False`` to train open-ended).
         """
         k = self.config.updates_per_call if num_updates is None else int(num_updates)
+        _refuse_debug_nans()
         if k <= 0:
             raise ValueError(f"num_updates must be positive, got {k}.")
         program = self._programs.get(k)
@@ -724,3 +728,14 @@ def _episode_stats(
         ]
     )
     return jnp.where(game_over, 0.0, ep_return), jnp.where(game_over, 0.0, ep_length), finished
+
+
+def _refuse_debug_nans() -> None:
+    """The state and metrics mark 'no episode finished yet' with NaN (``last_return``, the
+    ``returns`` of an update where none ended), which ``jax_debug_nans`` raises on."""
+    if jax.config.jax_debug_nans:
+        raise RuntimeError(
+            "rollout.ppo marks 'no episode finished yet' with NaN in its state and metrics, "
+            "which jax_debug_nans reports as an error: turn it off around the learner's calls "
+            "(with jax.debug_nans(False): ...); jax_debug_infs works."
+        )
