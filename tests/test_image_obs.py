@@ -44,7 +44,7 @@ class Spot(envs.Env):
     def _frame(self, side: jax.Array, key: jax.Array) -> jax.Array:
         c, h, w = self.shape
         noise = jax.random.uniform(key, self.shape, maxval=60.0)
-        col = jnp.arange(w)
+        col = jnp.arange(w)[None, :]  # (explicit ranks: also under rank promotion "raise")
         lit = jnp.where(side == 0, col < w // 2, col >= w // 2) & (jnp.arange(h)[:, None] > 8)
         return jnp.where(lit[None] & (jnp.arange(c)[:, None, None] == 0), 255.0, noise)
 

@@ -122,7 +122,7 @@ def synthesize(params: SynthParams, h: Array, excitation: Array) -> tuple[Array,
     """
     hidden = h.shape[-1]
     # The input projections of all samples at once; the scan carries only the recurrence.
-    x_proj = excitation[:, None] * params.w_in + params.b  # (T, 3H)
+    x_proj = jnp.outer(excitation, params.w_in) + params.b[None]  # (T, 3H)
 
     def cell(h, xp):
         hp = h @ params.w_h  # (3H,)

@@ -302,4 +302,7 @@ def to_env_action(action: jax.Array, spec: EnvSpec) -> jax.Array:
     """Clip continuous actions into the box (the log-prob stays that of the unclipped sample)."""
     if spec.discrete:
         return action.astype(jnp.int32)
-    return jnp.clip(action, spec.action_low, spec.action_high)  # None: unbounded on that side
+    # None: unbounded on that side. Broadcast explicitly (jax_numpy_rank_promotion='raise').
+    low, high = (None if b is None else jnp.broadcast_to(b, action.shape)
+                 for b in (spec.action_low, spec.action_high))  # fmt: skip
+    return jnp.clip(action, low, high)

@@ -454,7 +454,9 @@ class Learner:
     def _normalize(self, obs: jax.Array, stats: RunningStats) -> jax.Array:
         if not self.normalize_obs:
             return obs
-        return jnp.clip((obs - stats.mean) / jnp.sqrt(stats.var + 1e-8), -10.0, 10.0)
+        # Broadcast explicitly: also under jax_numpy_rank_promotion='raise'.
+        mean, var = (jnp.broadcast_to(s, obs.shape) for s in (stats.mean, stats.var))
+        return jnp.clip((obs - mean) / jnp.sqrt(var + 1e-8), -10.0, 10.0)
 
     def _draw(self, carry: Rollout) -> tuple[Rollout, Draws]:
         """This member's action noise and env keys for the whole rollout (see ``Draws``)."""

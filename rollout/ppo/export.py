@@ -363,6 +363,12 @@ def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> di
 # ---------------------------------------------------------------------- reading
 
 
+def _along(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` broadcast to ``like``'s shape explicitly: the maths here also runs under
+    ``jax_numpy_rank_promotion='raise'``, which refuses implicit rank broadcasting."""
+    return jnp.broadcast_to(x, like.shape)
+
+
 def _bound(values: list[float | None] | None, sign: int) -> jax.Array | None:
     """One side of the action box as stored (``null``: infinite), for ``jnp.clip``."""
     if values is None:
@@ -395,14 +401,19 @@ class ExportedMember:
         obs = jnp.asarray(obs, jnp.float32)
         if not norm["enabled"]:
             return obs
-        z = (obs - self.obs_mean) / jnp.sqrt(self.obs_var + norm["epsilon"])
+        mean, var = _along(self.obs_mean, obs), _along(self.obs_var, obs)
+        z = (obs - mean) / jnp.sqrt(var + norm["epsilon"])
         return jnp.clip(z, -norm["clip"], norm["clip"])
 
     def head(self, obs: ArrayLike) -> jax.Array:
         """The policy head for raw observations ``[..., *obs_shape]``: logits, or the mean."""
         network = self.meta["network"]
         act_fn = _ACTIVATIONS[network["activation"]]
-        dense = lambda h, name: h @ self.params[f"{name}/kernel"] + self.params[f"{name}/bias"]
+
+        def dense(h: jax.Array, name: str) -> jax.Array:
+            h = h @ self.params[f"{name}/kernel"]
+            return h + _along(self.params[f"{name}/bias"], h)
+
         h = self.normalize(obs)
         if network["kind"] == "ImageActorCritic":
             h = self._conv_torso(h, act_fn)
@@ -424,7 +435,7 @@ class ExportedMember:
                 h, self.params[f"convs_{k}/kernel"], (stride, stride), "VALID",
                 dimension_numbers=("NHWC", "HWIO", "NHWC"),
             )  # fmt: skip
-            h = act_fn(h + self.params[f"convs_{k}/bias"])
+            h = act_fn(h + _along(self.params[f"convs_{k}/bias"], h))
         return h.reshape(*lead, -1)
 
     def probs(self, obs: ArrayLike) -> jax.Array:
@@ -438,6 +449,7 @@ class ExportedMember:
     def clip_action(self, action: jax.Array) -> jax.Array:
         """A continuous action clipped into the env's box (as the learner's env step does)."""
         low, high = (_bound(self.meta["action"][k], s) for k, s in (("low", -1), ("high", 1)))
+        low, high = (None if b is None else _along(b, action) for b in (low, high))
         return jnp.clip(action, low, high)  # None: unbounded on that side
 
     def act(self, obs: ArrayLike) -> jax.Array:

@@ -1,0 +1,68 @@
+"""The library under the JAX options users turn on to catch their own mistakes: its own code
+must not trip them. (``jax_enable_x64``: ``test_ppo.py``; ``jax_debug_nans`` and
+``jax.disable_jit``: ``test_newuser_ensemble.py``.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_image_obs import Spot
+
+import ensemble
+from rollout import envs
+from rollout.ppo import Learner, PPOConfig, export
+
+_BASE = dict(members=2, num_envs=2, num_steps=8, num_minibatches=2, update_epochs=1,
+             total_steps=64, updates_per_call=1)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "env, kw",
+    [
+        ("cartpole", {}),
+        ("pendulum", {}),
+        ("pendulum", {"env_on": "cpu"}),
+        ("audio", {}),
+        ("pendulum", {"members": 4, "pbt": True, "pbt_interval": 1, "pbt_fraction": 0.25}),
+        ("spot", {"normalize_obs": True}),
+    ],
+    ids=["cartpole", "pendulum", "pendulum-cpu", "audio", "pendulum-pbt", "image"],
+)
+def test_ppo_under_rank_promotion_raise(env, kw, tmp_path):
+    """``jax_numpy_rank_promotion='raise'`` refuses implicit rank broadcasting; the learner's
+    observation normalisation, its action clip and the audio env relied on it."""
+    if env == "spot":  # an env of the tests' own: 36x36 frames, the conv torso
+        cfg, made = PPOConfig(env="spot", **{**_BASE, **kw}), envs.AutoReset(Spot())
+    else:
+        cfg, made = PPOConfig.for_env(env, **{**_BASE, **kw}), None
+    with jax.numpy_rank_promotion("raise"):
+        with Learner(cfg, devices=jax.devices()[:2], env=made) as learner:
+            state = learner.init()
+            state, metrics = learner.update(state, 2)
+            assert np.isfinite(np.asarray(metrics["value_loss"])).all()
+            (path,) = export.export_members(learner, state, tmp_path, members=[0])
+            obs = jnp.zeros((3, *learner.spec.obs_shape))
+            assert export.read_member(path).act(obs).shape[0] == 3
+
+
+def test_ensemble_under_strict_options():
+    """The README's ensemble flow under rank promotion 'raise' and strict dtype promotion."""
+    import flax.linen as nn
+
+    model = nn.Dense(2)
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+        ens = ensemble.build(model, 8)
+        x = jnp.ones((4, 3))
+        variables = ens.init(jax.random.key(0), x)
+        loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+        step = ens.train_step(loss, optax.sgd(0.1))
+        params = variables["params"]
+        params, _, losses = step(params, step.init(params), x)
+        assert losses.shape == (8,)
+        out = ens.apply({"params": params}, x)
+        for reduce in (ensemble.mean, ensemble.variance):
+            assert reduce(out).shape == (4, 2)
