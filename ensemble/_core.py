@@ -609,7 +609,14 @@ class Members:
             return fn
 
         def split(x: Any) -> Any:
-            if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x) or x.shape[0] % data:
+            if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x):
+                return x
+            if x.shape[0] % data:
+                warn_user(
+                    f"a batch input of {x.shape[0]} rows does not split evenly over the "
+                    f"{data} 'data' devices of a member, so each of them computes all of it: "
+                    f"use a batch size that is a multiple of {data} to split the work."
+                )
                 return x
             return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
 

@@ -239,6 +239,20 @@ def test_logical_constraint_inside_member_is_not_a_no_op():
     assert {s.data.shape for s in y.addressable_shards} == {(1, 3, 4)}
 
 
+def test_a_batch_that_does_not_split_over_a_members_data_devices_warns():
+    """Such a batch is computed whole on each of the member's devices: the numbers are right,
+    the data parallelism silently gone (8x the work per device for a member on 8)."""
+    ens = ensemble.build(MLP(), D // 2, rules=RULES)  # a member spans 2 'data' devices
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        variables = ens.init(jax.random.key(0), jnp.ones((4, 5)))
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    with pytest.warns(UserWarning, match=r"3 rows does not split evenly over the 2 'data'") as w:
+        y = ens.apply(variables, x)
+    assert w[0].filename == __file__
+    np.testing.assert_allclose(y[1], MLP().apply(ens.member(variables, 1), x), rtol=1e-5)
+
+
 def test_init_holds_only_a_devices_share():
     x = jnp.ones((2, 64))
     model = MLP(hidden=512, out=64)
