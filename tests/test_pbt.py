@@ -282,6 +282,16 @@ def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
     assert strip(cut) == strip(rows)
 
 
+def test_pbt_at_its_defaults_compiles_one_update_program(tmp_path):
+    """pbt_interval 10 with calls of 8 ran 8 + 2 per interval: two update programs compiled
+    (about 13 s each on this machine)."""
+    cfg = _tiny("cartpole", 4, total_steps=20 * 32, updates_per_call=8, pbt_interval=10)
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    _, rows = train(cfg, tmp_path / "run", progress=False, learner=learner)
+    assert list(learner._programs) == [5] and len(rows) == 20
+    assert [r["update"] for r in rows if "pbt_parent" in r] == [10, 20]
+
+
 def test_an_extended_run_takes_the_pbt_step_at_its_old_last_update(tmp_path):
     # 4 updates, then --total-steps 6 updates: the PBT step after update 4 (the first run's
     # last) must happen, so the extension equals one run of 6 (lr annealing off: it follows
