@@ -157,7 +157,7 @@ class TrainStep:
                 param_shardings,
                 shapes,
                 transform_non_params=default,
-                is_leaf=lambda x: isinstance(x, NamedSharding),
+                is_leaf=lambda x: isinstance(x, NamedSharding | optax.MaskedNode),
             )
         except Exception as e:  # an exotic state layout: the member axis only
             if self.mesh.shape[MODEL_AXIS] > 1:
