@@ -246,6 +246,27 @@ def test_evaluation_returns_equal_a_step_by_step_loop(cartpole, tmp_path):
     np.testing.assert_array_equal(result["ensemble"], ref)
 
 
+def test_evaluating_again_compiles_nothing(cartpole, tmp_path, caplog):
+    """Each policy's episodes compiled anew on every evaluate() (its arrays were constants of
+    the program): n + 1 compiles per call, also for the members of a later checkpoint."""
+    import logging
+
+    learner, state = cartpole
+    paths = export.export_members(learner, state, tmp_path, members=[0, 2])
+    first = evaluate.evaluate([export.read_member(p) for p in paths], episodes=2, seed=1)
+    later = [  # read again, other weights (as a later checkpoint's): same layout
+        dataclasses.replace(m, params=jax.tree.map(lambda w: w * 1.5, m.params))
+        for m in map(export.read_member, paths)
+    ]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        again = evaluate.evaluate(later, episodes=2, seed=1)
+    compiled = [r.getMessage() for r in caplog.records]
+    assert not [c for c in compiled if "Finished XLA compilation of jit(" in c], compiled
+    assert set(again) == set(first) == {"member_0", "member_2", "ensemble"}
+    ref = evaluate.episode_returns(later[1].act, "cartpole", evaluate.reset_keys(1, 2))
+    np.testing.assert_array_equal(again["member_2"], ref)  # the new arrays, not the first ones
+
+
 def test_max_steps_cuts_the_episodes_of_pure_jax_envs_too(cartpole, tmp_path):
     learner, state = cartpole
     member = export.read_member(export.export_members(learner, state, tmp_path, members=[0])[0])

@@ -85,33 +85,75 @@ def episode_returns(
     ``rollout.envs`` (its own, ``gymnax:`` and ``brax:`` ids), made with ``kwargs``; episodes
     end at the env's time limit, or after ``max_steps`` steps if that is sooner."""
     import jax
-    import jax.numpy as jnp
 
+    env = _functional_env(env_id, kwargs)
+    run = jax.jit(lambda keys: _episodes(policy, env, keys, max_steps))
+    return np.asarray(run(keys), np.float64)
+
+
+def _functional_env(env_id: str, kwargs: dict[str, Any] | None) -> Any:
     from rollout import envs
 
-    env = envs.make(env_id, auto_reset=False, **(kwargs or {}))
+    return envs.make(env_id, auto_reset=False, **(kwargs or {}))
 
-    @jax.jit
-    def run(keys):
-        state, obs = jax.vmap(env.reset)(keys)
 
-        def step(carry, t):
-            state, obs, total, live = carry
-            # A fresh key per step (the env's random dynamics draw anew), the same for every
-            # policy evaluated from these reset keys.
-            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-            action = policy(obs)
-            state, obs, reward, term, trunc, _ = jax.vmap(env.step)(state, action, step_keys)
-            total = total + jnp.where(live, reward.astype(jnp.float32), 0.0)
-            return (state, obs, total, live & ~(term | trunc)), None
+def _episodes(policy: Policy, env: Any, keys: Any, max_steps: int | None) -> Any:
+    """Traced: the undiscounted return of one episode per key (see :func:`episode_returns`)."""
+    import jax
+    import jax.numpy as jnp
 
-        start = (state, obs, jnp.zeros(len(keys), jnp.float32), jnp.ones(len(keys), bool))
-        limit = env.max_episode_steps if max_steps is None else max_steps
-        steps = jnp.arange(1, min(env.max_episode_steps, limit) + 1)
-        (_, _, total, _), _ = jax.lax.scan(step, start, steps)
-        return total
+    state, obs = jax.vmap(env.reset)(keys)
 
-    return np.asarray(run(keys), np.float64)
+    def step(carry, t):
+        state, obs, total, live = carry
+        # A fresh key per step (the env's random dynamics draw anew), the same for every
+        # policy evaluated from these reset keys.
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+        action = policy(obs)
+        state, obs, reward, term, trunc, _ = jax.vmap(env.step)(state, action, step_keys)
+        total = total + jnp.where(live, reward.astype(jnp.float32), 0.0)
+        return (state, obs, total, live & ~(term | trunc)), None
+
+    start = (state, obs, jnp.zeros(len(keys), jnp.float32), jnp.ones(len(keys), bool))
+    limit = env.max_episode_steps if max_steps is None else max_steps
+    steps = jnp.arange(1, min(env.max_episode_steps, limit) + 1)
+    (_, _, total, _), _ = jax.lax.scan(step, start, steps)
+    return total
+
+
+# Compiled episode runners of exported policies, by what their programs depend on: the env,
+# its kwargs, the cap, the members' network / normalisation / action layout. The arrays are
+# arguments, so evaluating new members of the same run (a later checkpoint) reuses them.
+_RUNNERS: dict[str, Callable[..., Any]] = {}
+
+
+def _member_returns(members: Sequence[Any], ensemble: bool, env_id: str, keys: Any,
+                    kwargs: dict[str, Any], max_steps: int | None) -> np.ndarray:  # fmt: skip
+    """:func:`episode_returns` of member ``members[0]`` (or the ensemble policy of all),
+    compiled once per runner key (a policy closing over its arrays compiled every call)."""
+    import dataclasses
+    import json
+
+    import jax
+
+    layout = [{k: m.meta[k] for k in ("version", "network", "obs_norm", "action")} for m in members]
+    key = json.dumps([env_id, kwargs, max_steps, ensemble, layout], sort_keys=True, default=str)
+    run = _RUNNERS.get(key)
+    if run is None:
+        bare = [dataclasses.replace(m, params={}, obs_mean=None, obs_var=None) for m in members]
+        env = _functional_env(env_id, kwargs)
+
+        def returns(arrays, keys):
+            filled = [dataclasses.replace(m, params=p, obs_mean=mu, obs_var=var)
+                      for m, (p, mu, var) in zip(bare, arrays)]  # fmt: skip
+            return _episodes(ensemble_act(filled) if ensemble else filled[0].act, env, keys,
+                             max_steps)  # fmt: skip
+
+        run = _RUNNERS[key] = jax.jit(returns)
+        if len(_RUNNERS) > 32:  # many runs evaluated in one process: keep the newest
+            del _RUNNERS[next(iter(_RUNNERS))]
+    arrays = [(m.params, m.obs_mean, m.obs_var) for m in members]
+    return np.asarray(run(arrays, keys), np.float64)
 
 
 def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
@@ -263,10 +305,11 @@ def evaluate(
     check_env(members, kwargs)
     if is_functional(env_id):
         keys = reset_keys(seed, episodes)
-        return {
-            name: episode_returns(p, env_id, keys, kwargs, max_steps)
-            for name, p in policies.items()
-        }
+        out = {name: _member_returns([m], False, env_id, keys, kwargs, max_steps)
+               for name, m in zip(policies, members)}  # fmt: skip
+        if len(members) > 1:
+            out["ensemble"] = _member_returns(members, True, env_id, keys, kwargs, max_steps)
+        return out
     if str(env_id).startswith("envpool:"):
         if max_steps is not None:
             raise ValueError(
