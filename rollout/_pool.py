@@ -292,7 +292,14 @@ class ProcessPool:
                     pass  # a dead worker is reported below with its exit code
                 w.programs.add(key)
                 pending[w.conn] = w
-            self._collect(pending, key, timeout, call_id)
+            try:
+                self._collect(pending, key, timeout, call_id)
+            except BaseException:
+                # Interrupted (Ctrl-C in an eager call) with workers still computing into
+                # this block: their late outputs would land on the next call's arrays there.
+                if pending:
+                    self._shutdown(kill=True)  # the next call starts new workers
+                raise
             na = len(arrays)
             return [
                 np.array(np.ndarray(shape, dt, buffer=shm.buf, offset=layout[na + j]))
@@ -304,8 +311,9 @@ class ProcessPool:
         out of time or stayed stopped, since its peers would otherwise keep computing a dropped
         result).
 
-        Answers to an earlier call are skipped: a call interrupted while it waited (Ctrl-C in an
-        eager call) leaves its workers finishing it, and their late "ok" is not this call's."""
+        Answers to an earlier call are skipped (a worker that answered an interrupted call's
+        "start" only). ``pending`` keeps the workers that have not answered: an interrupted
+        call's caller stops them, as their outputs would overwrite the next call's."""
         errors: list[str] = []
         broken: type[WorkerError] | None = None
         started: dict = {}  # conn -> when its worker started executing

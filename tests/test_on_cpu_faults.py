@@ -234,6 +234,21 @@ INTERRUPTED = textwrap.dedent(
     except KeyboardInterrupt:
         pass
     np.testing.assert_array_equal(np.asarray(g(*b)), want_b)  # not g(a)'s late answer
+
+    # Another function on the same pool: its arrays lie where the interrupted call's workers
+    # would write their late outputs (the shared block is reused), so those workers are
+    # stopped, not left to overwrite this call's inputs (it returned NaN for every row).
+    f = rollout.on_cpu(lambda x: slow(x, 100_000_000) * 0 + jnp.nan, workers=2)
+    add = rollout.on_cpu(lambda p, q: p + q, workers=2)
+    p, q = np.ones(1024, np.float32), np.full(1024, 2.0, np.float32)
+    np.testing.assert_array_equal(np.asarray(add(p, q)), p + q)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        f(np.ones(1024, np.float32))
+        print("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    np.testing.assert_array_equal(np.asarray(add(p, q)), p + q)
     print("ok")
     """
 )
