@@ -185,15 +185,27 @@ def stream_keys(rngs: Any, default: str | None) -> dict[str, jax.Array]:
     return {default: as_key(rngs, default)}
 
 
+def first_failing(tree: Any, bad: Callable[[Any], bool]) -> tuple[str, Any] | None:
+    """The path (``keystr``) and leaf of the first leaf of ``tree`` that is ``bad``, else None.
+
+    The checks below run on every call of a step, over every leaf: paths, the slow part, are
+    made only for a tree that has a bad leaf (a model of 600 leaves spent 5 ms a call on them).
+    """
+    if not any(bad(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
+        return None
+    path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if bad(x))
+    return jax.tree_util.keystr(path), leaf
+
+
 def check_member_major(tree: Any, n: int, what: str, hint: str = "") -> None:
     """Every leaf has a leading member axis of size n; otherwise one clear error."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        shape = np.shape(leaf)
-        if not shape or shape[0] != n:
-            raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} has shape {shape}; it needs a leading "
-                f"member axis of size n={n}.{' ' + hint if hint else ''}"
-            )
+    found = first_failing(tree, lambda leaf: np.shape(leaf)[:1] != (n,))
+    if found is not None:
+        path, leaf = found
+        raise ValueError(
+            f"{what}{path} has shape {np.shape(leaf)}; it needs a leading "
+            f"member axis of size n={n}.{' ' + hint if hint else ''}"
+        )
 
 
 # How to fix an input marked per-member / shared that does not look like one.
@@ -288,9 +300,10 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
         other = getattr(sharding, "mesh", None)
         return len(order) > 1 and other is not None and tuple(other.devices.flat) != order
 
-    if not any(misplaced(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
+    found = first_failing(tree, misplaced)
+    if found is None:
         return
-    path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if misplaced(x))
+    path, leaf = found
     fix = (
         "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
         if member_major
@@ -308,8 +321,7 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
             f"ensemble runs on devices {_device_ids(order)}"
         )
     raise ValueError(
-        f"{what}{jax.tree_util.keystr(path)} {where}; pass it uncommitted (np.asarray(x)) or "
-        f"move it there {fix}."
+        f"{what}{path} {where}; pass it uncommitted (np.asarray(x)) or move it there {fix}."
     )
 
 
@@ -349,26 +361,33 @@ def check_not_donated(
         check_live(arg, f"batch argument {pos}", fix=keep_a_copy)
     if not donating:
         return
-    seen: dict[int, str] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(donated):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            where = jax.tree_util.keystr(path)
-            if id(leaf) in seen:
-                raise ValueError(
-                    f"{where} is the same array as {seen[id(leaf)]} (both donated); a donating "
-                    "step needs each array once (it overwrites them in place). "
-                    "Tie weights inside the model (one parameter used twice), copy one of "
-                    "them, or pass donate=False."
-                )
-            seen[id(leaf)] = where
+    ids = [id(x) for x in jax.tree_util.tree_leaves(donated) if _concrete(x)]
+    if len(set(ids)) < len(ids):  # paths (slow) only to name the pair
+        seen: dict[int, str] = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(donated):
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                where = jax.tree_util.keystr(path)
+                if id(leaf) in seen:
+                    raise ValueError(
+                        f"{where} is the same array as {seen[id(leaf)]} (both donated); a "
+                        "donating step needs each array once (it overwrites them in place). "
+                        "Tie weights inside the model (one parameter used twice), copy one of "
+                        "them, or pass donate=False."
+                    )
+                seen[id(leaf)] = where
+    donated_ids = set(ids)
     for pos, arg in enumerate(batch):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
-            if isinstance(leaf, jax.Array) and id(leaf) in seen:
-                raise ValueError(
-                    f"batch argument {pos}{jax.tree_util.keystr(path)} is also one of the "
-                    f"{donated_what} arrays this step donates (overwrites in place); "
-                    f"{keep_a_copy}."
-                )
+        found = first_failing(arg, lambda x: isinstance(x, jax.Array) and id(x) in donated_ids)
+        if found is not None:
+            raise ValueError(
+                f"batch argument {pos}{found[0]} is also one of the "
+                f"{donated_what} arrays this step donates (overwrites in place); "
+                f"{keep_a_copy}."
+            )
+
+
+def _concrete(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def _deleted(leaf: Any) -> bool:
@@ -386,12 +405,11 @@ _USE_RETURNED = (
 def check_live(tree: Any, what: str, fix: str = _USE_RETURNED) -> None:
     """Refuses arrays whose buffers were donated to an earlier call (a crash inside XLA on some
     multi-device backends); says which argument and what to do (``fix``)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if _deleted(leaf):
-            raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} was donated to an earlier call and its "
-                f"buffer is gone; {fix}."
-            )
+    found = first_failing(tree, _deleted)
+    if found is not None:
+        raise ValueError(
+            f"{what}{found[0]} was donated to an earlier call and its buffer is gone; {fix}."
+        )
 
 
 class ProgramCache(collections.OrderedDict):

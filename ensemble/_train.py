@@ -97,6 +97,7 @@ class TrainStep:
         self._has_aux = bool(has_aux)
         self._donate = bool(donate)
         self._cache: dict[Hashable, Callable[..., Any]] = {}
+        self._layouts: dict[Hashable, tuple[Any, Any]] = {}  # see _state_shardings
 
     @classmethod
     def for_members(
@@ -315,19 +316,14 @@ class TrainStep:
                 "ones only. Write the step yourself (gradient of params.fast, then "
                 "ensemble.per_member(tx, n).update), or use another optimizer."
             )
-        self._check_member_major(params, "params")
-        self._check_member_major(opt_state, "opt_state")
         check_live(params, "params")
         check_live(opt_state, "opt_state")
         axes = self._batch_axes(len(batch))
         one = batch if stacked is None else one_step_of(batch, stacked)
         check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES, mesh=self.mesh)
-        check_on_mesh(params, self.mesh, "params", member_major=True)
-        check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
-        p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
-        s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
+        p_sh, s_sh = self._state_shardings(params, opt_state)
         key = (
             jax.tree.structure((params, opt_state)),
             tuple(jax.tree.leaves((p_sh, s_sh))),
@@ -338,6 +334,26 @@ class TrainStep:
         if key not in self._cache:
             self._cache[key] = self._compile(axes, p_sh, s_sh, stacked, carry)
         return self._cache[key]
+
+    def _state_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The state's shardings in and out, its layout checked; kept by layout (shapes and
+        shardings): a step is called again and again with the arrays of the last, and these
+        passes over every leaf cost about 5 us a leaf (8 ms a call for 1,500 leaves)."""
+        leaves, treedef = jax.tree.flatten((params, opt_state))
+        layout = None
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            layout = (treedef, tuple((np.shape(x), getattr(x, "sharding", None)) for x in leaves))
+            if layout in self._layouts:
+                return self._layouts[layout]
+        self._check_member_major(params, "params")
+        self._check_member_major(opt_state, "opt_state")
+        check_on_mesh(params, self.mesh, "params", member_major=True)
+        check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
+        p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
+        s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
+        if layout is not None:
+            self._layouts[layout] = (p_sh, s_sh)
+        return p_sh, s_sh
 
     def _compile(
         self,
