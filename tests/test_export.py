@@ -451,6 +451,23 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
     )
 
 
+def test_a_run_extended_by_resume_exports_into_its_own_export_again(cartpole, tmp_path):
+    """--resume --total-steps (the one change a resume allows) made the run's own earlier
+    export 'members of another run': export refused, and evaluate's advice looped."""
+    learner, state = cartpole
+    cfg = learner.config
+    export.export_from_state(cfg, state, tmp_path / "run" / "export", members=[0, 1])
+    longer = dataclasses.replace(cfg, total_steps=2 * cfg.total_steps)
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"config": longer.to_dict()}))
+    assert export._export_of(tmp_path / "run" / "export", tmp_path / "run")
+    export.export_from_state(longer, state, tmp_path / "run" / "export", members=[0, 1])
+    meta = json.loads((tmp_path / "run" / "export" / "member_1" / "member.json").read_text())
+    assert meta["config"]["total_steps"] == longer.total_steps
+    other = dataclasses.replace(longer, gamma=0.9)  # another run still is one
+    with pytest.raises(ValueError, match=r"holds members of another run \(member_0\)"):
+        export.export_from_state(other, state, tmp_path / "run" / "export", members=[0])
+
+
 def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(
     cartpole, tmp_path, capsys
 ):

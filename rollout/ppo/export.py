@@ -184,13 +184,18 @@ def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike)
 def _other_run_member(export: Path, config: dict[str, Any]) -> Path | None:
     """The first member directory in ``export`` exported from a run of another config (None if
     all are this run's); members whose ``member.json`` cannot be read, or that have none (an
-    interrupted export, which exporting again repairs), are not counted."""
+    interrupted export, which exporting again repairs), are not counted. Fields a resume may
+    extend (``--total-steps``) do not make another run: an extended run re-exports in place."""
+    from rollout.ppo._checkpoint import EXTENDABLE
+
+    fixed = lambda c: {k: v for k, v in c.items() if k not in EXTENDABLE}
     for meta_file in sorted(export.glob("member_*/member.json")):
         try:
             other = json.loads(meta_file.read_text()).get("config")
+            same = fixed(other) == fixed(config)
         except (OSError, ValueError, AttributeError):
             continue  # not readable as an export: nothing of a run to protect
-        if other != config:
+        if not same:
             return meta_file.parent
     return None
 
