@@ -886,10 +886,13 @@ def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(
     cfg = _tiny(updates_per_call=per_call, pbt=pbt, pbt_fraction=0.5, pbt_interval=3)
     learner = Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(NanAtStep7()))
     out = tmp_path / "run"
+    logged = []  # what --log's loggers get: every row metrics.jsonl gets
     with pytest.raises(Diverged, match=r"diverged at update 1: member\(s\) 0, 1 computed a NaN"):
-        train(cfg, out, progress=False, learner=learner, checkpoint_every=1)
+        train(cfg, out, progress=False, learner=learner, checkpoint_every=1,
+              on_update=logged.append)  # fmt: skip
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1] and rows[0]["policy_loss"] == [None, None]
+    assert [r["update"] for r in logged] == [1]
     assert "env_steps_per_s" in rows[0]
     assert ("hparams" in rows[0]) == pbt
     assert ckpt.checkpoints(out) == []  # the NaN state was not saved

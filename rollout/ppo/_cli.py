@@ -402,6 +402,9 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
                     row["env_steps_per_s"] = sps
                 if run is not None:
                     run.append(new_rows)
+                for row in new_rows:  # the loggers too: the error points at these rows
+                    if on_update is not None:
+                        on_update(row)
                 raise diverged
             done += k
             if cfg.pbt:  # lineage into the rows; every pbt_interval updates, exploit/explore
