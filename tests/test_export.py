@@ -246,6 +246,13 @@ def test_evaluation_returns_equal_a_step_by_step_loop(cartpole, tmp_path):
     np.testing.assert_array_equal(result["ensemble"], ref)
 
 
+def test_evaluate_refuses_a_member_index_given_twice(cartpole, tmp_path):
+    learner, state = cartpole
+    (path,) = export.export_members(learner, state, tmp_path, members=[1])
+    with pytest.raises(ValueError, match=r"^evaluate got member_1 more than once"):
+        evaluate.evaluate([export.read_member(path), export.read_member(path)], 1, 0)
+
+
 def test_evaluating_again_compiles_nothing(cartpole, tmp_path, caplog):
     """Each policy's episodes compiled anew on every evaluate() (its arrays were constants of
     the program): n + 1 compiles per call, also for the members of a later checkpoint."""

@@ -27,7 +27,7 @@ import pytest
 from subprocess_env import clean_env
 
 from ensemble.distributed import checkpoint_metadata
-from rollout.ppo import Learner, PPOConfig, main, train
+from rollout.ppo import Learner, PPOConfig, export, main, train
 from rollout.ppo import _checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,6 +209,9 @@ def test_a_hand_edited_run_json_is_named_not_resumed_under_another_config(tmp_pa
         (out / "run.json").write_text(json.dumps(edited))
         with pytest.raises(ckpt.ConfigChanged, match=rf"checkpoint -> run.json: {key} .+ -> "):
             _run(PPOConfig.from_dict(edited["config"]), out, resume=True)
+        # The export reads the run too: the same words, none of them a training flag.
+        with pytest.raises(ckpt.ConfigChanged, match=r"^\S+run.json does not hold the config"):
+            export.export_run(out, tmp_path / "export")
         assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == [
             "ckpt_00000001",
             "ckpt_00000002",

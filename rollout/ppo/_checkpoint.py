@@ -464,11 +464,10 @@ def _restore_one(path: Path, record: dict[str, Any], like: Any) -> tuple[Any, di
     diffs = config_differences(meta.get("config") or {}, record["config"])
     if diffs:
         raise ConfigChanged(
-            f"--resume: {path.parent / RUN_FILE} does not hold the config checkpoint "
-            f"{path.name} was written with (checkpoint -> {RUN_FILE}: {diffs}); it was "
-            "changed by hand. Put "
-            "the checkpoint's values back (a run's config cannot change; only --total-steps "
-            "may grow), or start a new run in another --out."
+            f"{path.parent / RUN_FILE} does not hold the config checkpoint {path.name} was "
+            f"written with (checkpoint -> {RUN_FILE}: {diffs}); it was changed by hand. Put "
+            "the checkpoint's values back: a run's config cannot change (only --total-steps "
+            "may grow by a resume), a new config is a new run."
         )
     # Read each leaf in the dtype it was saved in (an older version may have kept another one:
     # uint8 frames were float32), check it against its checksum, then cast it if exact.

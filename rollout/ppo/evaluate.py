@@ -297,7 +297,14 @@ def evaluate(
     there are several members). ``max_steps`` cuts episodes sooner than the env's own time
     limit (gymnasium: see :func:`step_cap`); EnvPool ids refuse it (their ``max_episode_steps``
     make kwarg sets the limit)."""
-    policies = {f"member_{m.meta['member']}": m.act for m in members}
+    names = [f"member_{m.meta['member']}" for m in members]
+    if len(set(names)) < len(names):  # a row per name: one of them would silently go
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(
+            f"evaluate got {twice} more than once (members of different exports?); pass each "
+            "member of one export once (python -m rollout.ppo.evaluate checks an export whole)."
+        )
+    policies = dict(zip(names, (m.act for m in members)))
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
     env_id = members[0].meta["env"]
