@@ -96,7 +96,7 @@ def _disagreement(logits: jax.Array) -> jax.Array:
 
 
 _mean = jax.jit(lambda y: jnp.mean(y, axis=0))
-_variance = jax.jit(lambda y, ddof: jnp.var(y, axis=0, ddof=ddof), static_argnums=1)
+_variance = jax.jit(lambda y, ddof: jnp.var(y, axis=0, ddof=ddof))  # ddof may be traced
 
 
 def member(tree_or_ensemble: Any, i: int) -> Any:

@@ -66,3 +66,43 @@ def test_ensemble_under_strict_options():
         out = ens.apply({"params": params}, x)
         for reduce in (ensemble.mean, ensemble.variance):
             assert reduce(out).shape == (4, 2)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_checkpoints_exports_and_resumes_under_rank_promotion_raise(tmp_path):
+    """The checkpoints' checksums broadcast implicitly: every run failed at its first save,
+    and a healthy checkpoint read as unrestorable (export and --resume then advised
+    --overwrite)."""
+    from rollout.ppo import train
+
+    cfg = PPOConfig.for_env("pendulum", **{**_BASE, "updates_per_call": 2})
+    devices = jax.devices()[:2]
+    with jax.numpy_rank_promotion("raise"):
+        train(cfg, tmp_path / "run", progress=False, devices=devices)
+        (path,) = export.export_run(tmp_path / "run", tmp_path / "export", members=[1])
+        longer = PPOConfig.for_env("pendulum", **{**_BASE, "updates_per_call": 2,
+                                                  "total_steps": 128})  # fmt: skip
+        _, rows = train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    assert [r["update"] for r in rows] == list(range(1, 9)) and path.name == "member_1"
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_with_64_bit_env_state_needs_x64_to_resume(tmp_path):
+    """gymnax keeps its env state in float64 under jax_enable_x64; read without x64 it came
+    back as float32 and was called damaged ('checksum mismatch'; start over)."""
+    pytest.importorskip("gymnax")
+    from rollout.ppo import _checkpoint, train
+
+    env = "gymnax:MountainCarContinuous-v0"
+    cfg = PPOConfig.for_env(env, **_BASE)
+    devices = jax.devices()[:2]
+    with jax.enable_x64(True):
+        train(cfg, tmp_path / "run", progress=False, devices=devices)
+    longer = PPOConfig.for_env(env, **{**_BASE, "total_steps": 96})
+    saved = _checkpoint.checkpoints(tmp_path / "run")
+    with pytest.raises(_checkpoint.ConfigChanged, match=r"holds 64-bit leaves .*x64 on too"):
+        train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    assert _checkpoint.checkpoints(tmp_path / "run") == saved  # none set aside as damaged
+    with jax.enable_x64(True):
+        _, rows = train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    assert rows[-1]["update"] == 6

@@ -24,6 +24,8 @@ def test_mean_and_variance(logits):
     np.testing.assert_allclose(ensemble.variance(y, ddof=1), ref.var(0, ddof=1), rtol=1e-5)
     jitted = jax.jit(ensemble.mean)(y)
     np.testing.assert_allclose(jitted, ref.mean(0), rtol=1e-5, atol=1e-6)
+    traced = jax.jit(lambda y, d: ensemble.variance(y, ddof=d))(y, 1)  # as jnp.var takes it
+    np.testing.assert_allclose(traced, ref.var(0, ddof=1), rtol=1e-5)
 
 
 def test_log_mean_exp_matches_numpy_and_is_stable(logits):

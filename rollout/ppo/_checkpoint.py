@@ -404,7 +404,9 @@ def restore_targets(learner: Any) -> Any:
 
 
 class ConfigChanged(RunDirError):
-    """A checkpoint written with another config than ``run.json`` holds (edited by hand)."""
+    """A checkpoint written with another config than ``run.json`` holds (edited by hand), or
+    with 64-bit leaves that this process cannot hold (``jax_enable_x64`` off): the checkpoint
+    is fine, so older ones are not tried."""
 
 
 def restore_latest(
@@ -492,6 +494,14 @@ def _as_saved(path: Path, like: Any) -> Any:
     with ocp.StandardCheckpointer() as checkpointer:
         saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
     dtypes = {_path_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+    wide = sorted("/".join(map(str, name)) for name, d in dtypes.items()
+                  if jax.numpy.dtype(d).itemsize == 8)  # fmt: skip
+    if wide and not jax.config.jax_enable_x64:  # read as 32 bits, they would fail their checksum
+        raise ConfigChanged(
+            f"checkpoint {path.name} holds 64-bit leaves ({', '.join(wide[:3])}: an env whose "
+            "state is float64 / int64 under jax_enable_x64, as gymnax's), written with x64 on; "
+            "resume or export it with x64 on too (JAX_ENABLE_X64=1)."
+        )
 
     def one(p, x):
         dtype = dtypes.get(_path_names(p), x.dtype)
@@ -551,7 +561,8 @@ def _fingerprint_program():
         b = bits(x)
         b = b.reshape(1, -1) if x.ndim == 0 else b.reshape(x.shape[0], -1)
         w = jnp.arange(b.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        return jnp.sum((b ^ (b >> 16)) * w, axis=1, dtype=jnp.uint32)
+        # (w[None]: explicit ranks, also under jax_numpy_rank_promotion='raise')
+        return jnp.sum((b ^ (b >> 16)) * w[None], axis=1, dtype=jnp.uint32)
 
     return jax.jit(lambda leaves: [one(x) for x in leaves])
 
