@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -127,13 +126,20 @@ def join_static(arrays: Sequence[Any], static: Any) -> Any:
 
 def typed(value: Any) -> Hashable:
     """``value`` with the type of every part: a cache key under which ``1``, ``1.0`` and
-    ``True`` (equal in Python) stay apart, as the programs they make differ in dtype."""
+    ``True`` (equal in Python) stay apart, as the programs they make differ in dtype; so do
+    ``-0.0`` and ``0.0`` of any float type (``x / -0.0`` is ``-inf``), also inside a frozen
+    dataclass (``Cfg(scale=1)`` / ``Cfg(scale=1.0)``)."""
     if isinstance(value, tuple | list):
         return type(value), tuple(typed(v) for v in value)
     if isinstance(value, dict):
         return type(value), tuple((k, typed(v)) for k, v in value.items())
-    if isinstance(value, float):  # -0.0 == 0.0, yet x / -0.0 is -inf: the sign is kept apart
-        return type(value), value, math.copysign(1.0, value)
+    if isinstance(value, frozenset):
+        return type(value), frozenset(typed(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return type(value), tuple((f.name, typed(getattr(value, f.name))) for f in fields)
+    if isinstance(value, float | complex | np.inexact):  # numpy and ml_dtypes scalars too
+        return type(value), repr(value)  # the sign of a zero (and nan == nan, as a key)
     return type(value), value
 
 

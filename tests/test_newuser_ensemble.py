@@ -1,6 +1,7 @@
 """What a new user tries that the other tests do not: each case a defect found that way, each
 member checked against the plain model run one member at a time."""
 
+import dataclasses
 import warnings
 
 import flax.linen as nn
@@ -287,3 +288,31 @@ def test_op_by_op_runs_say_members_run_compiled():
         with pytest.raises(FloatingPointError, match=r"output holds a NaN or an inf\. .*"):
             ens.apply(variables, x)
         assert nnx_ens(x).shape == (D, 4, 2)  # calls without a NaN run as before
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    scale: float
+
+
+class Scales(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+
+    def __call__(self, x, cfg, eps):
+        return self.l(x), jnp.arange(3) * cfg.scale, 1.0 / jnp.asarray(eps)
+
+
+def test_static_values_equal_in_python_but_not_to_the_model_compile_apart():
+    """A numpy -0.0 (np.float32(-0.0) == 0.0) and a frozen dataclass of 1 vs 1.0 reused the
+    program compiled for the other: 1 / eps was inf for -0.0, arange * scale int32 for 1.0."""
+    ens = ensemble.build(Scales, D)
+    plain = ens.member(0)
+    x = jnp.ones((1, 2))
+    for cfg, eps in [(Cfg(1), np.float32(0.0)), (Cfg(1.0), np.float32(-0.0)),
+                     (Cfg(1.0), jnp.bfloat16(-0.0)), (Cfg(-0.0), float("nan"))]:  # fmt: skip
+        _, scaled, inv = ens(x, cfg, eps)
+        _, want_scaled, want_inv = plain(x, cfg, eps)
+        assert scaled.dtype == want_scaled.dtype, (cfg, eps)
+        np.testing.assert_array_equal(scaled[0], want_scaled)
+        np.testing.assert_array_equal(inv[0], want_inv)
