@@ -401,7 +401,14 @@ def _split_inputs(
     """Array inputs (traced through the runner, with their axes) and a function that puts the
     static rest back around them inside a member; ``_MemberKeys`` become per-member ``Rngs``."""
     traced, traced_axes, slots = [], [], []
+    keys = lambda v: isinstance(v, _MemberKeys)
+    nested = lambda x: any(keys(leaf) for leaf in jax.tree.leaves(x, is_leaf=keys))
     for x, ax in zip(inputs, axes):
+        if not isinstance(x, _MemberKeys) and nested(x):
+            raise TypeError(
+                "an nnx.Rngs inside a container input (a dict, list or tuple) cannot be split "
+                "per member; pass it as an argument of its own, e.g. ens(x, rngs=nnx.Rngs(0))."
+            )
         if isinstance(x, _MemberKeys):
             slots.append(("rngs", len(traced)))
             traced.append(_MemberKeys({k: jax.random.split(v, n) for k, v in x.keys.items()}))

@@ -316,3 +316,10 @@ def test_static_values_equal_in_python_but_not_to_the_model_compile_apart():
         assert scaled.dtype == want_scaled.dtype, (cfg, eps)
         np.testing.assert_array_equal(scaled[0], want_scaled)
         np.testing.assert_array_equal(inv[0], want_inv)
+
+
+def test_an_nnx_rngs_inside_a_container_input_is_refused_in_one_line():
+    """It reached the module as the library's internal key holder: 'rngs must be a Rngs'."""
+    ens = ensemble.build(linear, D)
+    with pytest.raises(TypeError, match=r"^an nnx.Rngs inside a container input .* own"):
+        ens(jnp.ones((2, 3)), {"rngs": nnx.Rngs(dropout=1)})
