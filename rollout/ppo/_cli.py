@@ -707,7 +707,11 @@ def _ppo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-envs", type=int, default=None, help="parallel envs per member")
     p.add_argument("--num-steps", type=int, default=None, help="rollout length per update")
     p.add_argument(
-        "--updates-per-call", type=int, default=None, help="PPO updates per jit call (default 8)"
+        "--updates-per-call",
+        type=int,
+        default=None,
+        help="PPO updates per jit call (default 8; with --pbt at most that, each "
+        "--pbt-interval split into calls of one size where it divides well)",
     )
     p.add_argument(
         "--pbt",

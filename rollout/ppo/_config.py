@@ -170,7 +170,8 @@ class PPOConfig:
     hidden: tuple[int, ...] = (64, 64)
     seed: int = 0
     env_on: Literal["device", "cpu"] = "device"
-    #: PPO updates per jitted call (a ``lax.scan``): fewer host round trips, one compile.
+    #: PPO updates per jitted call (a ``lax.scan``): fewer host round trips, one compile. With
+    #: ``pbt`` the most per call: each interval is split into calls (``_pbt.call_size``).
     updates_per_call: int = 8
     #: Population-based training (``rollout.ppo._pbt``): every ``pbt_interval`` updates the worst
     #: ``pbt_fraction`` of members (by mean return over the last ``pbt_window`` updates) copy a
