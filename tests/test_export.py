@@ -475,6 +475,21 @@ def test_a_run_extended_by_resume_exports_into_its_own_export_again(cartpole, tm
         export.export_from_state(other, state, tmp_path / "run" / "export", members=[0])
 
 
+def test_exporting_some_members_beside_another_checkpoints_is_refused(cartpole, tmp_path):
+    """Members of two checkpoints of one run in one export: evaluate refuses the mix, so the
+    export that would make it refuses first."""
+    learner, state = cartpole
+    export.export_members(learner, state, tmp_path, members=[0])
+    meta_file = tmp_path / "member_0" / "member.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "env_steps": meta["env_steps"] - 64}))  # older
+    with pytest.raises(ValueError, match=r"holds member_0 of another checkpoint of this run"):
+        export.export_members(learner, state, tmp_path, members=[1])
+    assert not (tmp_path / "member_1").exists()
+    export.export_members(learner, state, tmp_path, members=[0, 1])  # replacing it: fine
+    assert json.loads(meta_file.read_text())["env_steps"] == meta["env_steps"]
+
+
 def test_members_of_different_runs_in_one_directory_are_not_evaluated_as_one(
     cartpole, tmp_path, capsys
 ):

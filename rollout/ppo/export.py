@@ -211,13 +211,32 @@ def _check_same_run(root: Path, config: Any) -> None:
         )
 
 
+def _check_same_checkpoint(root: Path, chosen: list[int], env_steps: int) -> None:
+    """Refuses to add members of this state beside members, kept in ``root``, of another
+    checkpoint of the same run: evaluate would refuse the mix (an ensemble of one time)."""
+    for meta_file in sorted(root.glob("member_*/member.json")):
+        try:
+            meta = json.loads(meta_file.read_text())
+            kept, steps = int(meta["member"]) not in chosen, meta["env_steps"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not readable as a member: nothing to mix with
+        if kept and steps != env_steps:
+            raise ValueError(
+                f"{root} holds {meta_file.parent.name} of another checkpoint of this run (env "
+                f"steps {steps}, this one {env_steps}); exporting members {chosen} beside it "
+                "would mix checkpoints: export every member (no --members), or to an empty "
+                "directory (another --to)."
+            )
+
+
 def _export(config, spec, normalize_obs, state, directory, members, from_config) -> list[Path]:
     n = config.members
     chosen = _chosen(members, n, directory)
     root = Path(directory)
     _check_same_run(root, config)
-    root.mkdir(parents=True, exist_ok=True)
     env_steps = int(jax.device_get(state.update)) * config.batch_size
+    _check_same_checkpoint(root, chosen, env_steps)
+    root.mkdir(parents=True, exist_ok=True)
     network = network_meta(config, spec)
     paths = []
     for i in chosen:
