@@ -554,3 +554,17 @@ def test_audio_step_through_on_cpu_with_shared_synth_params(on_cpu):
         _assert_trees_close(
             step_on_cpu(state, actions, keys, params), direct(state, actions, keys, params)
         )
+
+
+def test_box_sample_stays_in_the_box_like_gymnasium():
+    """Infinite bounds were replaced by -1 / +1 whatever the other bound: low 10 and high inf
+    sampled exactly 10, high -5 and low -inf exactly -1 (outside the box)."""
+    from rollout import envs
+
+    inf = float("inf")
+    box = envs.Box((4,), (10.0, -inf, -inf, -1.0), (inf, -5.0, inf, 1.0))
+    x = np.asarray(jax.vmap(box.sample)(jax.random.split(jax.random.key(0), 4000)))
+    assert (x[:, 0] >= 10).all() and (x[:, 1] <= -5).all() and (np.abs(x[:, 3]) <= 1).all()
+    # gymnasium's laws: low + Exponential(1), high - Exponential(1), N(0, 1), U(-1, 1).
+    np.testing.assert_allclose(x.mean(0), [11.0, -6.0, 0.0, 0.0], atol=0.06)
+    np.testing.assert_allclose(x.std(0), [1.0, 1.0, 1.0, 2 / np.sqrt(12)], atol=0.06)

@@ -157,10 +157,29 @@ class Box:
         return np.asarray(self.high, np.float32).reshape(self.shape)
 
     def sample(self, key: PRNGKey) -> Array:
-        """Uniform in [low, high] (infinite bounds are replaced by +-1)."""
-        low = np.where(np.isfinite(self.low_array()), self.low_array(), -1.0)
-        high = np.where(np.isfinite(self.high_array()), self.high_array(), 1.0)
-        return jax.random.uniform(key, self.shape, self.dtype, low, high)
+        """In the box, per element as gymnasium's ``Box.sample``: uniform in [low, high] where
+        both are finite, ``low + Exponential(1)`` / ``high - Exponential(1)`` where only one
+        is, standard normal where neither is.
+
+        Example:
+          >>> import jax
+          >>> box = Box((2,), (10.0, float("-inf")), (float("inf"), -5.0))
+          >>> x = box.sample(jax.random.key(0))
+          >>> bool(x[0] >= 10.0 and x[1] <= -5.0)
+          True
+        """
+        low, high = self.low_array(), self.high_array()
+        has_low, has_high = np.isfinite(low), np.isfinite(high)
+        k_uniform, k_exp, k_normal = jax.random.split(key, 3)
+        uniform = jax.random.uniform(
+            k_uniform, self.shape, self.dtype, np.where(has_low, low, 0.0),
+            np.where(has_high, high, 1.0),
+        )  # fmt: skip
+        tail = jax.random.exponential(k_exp, self.shape, self.dtype)
+        normal = jax.random.normal(k_normal, self.shape, self.dtype)
+        one_sided = np.where(has_low, low, high) + np.where(has_low, 1.0, -1.0) * tail
+        return jnp.where(has_low & has_high, uniform, jnp.where(has_low | has_high, one_sided,
+                                                                normal))  # fmt: skip
 
 
 Space = Discrete | MultiDiscrete | Box
