@@ -155,7 +155,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--forever", action="store_true", help="keep stepping (failure tests)")
     parser.add_argument("--die-rank", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=2)
-    parser.add_argument("--die-how", choices=("kill", "raise"), default="kill")
+    parser.add_argument("--die-how", choices=("kill", "raise", "exit"), default="kill")
     parser.add_argument(
         "--idle-rank", type=int, default=None, help="this rank sleeps (no collective) after"
     )
@@ -173,6 +173,10 @@ def _fail_on_purpose(args: argparse.Namespace, rank: int, t: int, idle_flag: str
         print(f"rank {rank} dying now at {time.time():.3f}", flush=True)
         if args.die_how == "raise":
             raise RuntimeError(f"rank {rank} fails on purpose")
+        if args.die_how == "exit":  # as a command line that caught its error ends
+            from ensemble._exit import exit_process
+
+            exit_process(3)
         os.kill(os.getpid(), signal.SIGKILL)
     if args.idle_rank == rank and t == args.die_after:
         # Far from any collective: only JAX's heartbeat check can notice a dead peer.

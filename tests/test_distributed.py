@@ -444,22 +444,26 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_failing_process_stops_the_run_under_the_launcher(tmp_path):
-    """Rank 1 raises mid-run while rank 0 waits for it in a collective: all over, fast."""
+@pytest.mark.parametrize("how, code", [("raise", 1), ("exit", 3)])
+def test_failing_process_stops_the_run_under_the_launcher(tmp_path, how, code):
+    """Rank 1 raises (or ends with an exit code, as a command line that caught its error)
+    mid-run while rank 0 waits for it in a collective: all over, fast. (An exit code used to
+    wait at JAX's shutdown barrier, then end the run with 134.)"""
     res = run_launcher(
         ["-n", "2", "--devices-per-process", "2", "--grace", "2", "--timeout", "140", "--",
          sys.executable, WORKER, "--out", str(tmp_path), "--forever", "--die-rank", "1",
-         "--die-how", "raise"]
+         "--die-how", how]
     )  # fmt: skip
     ended = time.time()
-    assert res.returncode == 1, res.stderr[-3000:]
-    assert "RuntimeError: rank 1 fails on purpose" in res.stderr
+    assert res.returncode == code, res.stderr[-3000:]
+    if how == "raise":
+        assert "RuntimeError: rank 1 fails on purpose" in res.stderr
     # Rank 0's collective fails on the closed connection as soon as rank 1 is gone, so rank 0
     # may end on its own before the launcher stops it; either way rank 1 is named first.
-    assert "rank 1 failed first (exited with code 1)" in res.stderr, res.stderr[-3000:]
+    assert f"rank 1 failed first (exited with code {code})" in res.stderr, res.stderr[-3000:]
     assert (
-        "rank 1 exited with code 1; stopping the other processes [0]" in res.stderr
-        or "rank 1 exited with code 1; the other processes had ended too." in res.stderr
+        f"rank 1 exited with code {code}; stopping the other processes [0]" in res.stderr
+        or f"rank 1 exited with code {code}; the other processes had ended too." in res.stderr
     ), res.stderr[-3000:]
     died = float(res.stdout.split("rank 1 dying now at ")[1].split()[0])
     print(f"launcher exited {ended - died:.1f} s after rank 1 raised")
