@@ -281,19 +281,35 @@ def _on_one_member_block(leaf: Any) -> bool:
     return sharding.mesh.shape[MEMBER_AXIS] == 1
 
 
+def _member_share(leaf: Any, n: int, mesh: Mesh | None) -> int:
+    """The most member rows a device holds on ``mesh`` (or the leaf's own ensemble mesh):
+    ``ceil(n / E)`` for an ``'ensemble'`` axis of size E; n where no ensemble mesh is known."""
+    if mesh is None:
+        sharding = getattr(leaf, "sharding", None)
+        mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
+    if not isinstance(mesh, Mesh) or MEMBER_AXIS not in mesh.axis_names:
+        return n
+    return -(-n // mesh.shape[MEMBER_AXIS])
+
+
 @_chex_style
 def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) -> None:
-    """Asserts that no member-shaped leaf (leading axis ``n``) is held whole by one device.
+    """Asserts that no member-shaped leaf (leading axis ``n``) is held whole by one device, nor
+    by more devices than its members' share of an ensemble mesh.
 
     Catches the two classic ways an "ensemble" silently stays on every device: NNX variables
     whose sharding metadata says ``'ensemble'`` while the arrays are replicated, and
-    unannotated parameters (a default bias) that logical partitioning leaves as ``P()``.
-    A leaf fails if some device holds all n members' rows, unless the ensemble is meant to
-    fit on one device: ``n == 1``, a single device in total, or a ``mesh`` whose
-    ``'ensemble'`` axis has size 1 (without ``mesh``, leaf by leaf: the ensemble mesh the
-    leaf's own sharding names, as ``ensemble.build(..., devices=[d])`` makes). Leaves
-    without a leading n are skipped, but a tree with no such leaf fails (nothing would be
-    checked: often n given as the device count), and so does a donated (deleted) array.
+    unannotated parameters (a default bias) that logical partitioning leaves as ``P()``; and
+    members split over another mesh axis than ``'ensemble'`` (``P('data')``: each member on
+    every 'data' device, twice the memory on a mesh of data 2). A leaf fails if some device
+    holds all n members' rows, or more than ``ceil(n / E)`` of them on an ensemble mesh of
+    ``'ensemble'`` size E (``mesh``, else the mesh the leaf's own sharding names), unless the
+    ensemble is meant to fit on one device: ``n == 1``, a single device in total, or a
+    ``mesh`` whose ``'ensemble'`` axis has size 1 (without ``mesh``, leaf by leaf: the
+    ensemble mesh the leaf's own sharding names, as ``ensemble.build(..., devices=[d])``
+    makes). Leaves without a leading n are skipped, but a tree with no such leaf fails
+    (nothing would be checked: often n given as the device count), and so does a donated
+    (deleted) array.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
@@ -326,11 +342,19 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
             continue
         if mesh is None and _on_one_member_block(leaf):  # its own ensemble mesh says so (a
             continue  # leaf of another ensemble in the tree does not excuse this one)
-        whole = [d for d, (start, stop) in _rows_per_device(leaf, n).items() if stop - start == n]
+        rows = _rows_per_device(leaf, n)
+        whole = [d for d, (start, stop) in rows.items() if stop - start == n]
+        share = _member_share(leaf, n, mesh)
+        over = [d for d, (start, stop) in rows.items() if stop - start > share]
         if whole:
             problems.append(
                 f"{path}: shape {shape}, {_sharding_str(leaf)}; all {n} members held whole by "
                 f"{_devices_str(whole)}"
+            )
+        elif over:
+            problems.append(
+                f"{path}: shape {shape}, {_sharding_str(leaf)}; {_devices_str(over)} hold more "
+                f"than the {share} member(s) each device's block of the '{MEMBER_AXIS}' axis has"
             )
     if not checked:
         _none_checked(tree, n)

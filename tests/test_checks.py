@@ -53,6 +53,22 @@ def test_replicated_leaf_fails_naming_leaf_and_sharding():
         ensemble.assert_member_placement(tree, mesh)
 
 
+def test_members_split_over_another_mesh_axis_fail():
+    """P('data') on a mesh of ensemble 4 x data 2: each member on 4 devices (twice the memory
+    of P('ensemble')); no device held all members, so the check passed."""
+    n = 4
+    mesh = ensemble.make_mesh(n)
+    assert dict(mesh.shape) == {"ensemble": 4, "data": 2, "model": 1}
+    wrong = jax.device_put(jnp.zeros((n, 1000)), NamedSharding(mesh, P("data")))
+    for kw in ({}, {"mesh": mesh}):
+        with pytest.raises(AssertionError, match=r"hold more than the 1 member\(s\) each"):
+            ensemble.assert_no_replicated_members({"w": wrong}, n, **kw)
+    right = ensemble.shard_members(jnp.zeros((n, 1000)), mesh, n)
+    ensemble.assert_no_replicated_members({"w": right}, n, mesh)
+    two_each = ensemble.shard_members(jnp.zeros((2 * n, 3)), mesh, 2 * n)
+    ensemble.assert_no_replicated_members({"w": two_each}, 2 * n, mesh)  # 2 per block: fine
+
+
 def test_leaf_on_one_device_fails():
     """The eager-init pitfall: the whole ensemble on device 0."""
     n = 8
