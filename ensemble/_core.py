@@ -127,7 +127,8 @@ def join_static(arrays: Sequence[Any], static: Any) -> Any:
 def typed(value: Any) -> Hashable:
     """``value`` with the type of every part: a cache key under which ``1``, ``1.0`` and
     ``True`` (equal in Python) stay apart, as the programs they make differ in dtype; so do
-    ``-0.0`` and ``0.0`` of any float type (``x / -0.0`` is ``-inf``), also inside a frozen
+    ``-0.0`` and ``0.0`` of any float type (``x / -0.0`` is ``-inf``; numpy, bfloat16 and
+    float8 scalars included), also inside a frozen
     dataclass (``Cfg(scale=1)`` / ``Cfg(scale=1.0)``)."""
     if isinstance(value, tuple | list):
         return type(value), tuple(typed(v) for v in value)
@@ -138,8 +139,10 @@ def typed(value: Any) -> Hashable:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         return type(value), tuple((f.name, typed(getattr(value, f.name))) for f in fields)
-    if isinstance(value, float | complex | np.inexact):  # numpy and ml_dtypes scalars too
-        return type(value), repr(value)  # the sign of a zero (and nan == nan, as a key)
+    if isinstance(value, float | complex) or (
+        isinstance(value, np.generic) and jnp.issubdtype(value.dtype, jnp.inexact)
+    ):  # numpy and ml_dtypes (bfloat16, float8) scalars too
+        return type(value), repr(value)  # the sign of a zero
     return type(value), value
 
 

@@ -568,3 +568,7 @@ def test_box_sample_stays_in_the_box_like_gymnasium():
     # gymnasium's laws: low + Exponential(1), high - Exponential(1), N(0, 1), U(-1, 1).
     np.testing.assert_allclose(x.mean(0), [11.0, -6.0, 0.0, 0.0], atol=0.06)
     np.testing.assert_allclose(x.std(0), [1.0, 1.0, 1.0, 2 / np.sqrt(12)], atol=0.06)
+    for dtype in (jnp.float16, jnp.bfloat16):  # its dtype, and no inf from a wide box
+        wide = envs.Box((2,), (-65000.0, 10.0), (65000.0, inf), dtype)
+        x = jax.vmap(wide.sample)(jax.random.split(jax.random.key(1), 500))
+        assert x.dtype == dtype and np.isfinite(np.asarray(x, np.float32)).all()

@@ -304,13 +304,16 @@ class Scales(nnx.Module):
 
 
 def test_static_values_equal_in_python_but_not_to_the_model_compile_apart():
-    """A numpy -0.0 (np.float32(-0.0) == 0.0) and a frozen dataclass of 1 vs 1.0 reused the
+    """A numpy or bfloat16 -0.0 (equal to 0.0) and a frozen dataclass of 1 vs 1.0 reused the
     program compiled for the other: 1 / eps was inf for -0.0, arange * scale int32 for 1.0."""
+    import ml_dtypes
+
     ens = ensemble.build(Scales, D)
     plain = ens.member(0)
     x = jnp.ones((1, 2))
     for cfg, eps in [(Cfg(1), np.float32(0.0)), (Cfg(1.0), np.float32(-0.0)),
-                     (Cfg(1.0), jnp.bfloat16(-0.0)), (Cfg(-0.0), float("nan"))]:  # fmt: skip
+                     (Cfg(1.0), ml_dtypes.bfloat16(-0.0)), (Cfg(1.0), ml_dtypes.bfloat16(0.0)),
+                     (Cfg(-0.0), float("nan"))]:  # fmt: skip
         _, scaled, inv = ens(x, cfg, eps)
         _, want_scaled, want_inv = plain(x, cfg, eps)
         assert scaled.dtype == want_scaled.dtype, (cfg, eps)

@@ -561,3 +561,16 @@ def test_jax_enable_x64_keeps_the_state_float32_and_runs_resume_either_way(env_o
                         devices=jax.devices()[:2], warn=warned.append)  # fmt: skip
     assert not warned, warned
     assert rows[-1]["env_steps"] == 512 and dtypes(state) == plain
+
+
+def test_init_with_members_spanning_devices_warns_nothing():
+    """The learner's own one-row sample batch warned that it does not split over a member's
+    2 'data' devices: a warning the user could do nothing about."""
+    import warnings
+
+    cfg = PPOConfig.for_env("cartpole", members=4, num_envs=2, num_steps=8, total_steps=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Learner(cfg, devices=jax.devices()[:8]) as learner:
+            assert learner.mesh.shape["data"] == 2
+            learner.init()

@@ -117,8 +117,8 @@ class Box:
     Example:
       >>> import jax
       >>> box = Box((2,), low=(-1.0, 0.0), high=(1.0, float("inf")))
-      >>> x = box.sample(jax.random.key(0))  # the infinite bound samples up to 1 instead
-      >>> x.shape, bool(((x >= box.low_array()) & (x <= 1.0)).all())
+      >>> x = box.sample(jax.random.key(0))  # element 1: 0 + Exponential(1), as gymnasium
+      >>> x.shape, bool(((x >= box.low_array()) & (x <= box.high_array())).all())
       ((2,), True)
     """
 
@@ -171,15 +171,16 @@ class Box:
         low, high = self.low_array(), self.high_array()
         has_low, has_high = np.isfinite(low), np.isfinite(high)
         k_uniform, k_exp, k_normal = jax.random.split(key, 3)
+        # Drawn in float32, then cast: float16's high - low overflows for wide boxes.
+        f32 = jnp.float32
         uniform = jax.random.uniform(
-            k_uniform, self.shape, self.dtype, np.where(has_low, low, 0.0),
-            np.where(has_high, high, 1.0),
-        )  # fmt: skip
-        tail = jax.random.exponential(k_exp, self.shape, self.dtype)
-        normal = jax.random.normal(k_normal, self.shape, self.dtype)
+            k_uniform, self.shape, f32, np.where(has_low, low, 0.0), np.where(has_high, high, 1.0)
+        )
+        tail = jax.random.exponential(k_exp, self.shape, f32)
         one_sided = np.where(has_low, low, high) + np.where(has_low, 1.0, -1.0) * tail
-        return jnp.where(has_low & has_high, uniform, jnp.where(has_low | has_high, one_sided,
-                                                                normal))  # fmt: skip
+        normal = jax.random.normal(k_normal, self.shape, f32)
+        x = jnp.where(has_low | has_high, one_sided, normal)
+        return jnp.where(has_low & has_high, uniform, x).astype(self.dtype)
 
 
 Space = Discrete | MultiDiscrete | Box

@@ -256,7 +256,8 @@ class Learner:
         _refuse_debug_nans()
         seed = cfg.seed if seed is None else seed
         k_params, k_members = jax.random.split(jax.random.key(seed))
-        sample_obs = jnp.zeros((1, *self.spec.obs_shape), jnp.float32)
+        # One row per 'data' device of a member: a batch that splits evenly (no warning).
+        sample_obs = jnp.zeros((self.mesh.shape["data"], *self.spec.obs_shape), jnp.float32)
         params = self.ensemble.init(k_params, sample_obs)["params"]
         member_keys = jax.random.key_data(jax.random.split(k_members, n))
         hparams = {k: jnp.asarray(cfg.per_member(k), jnp.float32) for k in _HPARAMS}
