@@ -128,8 +128,8 @@ def typed(value: Any) -> Hashable:
     """``value`` with the type of every part: a cache key under which ``1``, ``1.0`` and
     ``True`` (equal in Python) stay apart, as the programs they make differ in dtype; so do
     ``-0.0`` and ``0.0`` of any float type (``x / -0.0`` is ``-inf``; numpy, bfloat16 and
-    float8 scalars included), also inside a frozen
-    dataclass (``Cfg(scale=1)`` / ``Cfg(scale=1.0)``)."""
+    float8 scalars included), also inside a frozen dataclass (``Cfg(scale=1)`` and
+    ``Cfg(scale=1.0)``)."""
     if isinstance(value, tuple | list):
         return type(value), tuple(typed(v) for v in value)
     if isinstance(value, dict):
@@ -374,7 +374,7 @@ def check_not_donated(
     if len(set(ids)) < len(ids):  # paths (slow) only to name the pair
         seen: dict[int, str] = {}
         for path, leaf in jax.tree_util.tree_leaves_with_path(donated):
-            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if _concrete(leaf):
                 where = jax.tree_util.keystr(path)
                 if id(leaf) in seen:
                     raise ValueError(

@@ -18,10 +18,11 @@ def exit_process(code: int | None) -> NoReturn:
     checkpoints) still run first. Only for a program's last act: garbage in reference cycles
     is no longer collected.
 
-    A failure (a non-zero code) of one process of a multi-process run ends it at once, as an
-    uncaught exception does (``ensemble.distributed``): a normal exit would wait at JAX's
-    shutdown barrier for the other processes (up to 120 s, while they wait for it in a
-    collective), then abort with 134 instead of ``code``.
+    A failure (a non-zero code) of one process of a multi-process run ends it at once, without
+    ``atexit`` handlers, as an uncaught exception does (``ensemble.distributed``): a normal
+    exit would wait at JAX's shutdown barrier (one of those handlers) for the other processes
+    (up to 120 s, while they wait for it in a collective), then abort with 134, not ``code``.
+    The command line has closed its run (workers, loggers, checkpoints) by then.
     """
     if code not in (None, 0) and "jax" in sys.modules:
         import jax
