@@ -97,7 +97,7 @@ class TrainStep:
         self._has_aux = bool(has_aux)
         self._donate = bool(donate)
         self._cache: dict[Hashable, Callable[..., Any]] = {}
-        self._layouts: dict[Hashable, tuple[Any, Any]] = {}  # see _state_shardings
+        self._layouts: dict[Hashable, tuple[Any, Any, Hashable]] = {}  # see _state_shardings
 
     @classmethod
     def for_members(
@@ -323,22 +323,17 @@ class TrainStep:
         check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES, mesh=self.mesh)
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
-        p_sh, s_sh = self._state_shardings(params, opt_state)
-        key = (
-            jax.tree.structure((params, opt_state)),
-            tuple(jax.tree.leaves((p_sh, s_sh))),
-            axes,
-            stacked,
-            carry,
-        )
+        p_sh, s_sh, state_key = self._state_shardings(params, opt_state)
+        key = (state_key, axes, stacked, carry)
         if key not in self._cache:
             self._cache[key] = self._compile(axes, p_sh, s_sh, stacked, carry)
         return self._cache[key]
 
-    def _state_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """The state's shardings in and out, its layout checked; kept by layout (shapes and
-        shardings): a step is called again and again with the arrays of the last, and these
-        passes over every leaf cost about 5 us a leaf (8 ms a call for 1,500 leaves)."""
+    def _state_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any, Hashable]:
+        """The state's shardings in and out, its layout checked, and its part of the program
+        key (structure and shardings); kept by layout (shapes and shardings): a step is called
+        again and again with the arrays of the last, and these passes over every leaf cost
+        about 5 us a leaf (8 ms a call for 1,500 leaves)."""
         leaves, treedef = jax.tree.flatten((params, opt_state))
         layout = None
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -351,9 +346,10 @@ class TrainStep:
         check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
         s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
+        found = (p_sh, s_sh, (treedef, tuple(jax.tree.leaves((p_sh, s_sh)))))
         if layout is not None:
-            self._layouts[layout] = (p_sh, s_sh)
-        return p_sh, s_sh
+            self._layouts[layout] = found
+        return found
 
     def _compile(
         self,
