@@ -78,6 +78,7 @@ def _marked_processes() -> tuple[list[str], bool]:
     return found, unsure
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent with -p no:xdist
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one test process more than the cores (at most 4). A good part of many tests
     is waiting (a CLI subprocess starting, env workers stepping, a signal's delivery), so on
