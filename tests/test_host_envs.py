@@ -420,6 +420,78 @@ def test_a_timeout_shorter_than_the_poll_holds_and_a_stuck_worker_is_not_awaited
 
 
 @pytest.mark.timeout(60)
+def test_an_answer_just_past_the_timeout_is_an_error_on_either_path(step_path):
+    # Steps 0.3 ms longer than the 50 ms timeout: the handler once polled a millisecond past
+    # its deadline and took such answers, where the Python step (the reference) refused them.
+    env = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1, timeout=0.05,
+                    step_sleep=0.0503)  # fmt: skip
+    mesh = ensemble.make_mesh(1, devices=jax.devices()[:1])
+    host = env.bind(mesh, 1, 1)
+    keys = jax.random.split(jax.random.key(0), (1, 1))
+    action = jnp.zeros((1, 1), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+            step = jax.jit(host.step).lower(state, action, keys).compile()
+            with pytest.raises(Exception, match=r"did not answer a step within 0.05 s"):
+                for _ in range(3):
+                    state = jax.block_until_ready(step(state, action, keys))[0]
+        assert host.fast_steps == 0
+    finally:
+        host.close()
+
+
+INTERRUPTED_LOCK = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import jax
+    import ensemble
+    from rollout import envs
+    from rollout.hostenv import _fast
+
+    env = envs.make("gymnasium:hostenv_walk:Walk-v0", workers_per_device=1)
+    mesh = ensemble.make_mesh(1, devices=jax.devices()[:1])
+    host = env.bind(mesh, 1, 1)
+    with jax.set_mesh(mesh):
+        jax.block_until_ready(jax.jit(host.reset)(jax.random.split(jax.random.key(0), (1, 1))))
+    control = host.groups[0].control
+    lib = _fast.library()
+    assert lib is not None, _fast.why_not()
+
+    def handler():  # holds the block as the compiled step does through a slow step
+        lib.hostenv_lock(control._address)
+        time.sleep(1.0)
+        lib.hostenv_unlock(control._address)
+
+    threading.Thread(target=handler).start()
+    time.sleep(0.1)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with control:
+            print("took the lock")
+    except KeyboardInterrupt:
+        print("interrupted")
+    time.sleep(1.2)
+    print("lock word", control[_fast.C_LOCK], "thread lock held", control._threads.locked())
+    host.close()
+    print("closed")
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_waiting_for_the_compiled_steps_lock_leaves_it_free(walk_module):
+    # The wait was a call into the C library, which Ctrl-C cannot end: the KeyboardInterrupt
+    # came just after it had taken the lock, and every later step and close() waited forever.
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_LOCK, str(walk_module)],
+                          capture_output=True, text=True, timeout=90, env=clean_env())  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    assert lines[:3] == ["interrupted", "lock word 0 thread lock held False", "closed"], lines
+
+
+@pytest.mark.timeout(60)
 def test_the_step_counter_wraps_past_int32_without_an_error(step_path):
     # 2**31 steps is hours of a fast env: the device's int32 counter wraps, the group's does not.
     host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)

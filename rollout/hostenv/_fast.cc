@@ -11,7 +11,7 @@
 //   NOT_SENT  nothing was sent (the group is not armed, the state is not the live session or
 //             not the step due, a forked process): Python makes the whole step;
 //   PENDING   the step went out but not every worker answered it with a plain OK (it raised,
-//             died, or took longer than ctl[WAIT_MS]): Python collects the answers still owed
+//             died, or took longer than ctl[WAIT_NS]): Python collects the answers still owed
 //             by the workers in ctl[PENDING] (a bit per worker) and finishes the step.
 // A message that is not a plain OK is only peeked, never consumed, so Python reads it whole.
 //
@@ -35,7 +35,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 enum Ctl {
-  LOCK = 0, ARMED, OWNER, SESSION, T, SEQ, PENDING, FAST_STEPS, NWORKERS, WAIT_MS, START_NS,
+  LOCK = 0, ARMED, OWNER, SESSION, T, SEQ, PENDING, FAST_STEPS, NWORKERS, WAIT_NS, START_NS,
   ACTION, ACTION_BYTES, OBS, OBS_BYTES, REWARD, TERM, TRUNC, FINAL, ROWS, FDS = 32,
 };
 constexpr int kMaxWorkers = 63;  // PENDING is a bit mask
@@ -52,8 +52,16 @@ int64_t now_ns() {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// ctl[LOCK]: 0 free, 1 held by the handler, 2 held by Python (hostenv_trylock), so that Python
+// can tell after an interrupt whether it got the lock.
+bool try_lock(int64_t* ctl, int64_t holder) {
+  int64_t free = 0;
+  return __atomic_compare_exchange_n(&ctl[LOCK], &free, holder, false, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED);
+}
+
 void lock(int64_t* ctl) {
-  for (int spins = 0; __atomic_exchange_n(&ctl[LOCK], 1, __ATOMIC_ACQUIRE); ++spins) {
+  for (int spins = 0; !try_lock(ctl, 1); ++spins) {
     if (spins < 100) {
       sched_yield();
     } else {
@@ -101,21 +109,22 @@ bool send_all(const int64_t* ctl, int64_t seq) {
 }
 
 // Consumes each pending worker's answer if it is a plain OK of `seq`; returns the workers
-// still owing one after ctl[WAIT_MS] (or at the first answer that is anything else).
+// still owing one ctl[WAIT_NS] after the step's start (or at the first answer that is anything
+// else). An answer found after that is left for Python, which holds it to the step's timeout.
 uint64_t receive_all(const int64_t* ctl, int64_t seq) {
   const int n = int(ctl[NWORKERS]);
   uint64_t pending = (1ull << n) - 1;
-  const int64_t deadline = now_ns() + ctl[WAIT_MS] * 1000000;
+  const int64_t deadline = ctl[START_NS] + ctl[WAIT_NS];
   pollfd fds[kMaxWorkers];
   while (pending) {
     int k = 0, who[kMaxWorkers];
     for (int i = 0; i < n; ++i) {
       if (pending >> i & 1) fds[k] = {int(ctl[FDS + i]), POLLIN, 0}, who[k++] = i;
     }
-    const int64_t left_ms = (deadline - now_ns()) / 1000000;
-    if (left_ms < 0) return pending;
-    const int ready = poll(fds, k, int(left_ms) + 1);
-    if (ready < 0) return pending;  // interrupted: Python goes on waiting
+    const int64_t left_ns = deadline - now_ns();
+    if (left_ns < 0) return pending;
+    const int ready = poll(fds, k, int((left_ns + 999999) / 1000000));
+    if (ready < 0 || now_ns() > deadline) return pending;  // interrupted, or too late
     for (int j = 0; j < k; ++j) {
       if (!fds[j].revents) continue;
       Header h;
@@ -232,5 +241,6 @@ int hostenv_register(int64_t slot, int64_t* ctl) {
   return 0;
 }
 void hostenv_lock(int64_t* ctl) { lock(ctl); }
+int hostenv_trylock(int64_t* ctl) { return try_lock(ctl, 2); }
 void hostenv_unlock(int64_t* ctl) { unlock(ctl); }
 }

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,11 @@ import numpy as np
 
 # The block's fields, as enum Ctl in _fast.cc.
 (C_LOCK, C_ARMED, C_OWNER, C_SESSION, C_T, C_SEQ, C_PENDING, C_FAST_STEPS, C_NWORKERS,
- C_WAIT_MS, C_START_NS, C_ACTION, C_ACTION_BYTES, C_OBS, C_OBS_BYTES, C_REWARD, C_TERM,
+ C_WAIT_NS, C_START_NS, C_ACTION, C_ACTION_BYTES, C_OBS, C_OBS_BYTES, C_REWARD, C_TERM,
  C_TRUNC, C_FINAL, C_ROWS) = range(20)  # fmt: skip
 C_FDS, MAX_WORKERS, SLOTS = 32, 63, 1 << 16
 OK, NOT_SENT, PENDING = 0, 1, 2  # the handler's status
+PYTHON_HOLDS = 2  # the block's lock word while Python holds it (1: the handler)
 
 _SOURCE = Path(__file__).with_name("_fast.cc")
 _TARGET = "rollout_hostenv_step"
@@ -78,6 +80,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(e)
     lib.hostenv_register.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.hostenv_lock.argtypes = lib.hostenv_unlock.argtypes = [ctypes.c_void_p]
+    lib.hostenv_trylock.argtypes = [ctypes.c_void_p]
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.HostenvStep), platform="cpu")
     return lib, None
 
@@ -132,9 +135,24 @@ class Control:
 
     def __enter__(self) -> Control:
         self._threads.acquire()
-        if self._lib is not None:
-            self._lib.hostenv_lock(self._address)
+        try:
+            if self._lib is not None:
+                self._take_block()
+        except BaseException:  # Ctrl-C while waiting: leave both locks as they were
+            if self._lib is not None and self[C_LOCK] == PYTHON_HOLDS:
+                self._lib.hostenv_unlock(self._address)
+            self._threads.release()
+            raise
         return self
+
+    def _take_block(self) -> None:
+        # The handler may hold the block for a whole slow step. Waiting inside the C library
+        # could not be interrupted, and a Ctrl-C raised just after that wait would leave the
+        # lock taken for good: wait here, in sleeps that Ctrl-C ends.
+        pause = 0.0
+        while not self._lib.hostenv_trylock(self._address):
+            time.sleep(pause)
+            pause = min(1e-3, 2 * pause or 2e-5)
 
     def __exit__(self, *exc: Any) -> None:
         if self._lib is not None:

@@ -170,8 +170,10 @@ class WorkerGroup:
         if len(self._workers) > _fast.MAX_WORKERS or shared is None:
             return
         c[_fast.C_OWNER], c[_fast.C_NWORKERS] = os.getpid(), len(self._workers)
-        # The handler waits as long as a Python wait would before it hands the step to Python.
-        c[_fast.C_ROWS], c[_fast.C_WAIT_MS] = sum(self.counts), int(self._poll * 1000)
+        # The handler waits as long as a Python wait would before it hands the step to Python,
+        # and never past the step's timeout.
+        wait = self._poll if self.timeout is None else min(self._poll, self.timeout)
+        c[_fast.C_ROWS], c[_fast.C_WAIT_NS] = sum(self.counts), round(wait * 1e9)
         for i, w in enumerate(self._workers):
             c[_fast.C_FDS + i] = w.wire.sock.fileno()
         fields = {"action": _fast.C_ACTION, "obs": _fast.C_OBS, "reward": _fast.C_REWARD,
