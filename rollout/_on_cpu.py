@@ -656,11 +656,12 @@ class OnCpu:
         kind = self._choose(platform, devices, eager, sub_byte)
         self.last_executor = kind
         call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
-        # The program depends on the weak types and on x64 too (a float64 input means float32
-        # without it): a call under another setting must not reuse another's export.
-        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+        # The program depends on the weak types and on the settings JAX lowers it under (x64: a
+        # float64 input means float32 without it): a call under other settings must not reuse
+        # another's program, as jax.jit's own cache does not.
         structure = self._structure_id(treedef)
-        call.sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in, x64)
+        call.sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
+                    _lowering_settings())  # fmt: skip
         call.weak = weak_in
         if kind == "process" and not eager:
             # Exported now, at trace time (and cached for a run in one chunk): what the workers
@@ -860,7 +861,7 @@ class _Call:
         ]
         # Programs are cached per structure and chunk shapes; constants that fn closes over are
         # frozen into the first export, which is why changing values must be arguments.
-        key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))  # sig: weak, x64
+        key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))  # sig: settings
         if self.kind == "process":
             program = self.owner._exported(self.flat_fn, key, chunk_specs)
             if program is None:  # a host call while tracing under jax.set_mesh (no callback)
@@ -928,6 +929,23 @@ class _Call:
         if vma:  # inside shard_map: each device got its own rows, so results vary too
             outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]
         return outs
+
+
+# The jax.config options that change the program traced from the same function and inputs.
+_LOWERING_OPTIONS = (
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_numpy_dtype_promotion",
+    "jax_numpy_rank_promotion",
+    "jax_softmax_custom_jvp",
+    "jax_threefry_partitionable",
+)
+
+
+def _lowering_settings() -> tuple:
+    """x64 as in effect, and the other options above (None where this JAX lacks one)."""
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    return (x64, *(str(getattr(jax.config, name, None)) for name in _LOWERING_OPTIONS))
 
 
 def _warn_batch_dependent_keys(keys: list, raw: list, axes: list) -> None:

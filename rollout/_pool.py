@@ -149,11 +149,21 @@ class ProcessPool:
         return [w.pid for w in self._workers]
 
     def _spawn(self, indices: Sequence[int]) -> None:
-        """Start workers at these indices (replacing what is there) and wait until they are up."""
+        """Start workers at these indices (replacing what is there) and wait until they are up.
+        A start cut short (Ctrl-C, a worker that failed) stops the pool: the next call starts it
+        afresh rather than finding half of it."""
+        try:
+            self._start(indices)
+        except BaseException:
+            self._shutdown(kill=True)
+            raise
+
+    def _start(self, indices: Sequence[int]) -> None:
         env = _worker_env(bool(self._x64))
-        fresh = [_Worker(i, env, self.startup_timeout) for i in indices]
-        for w in fresh:
-            self._workers[w.index] = w
+        fresh = []
+        for i in indices:
+            fresh.append(_Worker(i, env, self.startup_timeout))
+            self._workers[i] = fresh[-1]  # at once, so that an interrupted start stops it
         deadline = time.monotonic() + self.startup_timeout
         pending = {w.conn: w for w in fresh}
         while pending:
@@ -162,7 +172,6 @@ class ProcessPool:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    self._shutdown(kill=True)
                     raise WorkerError(
                         f"on_cpu worker {w.index} failed to start: {w.death()} "
                         "(its stderr is above)"
@@ -170,10 +179,8 @@ class ProcessPool:
                 assert msg[0] == "ready", msg
             for w in pending.values():
                 if (dead := w.dead_message()) is not None:
-                    self._shutdown(kill=True)
                     raise WorkerError(f"{dead} while starting (its stderr is above)")
             if time.monotonic() > deadline:
-                self._shutdown(kill=True)
                 raise WorkerError(
                     f"on_cpu workers did not start within {self.startup_timeout:.0f} s; "
                     "is the machine overloaded? Pass fewer workers."

@@ -201,6 +201,29 @@ def test_python_scalars_stay_weakly_typed():
         f.close()
 
 
+@pytest.mark.parametrize("executor", ["process", "inprocess"])
+def test_a_changed_jax_setting_compiles_again_as_jax_jit_does(executor):
+    # A wrapper once kept the program traced under the earlier setting: after
+    # jax_threefry_partitionable changed, its random draws were those of the old setting.
+    def draw(keys, x):  # fn sees a batch of rows
+        return jax.vmap(lambda k, r: r + jax.random.uniform(k, r.shape))(keys, x)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = np.zeros((4, 3), np.float32)
+    f = on_cpu(draw, workers=W, executor=executor)
+    plain = jax.jit(draw)
+    before = jax.config.jax_threefry_partitionable
+    try:
+        for setting in (before, not before, before):
+            jax.config.update("jax_threefry_partitionable", setting)
+            want = np.asarray(plain(keys, x))
+            for g in (f, jax.jit(f)):
+                np.testing.assert_array_equal(np.asarray(g(keys, x)), want, err_msg=str(setting))
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+        f.close()
+
+
 @pytest.mark.timeout(120)
 def test_int64_round_trips_with_x64():
     env = dict(ENV, JAX_NUM_CPU_DEVICES="2")
@@ -261,6 +284,52 @@ def test_a_call_after_an_interrupted_one_gets_its_own_result():
         [sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, timeout=140, env=env
     )
     assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr[-3000:]
+
+
+INTERRUPTED_START = textwrap.dedent(
+    """
+    import os, signal
+    import jax.numpy as jnp, numpy as np
+    import rollout
+    from rollout import _pool
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal's Python
+    started = []
+    real_init = _pool._Worker.__init__
+
+    def init_then_ctrl_c(self, *args):  # Ctrl-C once the first of the workers has started
+        real_init(self, *args)
+        started.append(self.pid)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    _pool._Worker.__init__ = init_then_ctrl_c
+    f = rollout.on_cpu(lambda x: x * 2.0, workers=2, executor="process")
+    x = np.arange(4.0, dtype=np.float32)
+    try:
+        f(x)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    _pool._Worker.__init__ = real_init
+    g = rollout.on_cpu(lambda x: x + 1.0, workers=2, executor="process")  # the same pool
+    np.testing.assert_array_equal(np.asarray(f(x)), x * 2)
+    np.testing.assert_array_equal(np.asarray(g(x)), x + 1)
+    print(started[0] not in f.pids, "ok")
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_a_call_after_one_interrupted_while_its_workers_start_starts_them_again():
+    # The pool was left holding placeholders for the workers not yet started, so every later
+    # call of every wrapper on it failed ("'NoneType' object has no attribute 'proc'").
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="1")
+    res = subprocess.run([sys.executable, "-c", INTERRUPTED_START], capture_output=True,
+                         text=True, timeout=140, env=env)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.split() == ["True", "ok"], (
+        res.stdout + res.stderr[-3000:]
+    )
 
 
 # ------------------------------------------------------------------------------ failures
