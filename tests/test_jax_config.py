@@ -106,3 +106,25 @@ def test_a_checkpoint_with_64_bit_env_state_needs_x64_to_resume(tmp_path):
     with jax.enable_x64(True):
         _, rows = train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
     assert rows[-1]["update"] == 6
+
+
+@pytest.mark.timeout(300)
+def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tmp_path):
+    """``jax_default_prng_impl='rbg'`` (chosen on TPUs for speed) makes raw keys of 4 words, not
+    threefry's 2: the learner's state shapes assumed 2, so no learner could start; a run
+    resumed under the other generator is a config change, not a damaged checkpoint."""
+    from rollout.ppo import _checkpoint, train
+
+    cfg = PPOConfig.for_env("cartpole", **_BASE)
+    longer = PPOConfig.for_env("cartpole", **{**_BASE, "total_steps": 96})
+    devices = jax.devices()[:2]
+    with jax.default_prng_impl("rbg"):
+        state, rows = train(cfg, tmp_path / "run", progress=False, devices=devices)
+        assert state.members.rng.shape == (2, 4) and np.isfinite(rows[-1]["value_loss"]).all()
+    saved = _checkpoint.checkpoints(tmp_path / "run")
+    with pytest.raises(_checkpoint.ConfigChanged, match=r"PRNG keys of 4 words.*of 2"):
+        train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    assert _checkpoint.checkpoints(tmp_path / "run") == saved  # none set aside as damaged
+    with jax.default_prng_impl("rbg"):
+        _, rows = train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    assert rows[-1]["update"] == 6

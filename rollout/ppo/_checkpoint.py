@@ -503,11 +503,40 @@ def _as_saved(path: Path, like: Any) -> Any:
             "resume or export it with x64 on too (JAX_ENABLE_X64=1)."
         )
 
+    shapes = {_path_names(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+    _check_key_width(path, like, shapes)
+
     def one(p, x):
         dtype = dtypes.get(_path_names(p), x.dtype)
         return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
 
     return jax.tree_util.tree_map_with_path(one, like)
+
+
+def _check_key_width(path: Path, like: Any, shapes: dict) -> None:
+    """Raw PRNG keys are 2 uint32 words (threefry) or 4 (rbg, unsafe_rbg), as
+    ``jax_default_prng_impl`` makes them: a checkpoint written under the other kind is fine,
+    but this process cannot continue its random streams."""
+    import jax
+
+    from ensemble._distributed import _path_names
+
+    for p, x in jax.tree_util.tree_leaves_with_path(like):
+        saved = shapes.get(_path_names(p))
+        if (
+            x.dtype == "uint32"
+            and saved
+            and saved[:-1] == x.shape[:-1]
+            and x.shape[-1:] != saved[-1:]
+        ):
+            if {saved[-1], x.shape[-1]} == {2, 4}:
+                kind = "threefry2x32" if saved[-1] == 2 else "rbg or unsafe_rbg"
+                raise ConfigChanged(
+                    f"checkpoint {path.name} holds PRNG keys of {saved[-1]} words, written "
+                    f"under jax_default_prng_impl {kind}, and this process makes keys of "
+                    f"{x.shape[-1]}; resume or export it under the generator it was written "
+                    "with (JAX_DEFAULT_PRNG_IMPL)."
+                )
 
 
 def _cast_exactly(state: Any, like: Any) -> Any:

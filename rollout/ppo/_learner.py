@@ -87,7 +87,7 @@ class MemberState:
     last_return: jax.Array  # [n] mean return of episodes finished last update (NaN: none)
     last_length: jax.Array  # [n]
     hparams: dict[str, jax.Array]  # per-member learning_rate, ent_coef, clip_coef: [n]
-    rng: jax.Array  # [n, 2] uint32 raw keys (plain arrays: easy to checkpoint and shard)
+    rng: jax.Array  # [n, 2] uint32 raw keys ([n, 4] for rbg; plain arrays: easy to checkpoint)
 
 
 @struct.dataclass
@@ -330,7 +330,8 @@ class Learner:
             )["params"],
             jax.random.key(0),
         )
-        keys = jax.ShapeDtypeStruct((n, 2), jnp.uint32)
+        # raw key data: (n, 2) for threefry, (n, 4) for the rbg generators (jax_default_prng_impl)
+        keys = jax.eval_shape(lambda: jax.random.key_data(jax.random.split(jax.random.key(0), n)))
         hparams = {k: jax.ShapeDtypeStruct((n,), jnp.float32) for k in _HPARAMS}
         return jax.eval_shape(self._init_state, params, keys, hparams)
 
