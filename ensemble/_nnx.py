@@ -677,7 +677,7 @@ def _warn_if_rngs_unused(make_member: Callable[[nnx.Rngs], Any], keys: Any, n: i
 def _warn_unmapped_nnx(abstract: Any, members: Members) -> None:
     names = [
         v.get_metadata().get("out_sharding")
-        for v in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        for v in jax.tree.leaves(abstract, is_leaf=_is_variable)
         if isinstance(v, nnx.Variable)
     ]
     names = [[a for a in spec if a != MEMBER_AXIS] for spec in names if spec]
@@ -734,18 +734,35 @@ def _stream_keys(rngs: RngsLike) -> dict[str, jax.Array]:
     return {"default": as_key(rngs, "default")}
 
 
-def _member_shardings(abstract: Any, mesh: Mesh, n: int, rules: LogicalRules) -> Any:
-    """A NamedSharding per Variable: leading n on the member axis, annotated axes by rules."""
+def _member_shardings(
+    abstract: Any, mesh: Mesh, n: int, rules: LogicalRules, named: set | None = None
+) -> Any:
+    """A NamedSharding per Variable: leading n on the member axis, annotated axes by rules.
+
+    ``named``: where given, the (shape, names) pairs whose names apply; another Variable gets
+    the member axis only. An optimizer's state carries its parameter's names whatever its own
+    shape (Adafactor's factored moments, L-BFGS's history of updates)."""
 
     def sharding(v: Any) -> Any:
         if not isinstance(v, nnx.Variable):
             shape = np.shape(v)
             return _leaf_sharding(shape, None, mesh, n, rules)
         shape = np.shape(v.get_value())
-        names = v.get_metadata().get("out_sharding")
+        names = _names(v)
+        if named is not None and (shape, names) not in named:
+            names = None
         return v.replace(_leaf_sharding(shape, names, mesh, n, rules))
 
-    return jax.tree.map(sharding, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(sharding, abstract, is_leaf=_is_variable)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _names(v: nnx.Variable) -> tuple | None:
+    names = v.get_metadata().get("out_sharding")
+    return tuple(names) if isinstance(names, (tuple, list, PartitionSpec)) else None
 
 
 def _leaf_sharding(
@@ -808,7 +825,9 @@ def nnx_optimizer(
     # rule maps; _member_shardings maps every name through the rules.
     with nnx.use_eager_sharding(False):
         opt_graphdef, abstract = nnx.split(nnx.eval_shape(create, ens_state))
-    shardings = _member_shardings(abstract, ens.mesh, ens.n, ens.rules)
+    params = jax.tree.leaves(nnx.state(ens.members, wrt), is_leaf=_is_variable)
+    named = {(np.shape(v.get_value()), _names(v)) for v in params}
+    shardings = _member_shardings(abstract, ens.mesh, ens.n, ens.rules, named)
 
     def create_state(ens_state: Any) -> Any:
         with nnx.use_eager_sharding(False):  # placement comes from out_shardings

@@ -347,6 +347,38 @@ def test_optimizer_of_a_model_with_an_annotation_no_rule_maps_trains_like_plain_
         )
 
 
+@pytest.mark.parametrize(
+    "tx",
+    [optax.adafactor(0.05, min_dim_size_to_factor=2), optax.lbfgs(0.05, 5, linesearch=None)],
+    ids=["adafactor", "lbfgs"],
+)
+def test_optimizer_state_not_shaped_like_its_parameter_keeps_the_member_axis_only(tx):
+    """Flax gives every optimizer-state Variable its parameter's names, whatever its shape:
+    Adafactor's factored moments (fewer axes) were refused, and L-BFGS's history of 5 updates
+    ([n, 5, *shape]) got 'hidden' on its history axis, which 2 devices cannot split."""
+    ens = build_nnx(Annotated, 4, model_parallel=2, rules=[("hidden", "model")], rngs=2)
+    plain = [ens.member(i) for i in range(4)]
+    opt = nnx_optimizer(ens, tx)
+    kernel = ens.members.l1.kernel[...]
+    for leaf in jax.tree.leaves(nnx.state(opt, nnx.OptState)):
+        if leaf.shape == kernel.shape:  # shaped like the kernel: split like it
+            assert leaf.sharding.spec == kernel.sharding.spec, leaf.shape
+        elif leaf.ndim:  # the member axis only: each member's two devices hold it whole
+            assert tuple(leaf.sharding.spec)[1:] in ((), (None,) * (leaf.ndim - 1)), leaf.shape
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    for _ in range(3):
+        nnx_train_step(mse)(ens, opt, x, jnp.ones((4, 2)))
+    for i, m in enumerate(plain):
+        m = jax.device_put(m, jax.devices()[0])  # plain Flax and optax on one device
+        with nnx.use_eager_sharding(False):
+            reference = nnx.Optimizer(m, tx, wrt=nnx.Param)
+            for _ in range(3):
+                reference.update(m, nnx.grad(mse)(m, x, jnp.ones((4, 2))))
+        np.testing.assert_allclose(
+            ens.members.l1.kernel[...][i], m.l1.kernel[...], rtol=1e-5, atol=1e-6
+        )
+
+
 def test_train_step_lowers_loss_and_donates():
     ens = build_nnx(linear, D, rngs=4)
     opt = nnx_optimizer(ens, optax.sgd(0.1, momentum=0.5))
