@@ -469,6 +469,24 @@ def test_benchmark_held_out_scores_the_training_pick_on_shared_episodes():
     assert 4.5 < out["pick_gap"] < 5.5 and out["pick_gap_se"] <= 0.1  # unpaired: about 2
 
 
+def test_benchmark_picks_and_compares_on_unrounded_scores(tmp_path, monkeypatch):
+    """Members whose scores round alike (-140.33 and -140.29 to -140.3) were told apart by
+    member number, not score: the pick was member 0, the lower."""
+    import argparse
+
+    bench = _benchmark()
+    runs = {
+        "PBT": [{"returns": [-140.33, -150.0, -140.29], "env_steps": 64, "hparams": {}}] * 3,
+        "no PBT": [{"returns": [-140.32, -141.0, -900.0], "env_steps": 64, "hparams": {}}] * 3,
+    }
+    monkeypatch.setattr(bench, "evaluate_arm", lambda run, episodes, seed: np.zeros((3, 4)))
+    args = argparse.Namespace(tail=2, seed=0, eval_episodes=4, interval=1)
+    result = bench.build_result(args, tmp_path, runs, {"PBT": 1.0, "no PBT": 1.0}, (0, 0, 0))
+    assert result["arms"]["PBT"]["final_per_member"] == [-140.3, -150.0, -140.3]  # shown rounded
+    assert result["held_out"]["PBT"]["pick"] == 2 and result["held_out"]["no PBT"]["pick"] == 0
+    assert result["pbt_best_ge_plain_best"]  # -140.29 >= -140.32, though both show -140.3
+
+
 @pytest.mark.timeout(240)
 def test_benchmark_evaluates_an_arms_final_checkpoint(tmp_path):
     """evaluate_arm exports a run's last checkpoint and returns [members, episodes] returns,
