@@ -285,6 +285,8 @@ SCRIPT = textwrap.dedent(
         _Gymnasium("Imported-v0", {}, 1)
     except ValueError as e:
         print(e)
+    from rollout.ppo import PPOConfig  # its defaults need the spaces only: read here
+    print("for_env", PPOConfig.for_env("gymnasium:Mine-v0").env)
     """
 )
 
@@ -306,3 +308,4 @@ def test_an_id_registered_where_workers_cannot_see_it_says_how_to_register_it(pr
     ), lines
     assert lines[1].startswith("'Imported-v0' is not registered in the env worker processes ")
     assert lines[1].endswith("give the id as 'gymnasium:<module>:<id>', which every worker imports")
+    assert lines[2] == "for_env gymnasium:Mine-v0", lines  # was refused, with advice it cannot take

@@ -116,8 +116,14 @@ def env_family(name: str, kwargs: dict[str, Any] | None = None) -> str:
 
     Builds the env once (for host envs: one instance in this process), so an unknown id, a
     missing library or spaces the networks cannot take are a ``ValueError`` here, before
-    anything is compiled.
+    anything is compiled. Whether worker processes can make it is the learner's to check: an
+    env registered in ``__main__`` may still train on envs in this process.
     """
+    from rollout.envs import HOST_PREFIXES
+
+    kwargs = dict(kwargs or {})
+    if str(name).partition(":")[0] + ":" in HOST_PREFIXES:
+        kwargs.setdefault("workers_per_device", 0)  # its spaces only, read in this process
     env = make_env(name, kwargs)
     if not spec_of(env).discrete:  # (raises for spaces the PPO networks do not support)
         return "continuous"
