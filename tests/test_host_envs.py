@@ -737,6 +737,29 @@ def test_env_exception_names_env_worker_and_traceback(workers, step_path, monkey
         host.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_step_after_an_env_error_restarts_the_envs_and_says_why(step_path):
+    # The restart's warning said "resumed from a checkpoint, or stepped after close()".
+    host, mesh = bound(WALK_ID, 1, 2, devices=1, fail_at=2, workers_per_device=1)
+    step = _step_fn(host, mesh)
+    keys = jax.random.split(jax.random.key(0), (1, 2))
+    action = jnp.zeros((1, 2), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        good = jax.block_until_ready(step(state, action, keys))[0]
+        with pytest.raises(Exception, match="the walk fell over at step 2"):
+            jax.block_until_ready(step(good, action, keys))
+        with pytest.warns(RuntimeWarning) as caught:
+            jax.block_until_ready(step(good, action, keys))
+        text = str(caught[0].message)
+        want = "restarting the envs from reset (device group 0 (members 0) had stopped after an"
+        assert want in text and "the walk fell over at step 2" in text, text
+        assert caught[0].filename == __file__
+    finally:
+        host.close()
+
+
 STUCK_STEP = textwrap.dedent(
     """
     import sys, threading, time

@@ -756,12 +756,14 @@ class HostEnvs:
 
     def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
         m, e = t.shape
-        if not self._warned.is_set():
+        failed = self.groups[g].failed
+        if failed is not None or not self._warned.is_set():  # every failure, else once
             self._warned.set()
+            why = (f"{self.groups[g].label} had stopped after an error: {failed}" if failed
+                   else "resumed from a checkpoint, or stepped after close()")  # fmt: skip
             warn_user(
-                f"host env {self.env.name}: restarting the envs from reset (resumed from a "
-                "checkpoint, or stepped after close()); the episodes that were running end here "
-                "as truncated with reward 0.",
+                f"host env {self.env.name}: restarting the envs from reset ({why}); the "
+                "episodes that were running end here as truncated with reward 0.",
                 RuntimeWarning,
             )
         self.restarts += 1
