@@ -112,7 +112,8 @@ def test_a_checkpoint_with_64_bit_env_state_needs_x64_to_resume(tmp_path):
 def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tmp_path):
     """``jax_default_prng_impl='rbg'`` (chosen on TPUs for speed) makes raw keys of 4 words, not
     threefry's 2: the learner's state shapes assumed 2, so no learner could start; a run
-    resumed under the other generator is a config change, not a damaged checkpoint."""
+    resumed under the other generator is a config change, not a damaged checkpoint; an export
+    needs no keys, so it reads under either."""
     from rollout.ppo import _checkpoint, train
 
     cfg = PPOConfig.for_env("cartpole", **_BASE)
@@ -125,6 +126,8 @@ def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tm
     with pytest.raises(_checkpoint.ConfigChanged, match=r"PRNG keys of 4 words.*of 2"):
         train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
     assert _checkpoint.checkpoints(tmp_path / "run") == saved  # none set aside as damaged
+    (path,) = export.export_run(tmp_path / "run", tmp_path / "export", members=[1])
+    assert export.read_member(path).act(jnp.zeros((3, 4))).shape == (3,)
     with jax.default_prng_impl("rbg"):
         _, rows = train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
     assert rows[-1]["update"] == 6

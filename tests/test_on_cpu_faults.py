@@ -202,25 +202,32 @@ def test_python_scalars_stay_weakly_typed():
 
 
 @pytest.mark.parametrize("executor", ["process", "inprocess"])
-def test_a_changed_jax_setting_compiles_again_as_jax_jit_does(executor):
-    # A wrapper once kept the program traced under the earlier setting: after
-    # jax_threefry_partitionable changed, its random draws were those of the old setting.
+@pytest.mark.parametrize(
+    "option, other", [("jax_threefry_partitionable", None), ("jax_random_seed_offset", 1)]
+)
+def test_a_changed_jax_setting_compiles_again_as_jax_jit_does(executor, option, other):
+    # A wrapper once kept the program traced under the earlier setting: after the option
+    # changed, its random draws were those of the old setting.
+    def row(key, r):  # a given key, and one of its own
+        return r + jax.random.uniform(key, r.shape) + jax.random.normal(jax.random.key(7), r.shape)
+
     def draw(keys, x):  # fn sees a batch of rows
-        return jax.vmap(lambda k, r: r + jax.random.uniform(k, r.shape))(keys, x)
+        return jax.vmap(row)(keys, x)
 
     keys = jax.random.split(jax.random.key(0), 4)
     x = np.zeros((4, 3), np.float32)
     f = on_cpu(draw, workers=W, executor=executor)
     plain = jax.jit(draw)
-    before = jax.config.jax_threefry_partitionable
+    before = getattr(jax.config, option)
+    other = (not before) if other is None else other
     try:
-        for setting in (before, not before, before):
-            jax.config.update("jax_threefry_partitionable", setting)
+        for setting in (before, other, before):
+            jax.config.update(option, setting)
             want = np.asarray(plain(keys, x))
             for g in (f, jax.jit(f)):
                 np.testing.assert_array_equal(np.asarray(g(keys, x)), want, err_msg=str(setting))
     finally:
-        jax.config.update("jax_threefry_partitionable", before)
+        jax.config.update(option, before)
         f.close()
 
 

@@ -415,6 +415,7 @@ def restore_latest(
     like: Any,
     warn: Callable[[str], None],
     set_aside: bool = True,
+    keys_as_saved: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """The newest checkpoint of the run ``record`` (its ``run.json``) that restores whole, and
     its metadata.
@@ -425,7 +426,9 @@ def restore_latest(
     are renamed ``*.unreadable`` (kept, out of the way of new checkpoints) unless
     ``set_aside=False`` (a reader, such as an export, that must not change the run). A
     checkpoint written with another config than ``record``'s is :class:`ConfigChanged` (the
-    checkpoint is fine; ``run.json`` was changed). Collective.
+    checkpoint is fine; ``run.json`` was changed), as is one whose PRNG keys another generator
+    made, unless ``keys_as_saved`` (a reader that needs no keys: they are read as saved).
+    Collective.
     """
     from ensemble._distributed import orbax_logs_held
 
@@ -435,7 +438,7 @@ def restore_latest(
         path = found[i]
         try:
             with orbax_logs_held(logging.WARNING):  # a damaged one: the warning below says it
-                state, meta = _restore_one(path, record, like)
+                state, meta = _restore_one(path, record, like, keys_as_saved)
             reason = "failed on another process"
         except ConfigChanged:
             raise
@@ -450,7 +453,9 @@ def restore_latest(
     raise NoRestorableCheckpoint(out, tried)
 
 
-def _restore_one(path: Path, record: dict[str, Any], like: Any) -> tuple[Any, dict[str, Any]]:
+def _restore_one(
+    path: Path, record: dict[str, Any], like: Any, keys_as_saved: bool
+) -> tuple[Any, dict[str, Any]]:
     import jax
 
     from ensemble.distributed import checkpoint_metadata, restore_checkpoint
@@ -473,7 +478,7 @@ def _restore_one(path: Path, record: dict[str, Any], like: Any) -> tuple[Any, di
         )
     # Read each leaf in the dtype it was saved in (an older version may have kept another one:
     # uint8 frames were float32), check it against its checksum, then cast it if exact.
-    state = restore_checkpoint(path, _as_saved(path, like))
+    state = restore_checkpoint(path, _as_saved(path, like, keys_as_saved))
     sums = fingerprints(state)
     if sums != meta.get("checksums"):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
@@ -484,8 +489,9 @@ def _restore_one(path: Path, record: dict[str, Any], like: Any) -> tuple[Any, di
     return _cast_exactly(state, like), meta
 
 
-def _as_saved(path: Path, like: Any) -> Any:
-    """``like`` with each leaf's dtype as saved in the checkpoint at ``path``."""
+def _as_saved(path: Path, like: Any, keys_as_saved: bool = False) -> Any:
+    """``like`` with each leaf's dtype as saved in the checkpoint at ``path`` (and PRNG keys of
+    the other generator's width as saved, with ``keys_as_saved``; else that is refused)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -504,39 +510,43 @@ def _as_saved(path: Path, like: Any) -> Any:
         )
 
     shapes = {_path_names(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
-    _check_key_width(path, like, shapes)
+    other = _other_key_width(path, like, shapes)
+    if other and not keys_as_saved:
+        raise _key_width_changed(path, next(iter(other.values()))[-1])
 
     def one(p, x):
         dtype = dtypes.get(_path_names(p), x.dtype)
-        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        shape = other.get(_path_names(p), x.shape)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=x.sharding)
 
     return jax.tree_util.tree_map_with_path(one, like)
 
 
-def _check_key_width(path: Path, like: Any, shapes: dict) -> None:
+def _other_key_width(path: Path, like: Any, shapes: dict) -> dict:
     """Raw PRNG keys are 2 uint32 words (threefry) or 4 (rbg, unsafe_rbg), as
-    ``jax_default_prng_impl`` makes them: a checkpoint written under the other kind is fine,
-    but this process cannot continue its random streams."""
+    ``jax_default_prng_impl`` makes them: ``{leaf name: saved shape}`` of the key leaves the
+    checkpoint holds in the other width. The checkpoint is fine, but this process cannot
+    continue its random streams (a reader that needs no keys reads them as saved)."""
     import jax
 
     from ensemble._distributed import _path_names
 
+    other = {}
     for p, x in jax.tree_util.tree_leaves_with_path(like):
         saved = shapes.get(_path_names(p))
-        if (
-            x.dtype == "uint32"
-            and saved
-            and saved[:-1] == x.shape[:-1]
-            and x.shape[-1:] != saved[-1:]
-        ):
+        if x.dtype == "uint32" and saved and saved[:-1] == x.shape[:-1]:
             if {saved[-1], x.shape[-1]} == {2, 4}:
-                kind = "threefry2x32" if saved[-1] == 2 else "rbg or unsafe_rbg"
-                raise ConfigChanged(
-                    f"checkpoint {path.name} holds PRNG keys of {saved[-1]} words, written "
-                    f"under jax_default_prng_impl {kind}, and this process makes keys of "
-                    f"{x.shape[-1]}; resume or export it under the generator it was written "
-                    "with (JAX_DEFAULT_PRNG_IMPL)."
-                )
+                other[_path_names(p)] = saved
+    return other
+
+
+def _key_width_changed(path: Path, words: int) -> ConfigChanged:
+    kind = "threefry2x32" if words == 2 else "rbg or unsafe_rbg"
+    return ConfigChanged(
+        f"checkpoint {path.name} holds PRNG keys of {words} words, written under "
+        f"jax_default_prng_impl {kind}, and this process makes keys of {6 - words}; resume it "
+        "under the generator it was written with (JAX_DEFAULT_PRNG_IMPL)."
+    )
 
 
 def _cast_exactly(state: Any, like: Any) -> Any:
