@@ -393,11 +393,12 @@ def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["slow", "stopped"])
 def test_a_timeout_shorter_than_the_poll_holds_and_a_stuck_worker_is_not_awaited(how, step_path):
-    # slow: steps of 0.15 s against a 0.05 s timeout (under the 0.2 s the handler and Python
+    # slow: steps of 0.18 s against a 0.1 s timeout (under the 0.2 s the handler and Python
     # otherwise wait between checks); stopped: a SIGSTOPped worker, which closing the group
-    # must not wait for (it would ignore the request to exit).
-    timeout = 0.05 if how == "slow" else 0.3
-    kw = {"step_sleep": 0.15} if how == "slow" else {}
+    # must not wait for (it would ignore the request to exit). The timeout holds for the reset
+    # too, which a loaded machine once took over 0.05 s to answer.
+    timeout = 0.1 if how == "slow" else 0.3
+    kw = {"step_sleep": 0.18} if how == "slow" else {}
     env = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1, timeout=timeout, **kw)
     mesh = ensemble.make_mesh(2, devices=jax.devices()[:2])
     host = env.bind(mesh, 2, 2)
@@ -421,10 +422,10 @@ def test_a_timeout_shorter_than_the_poll_holds_and_a_stuck_worker_is_not_awaited
 
 @pytest.mark.timeout(60)
 def test_an_answer_just_past_the_timeout_is_an_error_on_either_path(step_path):
-    # Steps 0.3 ms longer than the 50 ms timeout: the handler once polled a millisecond past
+    # Steps 0.3 ms longer than the 0.1 s timeout: the handler once polled a millisecond past
     # its deadline and took such answers, where the Python step (the reference) refused them.
-    env = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1, timeout=0.05,
-                    step_sleep=0.0503)  # fmt: skip
+    env = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1, timeout=0.1,
+                    step_sleep=0.1003)  # fmt: skip
     mesh = ensemble.make_mesh(1, devices=jax.devices()[:1])
     host = env.bind(mesh, 1, 1)
     keys = jax.random.split(jax.random.key(0), (1, 1))
@@ -433,7 +434,7 @@ def test_an_answer_just_past_the_timeout_is_an_error_on_either_path(step_path):
         with jax.set_mesh(mesh):
             state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
             step = jax.jit(host.step).lower(state, action, keys).compile()
-            with pytest.raises(Exception, match=r"did not answer a step within 0.05 s"):
+            with pytest.raises(Exception, match=r"did not answer a step within 0.1 s"):
                 for _ in range(3):
                     state = jax.block_until_ready(step(state, action, keys))[0]
         assert host.fast_steps == 0
@@ -459,20 +460,25 @@ INTERRUPTED_LOCK = textwrap.dedent(
     lib = _fast.library()
     assert lib is not None, _fast.why_not()
 
+    held, release = threading.Event(), threading.Event()
+
     def handler():  # holds the block as the compiled step does through a slow step
         lib.hostenv_lock(control._address)
-        time.sleep(1.0)
+        held.set()
+        release.wait(30)
         lib.hostenv_unlock(control._address)
 
-    threading.Thread(target=handler).start()
-    time.sleep(0.1)
+    thread = threading.Thread(target=handler)
+    thread.start()
+    held.wait(30)
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         with control:
             print("took the lock")
     except KeyboardInterrupt:
         print("interrupted")
-    time.sleep(1.2)
+    release.set()
+    thread.join()
     print("lock word", control[_fast.C_LOCK], "thread lock held", control._threads.locked())
     host.close()
     print("closed")
