@@ -434,7 +434,7 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
 
     calls = []
 
-    def restore_latest(out, record, like, warn, set_aside):
+    def restore_latest(out, record, like, warn, set_aside, keys_as_saved):
         calls.append(out)
         if len(calls) == 1:  # the run writes a newer checkpoint while this one is read
             (out / "ckpt_00000009").mkdir()
@@ -446,7 +446,7 @@ def test_exporting_a_run_that_is_still_writing_checkpoints_reads_again(tmp_path,
     (tmp_path / "ckpt_00000008").mkdir()
     assert export._restore_newest(tmp_path, {"run_id": "id"}, None) == "state" and len(calls) == 2
 
-    def never(out, record, like, warn, set_aside):
+    def never(out, record, like, warn, set_aside, keys_as_saved):
         raise ckpt.NoRestorableCheckpoint(out, ["ckpt_00000009", "ckpt_00000008"])
 
     monkeypatch.setattr(ckpt, "restore_latest", never)

@@ -451,6 +451,9 @@ INTERRUPTED_LOCK = textwrap.dedent(
     from rollout import envs
     from rollout.hostenv import _fast
 
+    # As in a terminal's Python: pytest-xdist's workers ignore SIGINT, and this process would
+    # inherit that (the signal below would never arrive).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     env = envs.make("gymnasium:hostenv_walk:Walk-v0", workers_per_device=1)
     mesh = ensemble.make_mesh(1, devices=jax.devices()[:1])
     host = env.bind(mesh, 1, 1)

@@ -896,7 +896,9 @@ def _restore_newest(run: Path, record: dict[str, Any], like: Any, attempts: int 
     for _ in range(attempts):
         listed, notes = ckpt.checkpoints(run), []
         try:
-            state, _ = ckpt.restore_latest(run, record, like, notes.append, False, True)
+            state, _ = ckpt.restore_latest(
+                run, record, like, notes.append, set_aside=False, keys_as_saved=True
+            )
             for line in notes:  # a damaged newer checkpoint; not one the run pruned meanwhile
                 if any(f"checkpoint {p} " in line for p in ckpt.checkpoints(run)):
                     print(line, file=sys.stderr)
