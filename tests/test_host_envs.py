@@ -769,6 +769,31 @@ def test_a_step_after_an_env_error_restarts_the_envs_and_says_why(step_path):
         host.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_state_of_more_device_groups_restarts_the_envs_of_fewer(step_path):
+    # A run resumed on fewer devices puts the members of two groups, with two sessions, in one
+    # group: that was called an altered state ("mixed sessions") instead of a restart.
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    action = jnp.zeros((2, 2), jnp.int32)
+    two, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(two.reset)(keys))
+        state = jax.device_get(_step_fn(two, mesh)(state, action, keys)[0])
+    finally:
+        two.close()
+    assert len(set(np.asarray(state.session).ravel())) == 2
+    one, mesh = bound(WALK_ID, 2, 2, devices=1, workers_per_device=1)
+    try:
+        with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
+            state, obs, reward, term, trunc, info = _step_fn(one, mesh)(state, action, keys)
+        assert np.asarray(info["restarted"]).all() and np.asarray(trunc).all()
+        assert len(set(np.asarray(state.session).ravel())) == 1  # one live session again
+        _step_fn(one, mesh)(state, action, keys)  # and it steps on
+    finally:
+        one.close()
+
+
 STUCK_STEP = textwrap.dedent(
     """
     import sys, threading, time

@@ -708,8 +708,7 @@ class HostEnvs:
         with group.lock:
             # PENDING: the step went out. If the group was closed since (``close()`` from
             # another thread) its answers are gone, and the Python step restarts the envs.
-            live = group.running and _one(session, "session") == group.control[C_SESSION]
-            if int(status) == _fast.PENDING and live:
+            if int(status) == _fast.PENDING and _live(group, session):
                 new_obs, reward, term, trunc, final = group.finish_step()
                 group.control[C_T] += 1
                 return self._step_results(session, new_obs, reward, term, trunc, final)
@@ -738,8 +737,8 @@ class HostEnvs:
     def _step_locked(self, g: int, session, t, obs, action, seeds) -> tuple[np.ndarray, ...]:
         """``_host_step`` of the leader, under its group's lock."""
         group = self.groups[g]
-        s, step = _one(session, "session"), _one(t, "step counter")
-        if group.running and s == group.control[C_SESSION]:
+        step = _one(t, "step counter")
+        if _live(group, session):
             due = group.control[C_T]
             if _int32(due) != step:  # the device's int32 counter wraps after 2**31 steps
                 raise HostEnvError(
@@ -793,8 +792,18 @@ def _int32(x: int) -> int:
     return (x + 2**31) % 2**32 - 2**31
 
 
+def _same(x: np.ndarray) -> bool:
+    return bool((x == x.flat[0]).all())
+
+
+def _live(group: Any, session: np.ndarray) -> bool:
+    """Whether ``session`` is the group's live session. Several sessions in one group are a
+    state from a layout of more device groups (a run resumed on fewer devices): not live."""
+    return group.running and _same(session) and int(session.flat[0]) == group.control[C_SESSION]
+
+
 def _one(x: np.ndarray, what: str) -> int:
     first = x.flat[0]
-    if not (x == first).all():
+    if not _same(x):
         raise HostEnvError(f"host env state has mixed {what}s {np.unique(x)[:4]}: it was altered")
     return int(first)
