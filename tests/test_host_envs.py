@@ -786,7 +786,7 @@ def test_a_state_of_more_device_groups_restarts_the_envs_of_fewer(step_path):
     one, mesh = bound(WALK_ID, 2, 2, devices=1, workers_per_device=1)
     try:
         with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
-            state, obs, reward, term, trunc, info = _step_fn(one, mesh)(state, action, keys)
+            state, _, _, _, trunc, info = _step_fn(one, mesh)(state, action, keys)
         assert np.asarray(info["restarted"]).all() and np.asarray(trunc).all()
         assert len(set(np.asarray(state.session).ravel())) == 1  # one live session again
         _step_fn(one, mesh)(state, action, keys)  # and it steps on
