@@ -4,6 +4,8 @@ must not trip them. (``jax_enable_x64``: ``test_ppo.py``; ``jax_debug_nans`` and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,22 @@ def test_a_checkpoint_with_64_bit_env_state_needs_x64_to_resume(tmp_path):
     assert rows[-1]["update"] == 6
 
 
+def test_a_checkpoint_from_before_the_generator_was_recorded_is_told_by_its_key_width():
+    from ensemble._distributed import _path_names
+    from rollout.ppo import _checkpoint
+
+    like = {
+        "rng": jax.ShapeDtypeStruct((3, 2), jnp.uint32),
+        "w": jax.ShapeDtypeStruct((3, 2), jnp.float32),
+    }
+    path = jax.tree_util.tree_leaves_with_path(like)[0][0]
+    name = _path_names(path)
+    other = _checkpoint._other_key_width(None, like, {name: (3, 4)})
+    assert other == {name: (3, 4)}  # rbg's 4 words where this process makes 2
+    assert _checkpoint._other_key_width(None, like, {name: (3, 2)}) == {}
+    assert "keys of 4 words" in str(_checkpoint._key_width_changed(Path("ckpt_1"), 4))
+
+
 @pytest.mark.timeout(300)
 def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tmp_path):
     """``jax_default_prng_impl='rbg'`` (chosen on TPUs for speed) makes raw keys of 4 words, not
@@ -123,8 +141,15 @@ def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tm
         state, rows = train(cfg, tmp_path / "run", progress=False, devices=devices)
         assert state.members.rng.shape == (2, 4) and np.isfinite(rows[-1]["value_loss"]).all()
     saved = _checkpoint.checkpoints(tmp_path / "run")
-    with pytest.raises(_checkpoint.ConfigChanged, match=r"PRNG keys of 4 words.*of 2"):
-        train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
+    for other in ("threefry2x32", "unsafe_rbg"):  # unsafe_rbg's keys are 4 words too
+        with (
+            jax.default_prng_impl(other),
+            pytest.raises(
+                _checkpoint.ConfigChanged,
+                match=f"jax_default_prng_impl rbg, and this process uses {other}",
+            ),
+        ):
+            train(longer, tmp_path / "run", resume=True, progress=False, devices=devices)
     assert _checkpoint.checkpoints(tmp_path / "run") == saved  # none set aside as damaged
     (path,) = export.export_run(tmp_path / "run", tmp_path / "export", members=[1])
     assert export.read_member(path).act(jnp.zeros((3, 4))).shape == (3,)

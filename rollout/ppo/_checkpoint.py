@@ -382,6 +382,7 @@ def save(
         "metrics_rows": rows,
         "config": config,
         "checksums": fingerprints(state),
+        "prng_impl": str(jax.config.jax_default_prng_impl),  # the random streams' generator
     }
     if not path.exists():  # it exists only if this exact state was saved already
         save_checkpoint(path, state, metadata=meta)
@@ -475,6 +476,13 @@ def _restore_one(
             f"written with (checkpoint -> {RUN_FILE}: {diffs}); it was changed by hand. Put "
             "the checkpoint's values back: a run's config cannot change (only --total-steps "
             "may grow by a resume), a new config is a new run."
+        )
+    generator, ours = meta.get("prng_impl"), str(jax.config.jax_default_prng_impl)
+    if generator is not None and generator != ours and not keys_as_saved:
+        raise ConfigChanged(
+            f"checkpoint {path.name} was written under jax_default_prng_impl {generator}, and "
+            f"this process uses {ours}; resume it under the generator it was written with "
+            f"(JAX_DEFAULT_PRNG_IMPL={generator}), or its random streams would not continue."
         )
     # Read each leaf in the dtype it was saved in (an older version may have kept another one:
     # uint8 frames were float32), check it against its checksum, then cast it if exact.
