@@ -320,6 +320,34 @@ def test_mujoco_trajectories_equal_a_python_loop():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "axes, shape",
+    [(("ensemble", "data", "model", "pipe"), (2, 1, 1, 2)), (("ensemble", "data"), (2, 2))],
+    ids=["an-axis-of-its-own", "no-model-axis"],
+)
+def test_a_mesh_of_other_axes_steps_each_env_once(axes, shape, step_path):
+    # A member's copies along an axis other than 'data' and 'model' each stepped its envs too
+    # (the same worker group, twice a step: random restarts); a mesh without 'model' failed.
+    from jax.sharding import AxisType, Mesh
+
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    mesh = Mesh(devices, axes, axis_types=(AxisType.Auto,) * len(axes))
+    n, e, T = 2, 2, 14
+    host = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=1).bind(mesh, n, e)
+    try:
+        keys = jax.random.split(jax.random.key(3), (n, e))
+        actions = actions_for(WALK_ID, T, n, e, seed=2)
+        obs0, steps = run_host(host, mesh, keys, actions)
+        assert host.restarts == 0
+    finally:
+        host.close()
+    ref0, ref = reference(WALK_ID, seeds_of(keys), actions)
+    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
+    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.timeout(120)
 def test_members_over_8_devices_step_their_own_envs_on_their_own_workers():
     n, e, T = 8, 2, 14
     host, mesh = bound(WALK_ID, n, e, devices=8, report_pid=True)
@@ -792,6 +820,64 @@ def test_a_state_of_more_device_groups_restarts_the_envs_of_fewer(step_path):
         _step_fn(one, mesh)(state, action, keys)  # and it steps on
     finally:
         one.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_retry_after_one_groups_error_restarts_the_groups_that_went_on(step_path):
+    # Group 1's worker dies; group 0 made the step. A retry with the state from before it was
+    # refused by group 0 as a replayed step ("step 1 arrived where step 2 was due"), forever.
+    host, mesh = bound(WALK_ID, 2, 2, devices=2, workers_per_device=1)
+    step = _step_fn(host, mesh)
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+    action = jnp.zeros((2, 2), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        state = jax.block_until_ready(step(state, action, keys))[0]
+        victim = host.groups[1].pids[0]
+        os.kill(victim, signal.SIGKILL)
+        assert alive_after([victim], 10) == []
+        with pytest.raises(Exception, match=r"device group 1 \(members 1\)"):
+            jax.block_until_ready(step(state, action, keys))
+        with pytest.warns(RuntimeWarning) as caught:
+            state, *_, info = jax.block_until_ready(step(state, action, keys))
+        assert np.asarray(info["restarted"]).all()
+        texts = {str(w.message) for w in caught}
+        assert texts and all("device group 1 (members 1) had stopped after an error" in t
+                             for t in texts), texts  # fmt: skip
+        state, *_, info = jax.block_until_ready(step(state, action, keys))  # and on it goes
+        assert not np.asarray(info["restarted"]).any()
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_run_resumed_by_its_live_learner_restarts_its_envs(tmp_path):
+    # The learner's envs had gone on past the checkpoint: the restored state's first step was
+    # refused as a replayed step.
+    from rollout.ppo import Learner, PPOConfig, train
+
+    cfg = PPOConfig.for_env(f"gymnasium:{WALK_ID}", members=2, num_envs=2, num_steps=8,
+                            num_minibatches=1, update_epochs=1, total_steps=64,
+                            updates_per_call=1)  # fmt: skip
+    learner = Learner(cfg, devices=jax.devices()[:2])
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(row):
+        if row["update"] == 3:  # past the checkpoint of update 2
+            raise Stop
+
+    try:
+        with pytest.raises(Stop):
+            train(cfg, tmp_path / "run", learner=learner, progress=False, checkpoint_every=2,
+                  on_update=stop_at_3)  # fmt: skip
+        with pytest.warns(RuntimeWarning, match="restarting the envs from reset"):
+            _, rows = train(cfg, tmp_path / "run", resume=True, learner=learner, progress=False)
+        assert [r["update"] for r in rows] == [1, 2, 3, 4]
+    finally:
+        learner.close()
 
 
 STUCK_STEP = textwrap.dedent(

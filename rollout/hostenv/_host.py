@@ -462,6 +462,10 @@ class HostEnvs:
             group.control[C_SESSION], group.control[C_T] = -1, 0  # no session yet
         self.restarts = 0  # times a group restarted its envs mid-run (resume, or after close)
         self._warned = threading.Event()
+        # Groups whose envs another group's error left ahead of the state a retry brings:
+        # group -> that error. Such a group restarts rather than calling the step replayed
+        # (until it restarts: its own step of the failed program may come after the error).
+        self._behind: dict[int, str] = {}
 
     def _label(self, g: int) -> str:
         a, b = g * self.per_group, (g + 1) * self.per_group - 1
@@ -534,12 +538,15 @@ class HostEnvs:
         """``host(group, leader, *local_args)`` once per device, on that device's members;
         ``fast``: the FFI step first (``_fast``), ``host`` only where it did not finish."""
         replicated = self.replicas > 1
+        # A member's copies are along every other axis of the mesh ('data', 'model', and any
+        # the user's mesh adds): the first device of each group steps the envs, once.
+        others = tuple(a for a in self.mesh.axis_names if a != "ensemble")
 
         def per_device(*local):
             g = jax.lax.axis_index("ensemble")
             lead = jnp.bool_(True)
-            if replicated:
-                lead = (jax.lax.axis_index("data") == 0) & (jax.lax.axis_index("model") == 0)
+            for axis in others if replicated else ():
+                lead &= jax.lax.axis_index(axis) == 0
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
@@ -552,7 +559,7 @@ class HostEnvs:
             # Only the leader stepped the envs; share its result with the other replicas.
             share = lambda x: jax.lax.psum(
                 jnp.where(lead, x.astype(jnp.int32) if x.dtype in (jnp.bool_, jnp.uint8) else x, 0),
-                ("data", "model"),
+                others,
             )
             return tuple(share(x).astype(x.dtype) for x in outs)
 
@@ -709,7 +716,7 @@ class HostEnvs:
             # PENDING: the step went out. If the group was closed since (``close()`` from
             # another thread) its answers are gone, and the Python step restarts the envs.
             if int(status) == _fast.PENDING and _live(group, session):
-                new_obs, reward, term, trunc, final = group.finish_step()
+                new_obs, reward, term, trunc, final = self._failing(int(g), group.finish_step)
                 group.control[C_T] += 1
                 return self._step_results(session, new_obs, reward, term, trunc, final)
             return self._step_locked(int(g), session, t, obs, action, seeds)
@@ -738,28 +745,43 @@ class HostEnvs:
         """``_host_step`` of the leader, under its group's lock."""
         group = self.groups[g]
         step = _one(t, "step counter")
-        if _live(group, session):
-            due = group.control[C_T]
+        due = group.control[C_T]
+        if _live(group, session) and not (g in self._behind and _int32(due) != step):
             if _int32(due) != step:  # the device's int32 counter wraps after 2**31 steps
                 raise HostEnvError(
                     f"host env {self.env.name}, {group.label}: step {step} arrived where "
                     f"step {_int32(due)} was due (a step was duplicated, dropped or reordered)"
                 )
             m, e = session.shape
-            outs = group.step(action.reshape(m * e, *action.shape[2:]))
+            outs = self._failing(g, lambda: group.step(action.reshape(m * e, *action.shape[2:])))
             group.control[C_T] = due + 1
             return self._step_results(session, *outs)
         # Not the live session: a restored checkpoint, a state from before close(), or an
         # older state of this run. The envs cannot go back to it: restart them.
         return self._restart(g, t, obs, seeds)
 
+    def _failing(self, g: int, step: Any) -> Any:
+        """``step()``; if it raises, the other groups' envs have gone on without this one's:
+        each of them restarts at a retry with an older state, instead of refusing it."""
+        try:
+            return step()
+        except HostEnvError:
+            failed = f"{self.groups[g].label} had stopped after an error: {self.groups[g].failed}"
+            for h in range(self.num_groups):
+                if h != g:
+                    self._behind.setdefault(h, failed)
+            raise
+
     def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
         m, e = t.shape
         failed = self.groups[g].failed
-        if failed is not None or not self._warned.is_set():  # every failure, else once
-            self._warned.set()
-            why = (f"{self.groups[g].label} had stopped after an error: {failed}" if failed
-                   else "resumed from a checkpoint, or stepped after close()")  # fmt: skip
+        behind = self._behind.pop(g, None)
+        if failed is not None:
+            why = f"{self.groups[g].label} had stopped after an error: {failed}"
+        else:
+            why = behind or "resumed from a checkpoint, or stepped after close()"
+        if failed is not None or behind is not None or not self._warned.is_set():
+            self._warned.set()  # every failure, else once
             warn_user(
                 f"host env {self.env.name}: restarting the envs from reset ({why}); the "
                 "episodes that were running end here as truncated with reward 0.",

@@ -296,6 +296,8 @@ class _Run:
         self._check_layout(layout)
         like = ckpt.restore_targets(learner)
         state, meta = ckpt.restore_latest(self.out, self.record, like, self.warn)
+        if learner._host_envs:  # live ones (a learner resumed in this process) are ahead of it
+            learner.envs.close()  # they restart from reset at the first step, as in a new one
         done = meta["update"]
         self.saved_at = done
 
