@@ -12,11 +12,13 @@ from pathlib import Path
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from subprocess_env import clean_env
 
 import ensemble
+from rollout import envs
 from rollout.ppo import Learner, PPOConfig, gae, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -574,3 +576,37 @@ def test_init_with_members_spanning_devices_warns_nothing():
         with Learner(cfg, devices=jax.devices()[:8]) as learner:
             assert learner.mesh.shape["data"] == 2
             learner.init()
+
+
+class _Always(envs.Env):
+    """Every step ends the episode with reward 1 from the same observation: every advantage
+    of a rollout is the same number."""
+
+    name = "always"
+    max_episode_steps = 1
+    observation_space = envs.Box.uniform((3,), -10.0, 10.0)
+    action_space = envs.Discrete(2)
+
+    def reset(self, key, params=None):
+        return jnp.int32(0), jnp.array([5.0, 0.0, 0.0])
+
+    def step(self, state, action, key, params=None):
+        return (
+            state,
+            jnp.array([5.0, 0.0, 0.0]),
+            jnp.float32(1.0),
+            jnp.bool_(True),
+            jnp.bool_(False),
+            {},
+        )
+
+
+def test_advantages_that_are_all_equal_normalise_to_zero_not_to_rounding_noise():
+    # Their float32 mean is off by an ulp, and (adv - mean) / (std + 1e-8) made that +-0.86:
+    # a policy loss of 0.86 where every sample's advantage is 0.
+    cfg = PPOConfig(env="always", members=2, num_envs=2, num_steps=16, num_minibatches=1,
+                    update_epochs=1, total_steps=64, updates_per_call=1)  # fmt: skip
+    assert cfg.norm_adv
+    with Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(_Always())) as learner:
+        _, metrics = learner.update(learner.init(), 2)
+    np.testing.assert_array_equal(np.asarray(metrics["policy_loss"]), 0.0)

@@ -601,7 +601,7 @@ class Learner:
         log_ratio = logp - t.log_prob
         ratio = jnp.exp(log_ratio)
         if cfg.norm_adv:  # per minibatch; population std (PureJaxRL's; CleanRL's torch: ddof=1)
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            adv = _normalized(adv)
         clip = hp["clip_coef"]
         pg_loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
         if cfg.clip_vloss:
@@ -691,6 +691,15 @@ class Learner:
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
+
+
+def _normalized(adv: jax.Array) -> jax.Array:
+    """``(adv - mean) / (std + 1e-8)``, centred on one of its own values first: advantages that
+    are all equal (a minibatch of one-step episodes) then centre to exactly 0, not to float32's
+    rounding of their mean, which the division by 1e-8 made a unit-sized advantage."""
+    shifted = adv - adv.reshape(-1)[0]
+    centred = shifted - shifted.mean()
+    return centred / (jnp.sqrt(jnp.mean(centred * centred)) + 1e-8)
 
 
 def _adam_with_clip(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
