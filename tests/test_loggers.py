@@ -123,6 +123,55 @@ def test_scalar_names_group_by_member_and_skip_missing_values():
     }
 
 
+def test_pbt_hyperparameters_reach_the_loggers_and_parents_get_no_mean():
+    # The nested hparams were dropped: the entropy and clip coefficients PBT changes never
+    # reached a dashboard; the mean of the parents' member indices was logged.
+    row = {"env_steps": 8, "pbt_parent": [1, 1], "hparams": {"ent_coef": [0.01, 0.012]}}
+    assert _loggers.scalars(row) == {
+        "member_0/pbt_parent": 1.0,
+        "member_1/pbt_parent": 1.0,
+        "member_0/hparam_ent_coef": 0.01,
+        "member_1/hparam_ent_coef": 0.012,
+        "ensemble/hparam_ent_coef_mean": 0.011,
+    }
+
+
+NAN_ENV = """
+import gymnasium as gym
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+class NanCartPole(CartPoleEnv):  # a NaN reward once this env instance has made 150 steps
+    made = 0
+
+    def step(self, action):
+        obs, reward, term, trunc, info = super().step(action)
+        NanCartPole.made += 1
+        return obs, float("nan") if NanCartPole.made > 150 else reward, term, trunc, info
+
+gym.register("NanCartPole-v0", entry_point=NanCartPole, max_episode_steps=500)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_multi_process_run_that_diverges_hands_every_row_to_its_loggers(tmp_path):
+    # A failing process of a multi-process run ends at once, without atexit handlers: the
+    # loggers, closed only there, lost the rows they had not written (TensorBoard) or the
+    # whole run (W&B offline: an empty file).
+    (tmp_path / "nan_cartpole.py").write_text(NAN_ENV)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--", sys.executable, "-m",
+           "rollout.ppo", "--env", "gymnasium:nan_cartpole:NanCartPole-v0", "--members", "2",
+           "--num-envs", "2", "--num-steps", "64", "--total-steps", "1024", "--out", str(out),
+           "--no-progress", "--log", "tensorboard", "--log-interval", "0"]  # fmt: skip
+    env = _cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1 and "diverged at update" in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = {step for _, step in _tensorboard_scalars(out / "tensorboard")}
+    assert len(rows) >= 2 and logged == {r["env_steps"] for r in rows}, (logged, rows)
+
+
 def test_a_resumed_run_replaces_the_stopped_runs_events_and_continues_its_wandb_run(
     tmp_path, monkeypatch
 ):

@@ -909,7 +909,9 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         )
     finally:
         _FOR_CLI.reset(token)
-    logs.close()  # (also at exit if training raised)
+        # Also when training stops (a signal, a divergence, an error): a process of a
+        # multi-process run that fails ends without the atexit handlers.
+        logs.close()
     if rows and info.is_main:
         final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
         print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")

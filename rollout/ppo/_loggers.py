@@ -88,7 +88,9 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
 
     Missing values (``None``: e.g. no episode finished yet) are left out, never logged as 0.
     ``returns`` also gets ``ensemble/return_min`` and ``ensemble/return_max``; the throughput
-    ``env_steps_per_s`` (all members) becomes ``perf/env_steps_per_s``.
+    ``env_steps_per_s`` (all members) becomes ``perf/env_steps_per_s``. With PBT, each member's
+    hyperparameters in effect (``hparams``) become ``member_i/hparam_<name>``, and the member it
+    copied, ``member_i/pbt_parent`` (no mean: it is an index).
 
     Example:
       >>> scalars({"env_steps": 512, "returns": [10.0, None], "entropy": [0.5, 0.7]})
@@ -99,23 +101,28 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for key, value in row.items():
-        if not isinstance(value, list | tuple):
-            continue
-        name = _RENAME.get(key, key)
-        present = []
-        for i, v in enumerate(value):
-            if v is not None and math.isfinite(v):
-                out[f"member_{i}/{name}"] = float(v)
-                present.append(float(v))
-        if present:
-            out[f"ensemble/{name}_mean"] = math.fsum(present) / len(present)
-            if name == "return":
-                out["ensemble/return_min"] = min(present)
-                out["ensemble/return_max"] = max(present)
+        if key == "hparams" and isinstance(value, Mapping):
+            for name, per_member in value.items():
+                _per_member(out, f"hparam_{name}", per_member)
+        elif isinstance(value, list | tuple):
+            _per_member(out, _RENAME.get(key, key), value)
     sps = row.get("env_steps_per_s")
     if sps is not None and math.isfinite(sps):
         out["perf/env_steps_per_s"] = float(sps)
     return out
+
+
+def _per_member(out: dict[str, float], name: str, values: Sequence[Any]) -> None:
+    present = []
+    for i, v in enumerate(values):
+        if v is not None and math.isfinite(v):
+            out[f"member_{i}/{name}"] = float(v)
+            present.append(float(v))
+    if present and name != "pbt_parent":
+        out[f"ensemble/{name}_mean"] = math.fsum(present) / len(present)
+        if name == "return":
+            out["ensemble/return_min"] = min(present)
+            out["ensemble/return_max"] = max(present)
 
 
 class TensorBoardLogger:
