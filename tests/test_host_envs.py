@@ -847,6 +847,19 @@ def test_a_retry_after_one_groups_error_restarts_the_groups_that_went_on(step_pa
                              for t in texts), texts  # fmt: skip
         state, *_, info = jax.block_until_ready(step(state, action, keys))  # and on it goes
         assert not np.asarray(info["restarted"]).any()
+        # Another error, then a fresh reset rather than a retry: a replayed step of the new
+        # session is refused again (group 0 was taken for behind for good, and restarted).
+        os.kill(host.groups[1].pids[0], signal.SIGKILL)
+        with pytest.raises(Exception, match=r"device group 1 \(members 1\)"):
+            jax.block_until_ready(step(state, action, keys))
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        first = jax.block_until_ready(step(state, action, keys))[0]
+        jax.block_until_ready(step(first, action, keys))
+        restarts = host.restarts
+        with pytest.raises(Exception, match=r"step 1 arrived where step 2 was due"):
+            jax.block_until_ready(step(first, action, keys))
+        assert host.restarts == restarts  # neither group took the replay for a restart
     finally:
         host.close()
 

@@ -695,6 +695,7 @@ class HostEnvs:
         obs = group.reset(seeds.reshape(-1))
         session = secrets.randbits(32)
         group.control[C_SESSION], group.control[C_T] = session, 0
+        self._behind.pop(g, None)  # a new session: no longer ahead of anything
         return session, self._unflat(obs, self._obs_dtype)
 
     @property
