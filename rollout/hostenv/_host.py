@@ -614,7 +614,9 @@ class HostEnvs:
         ``reward_clip``) and ``episode_goes_on`` (a life lost under EnvPool's
         ``episodic_life``: the episode ended, the game did not). ``keys`` seed the envs only
         if they must restart: when ``state`` is not the envs' live session (a restored
-        checkpoint, a state from before ``close()``, or one older than the envs' latest reset).
+        checkpoint, a state from before ``close()``, one older than the envs' latest reset, or
+        one of a layout with more device groups), or is a retry of a step that another device
+        group's env error stopped.
         Host env states cannot be saved or rewound, so then the episodes running in ``state``
         end at this step, reported as truncated with reward 0 and ``final_obs`` = their last
         observation (the learner bootstraps them like a time limit), and the envs restart from
