@@ -766,11 +766,11 @@ def _names(v: nnx.Variable) -> tuple | None:
 
 
 def _leaf_sharding(
-    shape: tuple[int, ...], names: Any, mesh: Mesh, n: int, rules: LogicalRules
+    shape: tuple[int, ...], names: tuple | None, mesh: Mesh, n: int, rules: LogicalRules
 ) -> NamedSharding:
+    """``names``: a Variable's logical names (``_names``), or None."""
     if len(shape) >= 1 and shape[0] == n:
-        logical = tuple(names) if isinstance(names, (tuple, list, PartitionSpec)) else None
-        return member_sharding(mesh, len(shape), logical, rules)
+        return member_sharding(mesh, len(shape), names, rules)
     # Not member-shaped (e.g. the optimizer's global step count): replicated, it is tiny.
     return NamedSharding(mesh, PartitionSpec())
 

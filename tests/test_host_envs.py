@@ -209,6 +209,13 @@ def run_host(host, mesh, keys, actions):
     return jax.tree.map(np.asarray, out)
 
 
+def reset_then_compile(host, mesh, keys, action):
+    """The envs' first state, and their step compiled for it (a call needs no mesh context)."""
+    with jax.set_mesh(mesh):
+        state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        return state, jax.jit(host.step).lower(state, action, keys).compile()
+
+
 def seeds_of(keys) -> np.ndarray:
     """One uint32 seed per env key, drawn in plain JAX (the definition HostEnvs follows)."""
     flat = keys.reshape(-1)
@@ -407,13 +414,11 @@ def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
     mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
     host = env.bind(mesh, n, e)
     try:
-        with jax.set_mesh(mesh):
-            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
-            step = jax.jit(host.step).lower(state, actions[0], keys).compile()
-            with pytest.raises(
-                Exception, match=r"worker 0 \(pid \d+\) did not answer a step within 0.5 s"
-            ):
-                jax.block_until_ready(step(state, actions[0], keys))
+        state, step = reset_then_compile(host, mesh, keys, actions[0])
+        with pytest.raises(
+            Exception, match=r"worker 0 \(pid \d+\) did not answer a step within 0.5 s"
+        ):
+            jax.block_until_ready(step(state, actions[0], keys))
     finally:
         host.close()
 
@@ -433,9 +438,7 @@ def test_a_timeout_shorter_than_the_poll_holds_and_a_stuck_worker_is_not_awaited
     keys = jax.random.split(jax.random.key(0), (2, 2))
     action = jnp.zeros((2, 2), jnp.int32)
     try:
-        with jax.set_mesh(mesh):
-            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
-            step = jax.jit(host.step).lower(state, action, keys).compile()
+        state, step = reset_then_compile(host, mesh, keys, action)
         victim = host.groups[1].pids[0]
         if how == "stopped":
             os.kill(victim, signal.SIGSTOP)
@@ -459,12 +462,10 @@ def test_an_answer_just_past_the_timeout_is_an_error_on_either_path(step_path):
     keys = jax.random.split(jax.random.key(0), (1, 1))
     action = jnp.zeros((1, 1), jnp.int32)
     try:
-        with jax.set_mesh(mesh):
-            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
-            step = jax.jit(host.step).lower(state, action, keys).compile()
-            with pytest.raises(Exception, match=r"did not answer a step within 0.1 s"):
-                for _ in range(3):
-                    state = jax.block_until_ready(step(state, action, keys))[0]
+        state, step = reset_then_compile(host, mesh, keys, action)
+        with pytest.raises(Exception, match=r"did not answer a step within 0.1 s"):
+            for _ in range(3):
+                state = jax.block_until_ready(step(state, action, keys))[0]
         assert host.fast_steps == 0
     finally:
         host.close()
