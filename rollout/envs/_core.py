@@ -159,7 +159,9 @@ class Box:
     def sample(self, key: PRNGKey) -> Array:
         """In the box, per element as gymnasium's ``Box.sample``: uniform in [low, high] where
         both are finite, ``low + Exponential(1)`` / ``high - Exponential(1)`` where only one
-        is, standard normal where neither is.
+        is, standard normal where neither is. Drawn in float32 and cast to `dtype`, so a
+        low-precision box's effective bounds are `low` and `high` rounded to `dtype`, as
+        gymnasium stores them.
 
         Example:
           >>> import jax
