@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -170,6 +171,12 @@ def abstract_signature(tree: Any) -> Hashable:
     return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
+@functools.lru_cache
+def _legacy_key_shape(impl: str) -> tuple[int, ...]:
+    """The shape of ``jax.random.PRNGKey(0)`` under the default generator ``impl``."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 def as_key(value: Any, name: str = "rng") -> jax.Array:
     """An int seed, a typed key or a legacy ``PRNGKey`` -> one typed key."""
     if isinstance(value, int | np.integer) and not isinstance(value, bool):
@@ -177,7 +184,9 @@ def as_key(value: Any, name: str = "rng") -> jax.Array:
     if isinstance(value, jax.Array | np.ndarray):
         if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) and value.shape == ():
             return value
-        if value.dtype == np.uint32 and value.shape == (2,):  # legacy PRNGKey
+        if value.dtype == np.uint32 and value.shape == _legacy_key_shape(
+            jax.config.jax_default_prng_impl
+        ):  # a legacy PRNGKey: (2,) under threefry, (4,) under rbg
             return jax.random.wrap_key_data(jnp.asarray(value))
     raise TypeError(
         f"rng stream {name!r} must be one key (jax.random.key(0) or jax.random.PRNGKey(0)) or an "
@@ -247,6 +256,25 @@ def check_inputs(
         else:
             check_shared(arg, n, f"{what} {pos}", shared_fix)
         check_on_mesh(arg, mesh, f"{what} {pos}", member_major=ax == 0)
+
+
+def check_stacked_inputs(
+    batches: Sequence[Any],
+    stacked: Sequence[bool],
+    axes: Axes,
+    n: int,
+    shared_fix: str,
+    mesh: Mesh,
+) -> None:
+    """:func:`check_inputs`' placement checks for a scan's stacked batch arguments, whose
+    one-step rows (the shape structs ``check_inputs`` sees) carry no placement: none committed
+    to other devices, and a shared one not laid out one slice per member on its member axis
+    (axis 1, after the steps)."""
+    for pos, (arg, flag, ax) in enumerate(zip(batches, stacked, axes)):
+        if flag:
+            check_on_mesh(arg, mesh, f"batch argument {pos}")
+            if ax is None:
+                check_shared(arg, n, f"batch argument {pos}", shared_fix, axis=1)
 
 
 def check_no_python_values(tree: Any, what: str, hint: str) -> None:
@@ -334,23 +362,25 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
     )
 
 
-def check_shared(tree: Any, n: int, what: str, hint: str) -> None:
+def check_shared(tree: Any, n: int, what: str, hint: str, axis: int = 0) -> None:
     """Refuses a shared input (every member sees all of it) that is laid out one slice per
-    member: a leading axis of n split over the member devices. Such an array is almost surely
-    per-member data marked shared, and a loss that broadcasts it would train every member on
-    every member's slice without an error."""
+    member: an axis of n (``axis``: the leading one, the second for a scan's stacked steps)
+    split over the member devices. Such an array is almost surely per-member data marked
+    shared, and a loss that broadcasts it would train every member on every member's slice
+    without an error."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
             continue
         sharding, shape = leaf.sharding, np.shape(leaf)
-        if not (isinstance(sharding, NamedSharding) and shape and shape[0] == n):
+        if not (isinstance(sharding, NamedSharding) and len(shape) > axis and shape[axis] == n):
             continue
-        first = sharding.spec[0] if len(sharding.spec) else None
+        first = sharding.spec[axis] if len(sharding.spec) > axis else None
         names = first if isinstance(first, tuple) else (first,)
         if MEMBER_AXIS in names and sharding.mesh.shape.get(MEMBER_AXIS, 1) > 1:
             raise ValueError(
-                f"{what}{jax.tree_util.keystr(path)} is shared by all members, but it has a "
-                f"leading axis of n={n} split over the {MEMBER_AXIS!r} devices, one slice per "
+                f"{what}{jax.tree_util.keystr(path)} is shared by all members, but it has "
+                f"{'a leading axis' if axis == 0 else f'an axis {axis}'} of n={n} "
+                f"split over the {MEMBER_AXIS!r} devices, one slice per "
                 f"member. {hint}"
             )
 

@@ -47,6 +47,7 @@ from ensemble._core import (
     check_member_major,
     check_not_donated,
     check_shared_kwargs,
+    check_stacked_inputs,
     explained_errors,
     join_static,
     split_loss,
@@ -183,6 +184,9 @@ class NNXEnsemble(nnx.Module):
         ``fn`` sees one PLAIN member module (as the factory built it), so any method or loss
         written for the single model works unchanged. Inputs follow :attr:`in_axes`. Variable
         updates made by ``fn`` (batch statistics, rng counts) are written back per member.
+        Called outside ``jit``, each call traces and compiles ``fn`` afresh (whatever it closes
+        over is read anew; tens of ms for a small model); to call one ``fn`` in a loop, jit the
+        loop body: ``nnx.jit(lambda ens, x: ens.map(fn, x))``.
 
         Example:
           >>> import jax.numpy as jnp, ensemble
@@ -906,9 +910,17 @@ class NNXTrainStep:
         """
         flags = stacked_flags(stacked, len(batches))
         program = functools.partial(self._scanned, stacked=flags)
-        return self._run(program, ens, optimizer, batches, one_step_of(batches, flags))
+        return self._run(program, ens, optimizer, batches, one_step_of(batches, flags), flags)
 
-    def _run(self, program: Any, ens: Any, optimizer: Any, batch: tuple, one: tuple) -> Any:
+    def _run(
+        self,
+        program: Any,
+        ens: Any,
+        optimizer: Any,
+        batch: tuple,
+        one: tuple,
+        stacked: tuple[bool, ...] | None = None,
+    ) -> Any:
         _check_pair(ens, optimizer)
         axes = self._batch_axes(len(batch), ens.in_axes)
         rngs = [isinstance(b, nnx.Rngs) for b in batch]
@@ -923,6 +935,8 @@ class NNXTrainStep:
         axes = tuple(None if r else a for r, a in zip(rngs, axes))
         one = tuple(None if r else b for r, b in zip(rngs, one))
         check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES, mesh=ens.mesh)
+        if stacked is not None:
+            check_stacked_inputs(batch, stacked, axes, ens.n, BATCH_FIXES[1], ens.mesh)
         batch = tuple(_take_rngs(b) if r else b for r, b in zip(rngs, batch))
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)

@@ -46,7 +46,8 @@ def log_mean_exp(log_probs: ArrayLike) -> jax.Array:
 
     The log of the ensemble's mean probability (the predictive mixture), computed stably: members
     with log-probabilities of -1000 do not underflow to ``-inf``. Computed in float32 at least
-    (float16 has no ``log(65536)``: n beyond 65504 gave NaN) and returned in the input's dtype.
+    (float16 has no ``log(65536)``: n beyond 65504 gave NaN) and returned in the input's
+    dtype if that is a float dtype (float32 for integer inputs).
 
     Example:
       >>> import jax.numpy as jnp
@@ -61,7 +62,8 @@ def _log_mean_exp(log_probs: jax.Array) -> jax.Array:
     n = log_probs.shape[0]
     wide = log_probs.astype(jnp.promote_types(log_probs.dtype, jnp.float32))
     out = jax.nn.logsumexp(wide, axis=0) - jnp.log(jnp.asarray(n, wide.dtype))
-    return out.astype(log_probs.dtype)
+    floating = jnp.issubdtype(log_probs.dtype, jnp.floating)
+    return out.astype(log_probs.dtype) if floating else out
 
 
 def disagreement(logits: ArrayLike) -> jax.Array:

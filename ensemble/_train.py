@@ -44,6 +44,7 @@ from ensemble._core import (
     check_member_major,
     check_not_donated,
     check_on_mesh,
+    check_stacked_inputs,
     explained_errors,
     split_loss,
 )
@@ -321,6 +322,8 @@ class TrainStep:
         axes = self._batch_axes(len(batch))
         one = batch if stacked is None else one_step_of(batch, stacked)
         check_inputs(one, axes, self.n, "batch argument", *BATCH_FIXES, mesh=self.mesh)
+        if stacked is not None:
+            check_stacked_inputs(batch, stacked, axes, self.n, BATCH_FIXES[1], self.mesh)
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh, s_sh, state_key = self._state_shardings(params, opt_state)

@@ -400,6 +400,24 @@ def test_rng_forms(rng):
     np.testing.assert_array_equal(v["params"]["kernel"], ref["params"]["kernel"])
 
 
+def test_a_legacy_key_of_the_rbg_generator_is_a_key():
+    """Under ``jax_default_prng_impl='rbg'`` a ``PRNGKey`` has 4 words, not threefry's 2: it
+    was refused, the message naming the very key passed."""
+    model = nn.Sequential([nn.Dense(3), nn.Dropout(0.5, deterministic=False)])
+    x = jnp.ones((2, 3))
+    with jax.default_prng_impl("rbg"):
+        key = jax.random.PRNGKey(0)
+        assert key.shape == (4,)
+        ens = ensemble.build(model, D)
+        v = ens.init(key, x)
+        ref = ens.init(jax.random.key(0), x)
+        np.testing.assert_array_equal(v["params"]["layers_0"]["kernel"],
+                                      ref["params"]["layers_0"]["kernel"])  # fmt: skip
+        out = ens.apply(v, x, rngs={"dropout": jax.random.PRNGKey(1)})
+        want = ens.apply(v, x, rngs={"dropout": jax.random.key(1)})
+        np.testing.assert_array_equal(out, want)
+
+
 def test_user_mesh_on_a_subset_of_devices():
     mesh = ensemble.make_mesh(4, devices=jax.devices()[:2])
     ens = ensemble.build(nn.Dense(2), 4, mesh=mesh)

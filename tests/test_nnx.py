@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ensemble
 from ensemble import NNXEnsemble, nnx_optimizer, nnx_train_step
@@ -441,6 +443,13 @@ def test_scan_equals_the_step_called_once_per_batch(n):
     assert memory.alias_size_in_bytes == memory.argument_size_in_bytes - batches
     with pytest.raises(ValueError, match=rf"batch argument 1 has shape \(3, {n}, 6, 1\); scan"):
         step.scan(ens, opt, xs, ys[:3])
+    # A single step's placement checks, on the stacked arrays (their rows carry no placement).
+    shared = nnx_train_step(mse, per_member_batch=False)
+    ys = jax.device_put(ys, NamedSharding(ens.mesh, P(None, "ensemble")))
+    with pytest.raises(ValueError, match=rf"batch argument 1 is shared .* an axis 1 of n={n}"):
+        shared.scan(ens, opt, xs, ys)
+    with pytest.raises(ValueError, match=r"batch argument 0 is committed to device\(s\) 1,"):
+        step.scan(ens, opt, jax.device_put(xs, jax.devices()[1]), ys)
 
 
 def test_per_member_clip_and_batches_are_independent():

@@ -40,6 +40,10 @@ def test_log_mean_exp_matches_numpy_and_is_stable(logits):
     # float16 holds no log(65536), nor a sum of 70000 ones: computed wider, returned as given.
     many = ensemble.log_mean_exp(jnp.full((70000, 2), -1.0, jnp.float16))
     assert many.dtype == jnp.float16 and many.tolist() == [-1.0, -1.0]
+    # Integer log-probabilities come back as floats (cast back to int32, -1.38 was -1).
+    ints = ensemble.log_mean_exp(jnp.array([[-1, -3], [-2, -3]]))
+    assert ints.dtype == jnp.float32
+    np.testing.assert_allclose(ints, [np.log((np.exp(-1) + np.exp(-2)) / 2), -3.0], rtol=1e-6)
 
 
 def test_disagreement_is_fraction_disagreeing_with_mean_probability_argmax(logits):

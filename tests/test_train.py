@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ensemble
@@ -607,6 +608,14 @@ def test_scan_refuses_batches_that_are_not_stacked_alike():
                               per_member_batch=(True, False), donate=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"leading member axis of size n=8"):
         per.scan(params, opt_state, jnp.ones((n, 3, 8, 3)), jnp.ones((n, 8, 1)))
+    # The placement checks of a single step hold for the stacked arrays too (their one-step
+    # rows carry no placement): per-member data marked shared, and data on another device.
+    ys = jax.device_put(jnp.ones((5, n, 8, 1)), NamedSharding(ens.mesh, P(None, "ensemble")))
+    with pytest.raises(ValueError, match=r"batch argument 1 is shared .* an axis 1 of n=8 split"):
+        step.scan(params, opt_state, jnp.ones((5, 8, 3)), ys)
+    xs = jax.device_put(jnp.ones((5, 8, 3)), jax.devices()[1])
+    with pytest.raises(ValueError, match=r"batch argument 0 is committed to device\(s\) 1,"):
+        step.scan(params, opt_state, xs, jnp.ones((5, 8, 1)))
 
 
 def test_scan_over_indices_into_a_dataset_passed_once():
