@@ -665,20 +665,27 @@ class Members:
         if not self.data_parallel or data == 1 or not any(batched):
             return fn
 
-        def split(x: Any) -> Any:
-            if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x):
-                return x
-            if x.shape[0] % data:
+        def on_data_devices(*args: Any) -> Any:
+            uneven, even = [], []
+
+            def split(x: Any) -> Any:
+                if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x):
+                    return x
+                if x.shape[0] % data:
+                    uneven.append(x.shape[0])
+                    return x
+                even.append(x.shape[0])
+                return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
+
+            args = [jax.tree.map(split, a) if b else a for a, b in zip(args, batched)]
+            # Only when nothing splits: a member's own state passed beside its batch (BatchNorm
+            # statistics of 5 features) need not split, and the batch beside it still does.
+            if uneven and not even:
                 warn_user(
-                    f"a batch input of {x.shape[0]} rows does not split evenly over the "
+                    f"a batch input of {max(uneven)} rows does not split evenly over the "
                     f"{data} 'data' devices of a member, so each of them computes all of it: "
                     f"use a batch size that is a multiple of {data} to split the work."
                 )
-                return x
-            return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
-
-        def on_data_devices(*args: Any) -> Any:
-            args = [jax.tree.map(split, a) if b else a for a, b in zip(args, batched)]
             return fn(*args)
 
         return on_data_devices

@@ -301,15 +301,23 @@ class NNXEnsemble(nnx.Module):
 
 
 def _check_no_raw_arrays(module: nnx.Module) -> None:
-    """Refuses an array kept as a plain attribute (not in an ``nnx.Variable``): NNX treats it as
-    static structure, so it could be neither split over the members nor traced."""
-    for path, node in nnx.iter_graph(module):  # (NumPy constants are fine: static, shared)
+    """Refuses an array kept outside any ``nnx.Variable`` (a plain or ``nnx.data`` attribute):
+    the member axis, its placement and the write-back after a call all go one Variable at a
+    time, so such an array could not be split over the members."""
+    nodes = list(nnx.iter_graph(module))
+    modules = {path: type(node).__name__ for path, node in nodes if isinstance(node, nnx.Module)}
+    for path, node in nodes:  # (NumPy constants are fine: static, shared)
         if isinstance(node, (jax.Array, jax.ShapeDtypeStruct)):
             name = ".".join(map(str, path))
+            owner_path = max((p for p in modules if path[: len(p)] == p), key=len)
+            owner = modules[owner_path]
+            attr = path[len(owner_path)] if len(path) > len(owner_path) else path[-1]
             raise TypeError(
-                f"the factory's module keeps an array in the plain attribute {name!r}; wrap it "
-                f"in an nnx.Variable (e.g. self.{path[-1]} = nnx.Variable(array), or nnx.Param "
-                "to train it), so that each member holds its own."
+                f"the factory's module keeps an array outside any nnx.Variable, at {name!r} "
+                f"(attribute {attr!r} of a {owner}); each member needs its own, so keep it in "
+                f"a Variable (self.{attr} = nnx.Variable(array), or nnx.Param to train it). "
+                "A Flax layer that keeps arrays so (nnx.WeightNorm's scales) needs a version "
+                "of your own that keeps them in Variables."
             )
 
 

@@ -673,8 +673,11 @@ def test_a_call_that_changes_the_modules_structure_is_refused_not_dropped():
     np.testing.assert_allclose(got[0][3], want[0], rtol=1e-6)
     with pytest.raises(ValueError, match="Python attribute"):
         build_nnx(Counts, D, rngs=0)(x)
-    with pytest.raises(TypeError, match=r"plain attribute 'proj'.*nnx\.Variable"):
+    with pytest.raises(TypeError, match=r"at 'proj' \(attribute 'proj' of a RawArray\)"):
         build_nnx(RawArray, D, rngs=0)
+    weight_norm = lambda r: nnx.WeightNorm(nnx.Linear(6, 4, rngs=r), rngs=r)
+    with pytest.raises(TypeError, match=r"\(attribute 'scales' of a WeightNorm\)"):
+        build_nnx(weight_norm, D, rngs=0)
 
 
 def test_bad_inputs(ens8):
