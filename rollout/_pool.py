@@ -247,6 +247,13 @@ class ProcessPool:
     def _buffer(self, size: int) -> shared_memory.SharedMemory:
         if self._shm is None or self._shm.size < size:
             if self._shm is not None:
+                # Workers this call leaves idle would keep the old block mapped (its memory
+                # held after the unlink) until a later call names another block.
+                for w in self._workers:
+                    try:
+                        w.conn.send(("detach",))
+                    except OSError:
+                        pass  # a dead worker is reported by the call that uses it
                 self._shm.close()
                 self._shm.unlink()
             # Grow geometrically so that slowly growing batches do not reallocate every call.

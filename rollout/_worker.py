@@ -85,6 +85,11 @@ def main(fd: int) -> None:
                 return  # parent went away: exit quietly
             if msg[0] == "close":
                 return
+            if msg[0] == "detach":  # the parent replaced the block: let go of the old one
+                if shm is not None:
+                    shm.close()
+                shm = shm_name = None
+                continue
             _, call_id, name, size, key, program, ins, outs, drops = msg
             for k in drops:
                 programs.pop(k, None)

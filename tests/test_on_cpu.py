@@ -671,3 +671,26 @@ def test_cpu_rollout_example_runs_and_refuses_bad_flags():
     bad = run("--executor", "inprocess")  # the CPU devices here: it would deadlock
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "--executor inprocess cannot serve a step over" in bad.stderr
+
+
+def _unlinked_blocks(pid: int) -> set[str]:
+    """Shared-memory blocks a process still maps after they were unlinked."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-2] for line in f if "psm_" in line and "(deleted)" in line}
+
+
+@pytest.mark.timeout(120)
+def test_workers_a_call_leaves_idle_let_go_of_a_replaced_block():
+    """A call of one row that grows the shared block used worker 0 only; the others kept the
+    old, unlinked block mapped (its memory held) until a later call used them, or close()."""
+    f = on_cpu(lambda x: x + 1, workers=3, executor="process")
+    try:
+        np.testing.assert_array_equal(f(np.ones((3, 100_000), np.float32)), 2.0)
+        np.testing.assert_array_equal(f(np.ones((1, 2_000_000), np.float32)), 2.0)
+        deadline = time.monotonic() + 30
+        while any(_unlinked_blocks(pid) for pid in f.pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [_unlinked_blocks(pid) for pid in f.pids] == [set()] * 3
+        np.testing.assert_array_equal(f(np.ones((3, 100_000), np.float32)), 2.0)  # all reattach
+    finally:
+        f.close()
