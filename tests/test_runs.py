@@ -148,6 +148,26 @@ def test_a_run_dir_has_one_writer_at_a_time(tmp_path, capsys):
         held.close()
 
 
+def test_overwrite_removes_an_old_runs_logs_only_under_the_run_dirs_lock(tmp_path, capsys,
+                                                                         monkeypatch):  # fmt: skip
+    """A resume of the old run that took the lock just after the CLI's early check found its
+    TensorBoard events and W&B run id removed by the --overwrite that was then refused."""
+    out = tmp_path / "run"
+    _run(_tiny(), out)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_text("old run")
+    (out / "wandb_run_id").write_text("abc123")
+    monkeypatch.setattr(ckpt, "check_unlocked", lambda out: None)  # the race: it passed
+    held = ckpt.lock(out)  # ... and then the old run's resume took the lock
+    try:
+        line = _cli_error(["--out", str(out), "--overwrite"], capsys)
+        assert "in use by another running process" in line
+    finally:
+        held.close()
+    assert (out / "tensorboard" / "events.out.tfevents.1").read_text() == "old run"
+    assert (out / "wandb_run_id").read_text() == "abc123"
+
+
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path):
     out = tmp_path / "exp --out --resume"  # the advice is in Python terms, the path as it is
     with pytest.raises(ckpt.RunDirError, match=r"nothing to resume in out=.*/exp --out --resume "

@@ -7,6 +7,7 @@ line first, configures the CPU devices, and only then imports the learner.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import dataclasses
 import json
@@ -196,6 +197,11 @@ def train(
 
 #: Set while the CLI runs :func:`train`: its errors then name the command's flags.
 _FOR_CLI = contextvars.ContextVar("rollout.ppo CLI", default=False)
+# (run directory, its lock): the CLI takes the lock before it removes an old run's logger files
+# and opens its own loggers there, and train() runs under it instead of taking it again.
+_HELD_LOCK: contextvars.ContextVar[tuple[Path, Any] | None] = contextvars.ContextVar(
+    "rollout.ppo CLI lock", default=None
+)
 _PYTHON_TERMS = (
     ("Leave those flags out to use the saved values", "Pass the saved config (run.json's)"),
     ("drop --resume", "drop resume=True"),
@@ -236,7 +242,9 @@ class _Run:
         self._check(resume, overwrite)  # before anything is written
         # One writer per run directory (a second run or resume on it is refused); then check
         # again, as another process may have written until we got the lock.
-        self.lock = ckpt.lock(out) if self.main else None
+        held = _HELD_LOCK.get()
+        self._own_lock = held is None or held[0] != out
+        self.lock = (ckpt.lock(out) if self._own_lock else held[1]) if self.main else None
         try:
             self._check(resume, overwrite)
         except Exception:
@@ -342,9 +350,9 @@ class _Run:
                 _pbt.plot_lineage(rows, self.out / "pbt_lineage.png", self.config.env)
 
     def close(self) -> None:
-        if self.lock is not None:
+        if self.lock is not None and self._own_lock:
             self.lock.close()
-            self.lock = None
+        self.lock = None
 
 
 def _refuse_env_object_run(out: Any) -> None:
@@ -883,6 +891,33 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
     before = _logger_files(args.out)  # (None: no --out yet) to undo a failed logger's files
     config, info, devices, n_dev = _set_up(args, found, signals)
+    # One writer from here on: an old run's logger files go, and the new loggers open, only
+    # once no other process can be resuming that run in this directory.
+    held = ckpt.lock(Path(args.out)) if info.is_main else None
+    try:
+        return _train_locked(args, signals, config, info, devices, n_dev, log_names, before,
+                             interval, held)  # fmt: skip
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _train_locked(
+    args: argparse.Namespace,
+    signals: _Signals,
+    config: Any,
+    info: Any,
+    devices: Any,
+    n_dev: int,
+    log_names: Sequence[str],
+    before: Any,
+    interval: float,
+    held: Any,
+) -> int:
+    from rollout.ppo import _loggers
+
+    if info.is_main and not args.resume:
+        _check_no_old_logs(args, remove=True)  # again: another run may have written them
     _print_header(args, config, info, n_dev)
     names = log_names if info.is_main else ()  # only the main process logs (it alone writes
     try:  # metrics.jsonl)
@@ -893,6 +928,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
     token = _FOR_CLI.set(True)
+    lock_token = _HELD_LOCK.set((Path(args.out), held) if held is not None else None)
     try:
         _, rows = train(
             config,
@@ -909,6 +945,7 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         )
     finally:
         _FOR_CLI.reset(token)
+        _HELD_LOCK.reset(lock_token)
         # Also when training stops (a signal, a divergence, an error): a process of a
         # multi-process run that fails ends without the atexit handlers.
         logs.close()
@@ -963,17 +1000,19 @@ def _resume_hint(args: argparse.Namespace) -> str:
     return "continue with: " + " ".join(words)
 
 
-def _check_no_old_logs(args: argparse.Namespace) -> None:
+def _check_no_old_logs(args: argparse.Namespace, remove: bool = False) -> None:
     """A fresh run's loggers must not write into another run's: its TensorBoard events would
     show as one curve with the new ones, and W&B would continue its run id. ``--overwrite``
-    removes them (here, before the new loggers open; train removes the rest of the run)."""
+    removes them (``remove``: with the run directory's lock held, before the new loggers open;
+    train removes the rest of the run)."""
     old = sorted(_logger_files(args.out) or ())
     if old and not args.overwrite:
         raise UsageError(
             f"--out {args.out} holds another run's logs ({', '.join(old)}); use --overwrite "
             "(removes that run's files) or choose another --out."
         )
-    _remove_logger_files(args.out, old)  # every process gets here: the first one removes them
+    if remove:
+        _remove_logger_files(args.out, old)
 
 
 def _remove_logger_files(out: str, names: Iterable[str]) -> None:
@@ -994,12 +1033,14 @@ def _logger_files(out: str) -> set[str] | None:
 def _remove_new_logger_files(out: str, before: set[str] | None) -> None:
     """Undoes what loggers that failed to open left in ``out``, and ``out`` itself if the run
     made it and it is empty: a failed start leaves no run directory behind."""
+    from rollout.ppo import _checkpoint as ckpt
+
     _remove_logger_files(out, set(_LOGGER_FILES) - (before or set()))
     if before is None:
-        try:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(out, ckpt.LOCK_FILE))  # this start's, held: no run's
+        with contextlib.suppress(OSError):
             os.rmdir(out)  # only if empty: nothing but what the loggers made was there
-        except OSError:
-            pass
 
 
 def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
