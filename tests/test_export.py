@@ -421,6 +421,20 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
                 np.testing.assert_array_equal(got[key], ref[key])
         meta = json.loads((tmp_path / "cli" / f"member_{i}" / "member.json").read_text())
         assert meta["member"] == i and meta["env_steps"] == 2 * 256
+        assert meta["run_id"] == json.loads((run / "run.json").read_text())["run_id"]
+    # Another run of the same config and seed (its numbers alike but for rounding) is still
+    # another run: its members join neither this export nor an evaluation of it.
+    import shutil
+
+    twin = tmp_path / "twin"
+    train(cfg, twin, progress=False, devices=jax.devices()[:DEVICES])
+    assert export.main([str(twin), "--to", str(tmp_path / "cli"), "--members", "0"]) == 2
+    assert "holds members of another run (member_1)" in capsys.readouterr().err
+    assert export.main([str(twin), "--to", str(tmp_path / "twin_export"), "--members", "0"]) == 0
+    shutil.copytree(tmp_path / "twin_export" / "member_0", tmp_path / "cli" / "member_0")
+    assert evaluate.main([str(tmp_path / "cli"), "--episodes", "1"]) == 2
+    assert "differ in 'run_id'" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "cli" / "member_0")
     assert export.main([str(run)]) == 0  # the default place, which the error then names
     capsys.readouterr()
     assert evaluate.main([str(run)]) == 2

@@ -491,7 +491,9 @@ def _load(directory: str) -> list[Any]:
     for m in members[1:]:
         # One run's checkpoint: same env, network, config and training steps (members exported
         # into one directory from two runs or two checkpoints are not one ensemble).
-        for key in ("env", "network", "config", "env_steps"):
+        for key in ("env", "network", "config", "env_steps", "run_id"):
+            if key == "run_id" and export.same_run_id(m.meta.get(key), first.get(key)):
+                continue
             if m.meta.get(key) != first.get(key):
                 raise export.NotAnExport(
                     f"members {first['member']} and {m.meta['member']} differ in {key!r}, so "

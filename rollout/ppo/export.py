@@ -4,7 +4,9 @@
 
 - ``member.json``: ``{"format": "rollout.ppo.member", "version": 3, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
-  "hparams": {...}, "config": {...}, "env_from_config": ...}``. ``gymnasium_id`` is what
+  "hparams": {...}, "config": {...}, "env_from_config": ..., "run_id": ...}``. ``run_id`` is
+  the training run's (its ``run.json``), ``null`` for an export of a live state, which knows
+  no run; readers compare it only where both members have one. ``gymnasium_id`` is what
   ``gymnasium.make`` takes for the env (``null`` where gymnasium has no such env);
   ``env_from_config`` is false for a member trained on an env object that its config does not
   make (``Learner(config, env=...)``), which ``evaluate`` then refuses (absent: true).
@@ -144,9 +146,13 @@ def export_members(
       members: which members (default: all). With several processes only the members held by
         this process's devices are written (and returned).
     """
+    return _export_learners(learner, state, directory, members)
+
+
+def _export_learners(learner, state, directory, members, run_id: str | None = None) -> list[Path]:
     return _export(
         learner.config, learner.spec, learner.normalize_obs, state, directory, members,
-        learner.env_from_config,
+        learner.env_from_config, run_id,
     )  # fmt: skip
 
 
@@ -181,18 +187,22 @@ def _chosen(members: Sequence[int] | None, n: int, directory: str | os.PathLike)
     return chosen
 
 
-def _other_run_member(export: Path, config: dict[str, Any]) -> Path | None:
-    """The first member directory in ``export`` exported from a run of another config (None if
-    all are this run's); members whose ``member.json`` cannot be read, or that have none (an
-    interrupted export, which exporting again repairs), are not counted. Fields a resume may
-    extend (``--total-steps``) do not make another run: an extended run re-exports in place."""
+def _other_run_member(
+    export: Path, config: dict[str, Any], run_id: str | None = None
+) -> Path | None:
+    """The first member directory in ``export`` exported from a run of another config or
+    another ``run_id`` (where both have one; None if all are this run's); members whose
+    ``member.json`` cannot be read, or that have none (an interrupted export, which exporting
+    again repairs), are not counted. Fields a resume may extend (``--total-steps``) do not
+    make another run: an extended run re-exports in place."""
     from rollout.ppo._checkpoint import EXTENDABLE
 
     fixed = lambda c: {k: v for k, v in c.items() if k not in EXTENDABLE}
     for meta_file in sorted(export.glob("member_*/member.json")):
         try:
-            other = json.loads(meta_file.read_text()).get("config")
-            same = fixed(other) == fixed(config)
+            meta = json.loads(meta_file.read_text())
+            same = fixed(meta.get("config")) == fixed(config)
+            same = same and same_run_id(meta.get("run_id"), run_id)
         except (OSError, ValueError, AttributeError):
             continue  # not readable as an export: nothing of a run to protect
         if not same:
@@ -200,10 +210,16 @@ def _other_run_member(export: Path, config: dict[str, Any]) -> Path | None:
     return None
 
 
-def _check_same_run(root: Path, config: Any) -> None:
+def same_run_id(a: Any, b: Any) -> bool:
+    """Two members' ``run_id``: the same run unless both are known and differ (an export of a
+    live state, or one written before the field existed, has none)."""
+    return a is None or b is None or a == b
+
+
+def _check_same_run(root: Path, config: Any, run_id: str | None) -> None:
     """Refuses to write into an export of another run: its members would be replaced, and the
     rest then mixed with this run's into one "ensemble"."""
-    other = _other_run_member(root, config.to_dict())
+    other = _other_run_member(root, config.to_dict(), run_id)
     if other is not None:
         raise ValueError(
             f"{root} holds members of another run ({other.name}); export to an empty directory "
@@ -229,11 +245,13 @@ def _check_same_checkpoint(root: Path, chosen: list[int], env_steps: int) -> Non
             )
 
 
-def _export(config, spec, normalize_obs, state, directory, members, from_config) -> list[Path]:
+def _export(
+    config, spec, normalize_obs, state, directory, members, from_config, run_id=None
+) -> list[Path]:
     n = config.members
     chosen = _chosen(members, n, directory)
     root = Path(directory)
-    _check_same_run(root, config)
+    _check_same_run(root, config, run_id)
     env_steps = int(jax.device_get(state.update)) * config.batch_size
     _check_same_checkpoint(root, chosen, env_steps)
     root.mkdir(parents=True, exist_ok=True)
@@ -261,6 +279,7 @@ def _export(config, spec, normalize_obs, state, directory, members, from_config)
         hparams = jax.device_get(hparams)
         meta = _metadata(config, spec, network, normalize_obs, i, env_steps, hparams)
         meta["env_from_config"] = from_config  # false: evaluate cannot make the env it knew
+        meta["run_id"] = run_id
         tmp = path / "member.json.tmp"  # whole or absent, never a truncated member.json
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(tmp, path / "member.json")
@@ -882,7 +901,8 @@ def export_run(
     try:
         _chosen(members, config.members, directory or run / "export")  # before the restore
         state = _restore_newest(run, found.record, ckpt.restore_targets(learner))
-        return export_members(learner, state, directory or run / "export", members)
+        to = directory or run / "export"
+        return _export_learners(learner, state, to, members, found.record.get("run_id"))
     finally:
         learner.close()
 
