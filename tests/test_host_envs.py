@@ -1206,6 +1206,9 @@ def test_bad_ids_fail_with_one_clear_line(monkeypatch):
         envs.make("gymnasium:no_such_module:X-v0")
     with pytest.raises(ValueError, match=r"unknown env 'gymnasiun:CartPole-v1'"):
         envs.make("gymnasiun:CartPole-v1")
+    # An env gymnasium moved to another package raises a plain ImportError (exit 1 from the CLI).
+    with pytest.raises(ValueError, match=r"gymnasium cannot make 'Hopper-v2': .*gymnasium-robot"):
+        envs.make("gymnasium:Hopper-v2")
     with pytest.raises(ValueError, match=r"has integer actions, which a Gaussian policy"):
         envs.make(f"gymnasium:{WALK_ID}", int_actions=True)
     with pytest.raises(ValueError, match=r"env.close\(\) raised RuntimeError: the walk would not"):
@@ -1229,8 +1232,9 @@ def test_envpool_kwargs_the_layer_owns_or_envpool_rejects_are_one_line():
     # limit of -5 made every episode one step long.
     for key, value, least in (("num_threads", -1, 0), ("thread_affinity_offset", -2, -1),
                               ("max_episode_steps", -5, 1), ("max_episode_steps", 0, 1),
-                              ("max_episode_steps", "x", 1), ("num_threads", 2.0, 0)):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"{key} must be an int >= {least}, got"):
+                              ("max_episode_steps", "x", 1), ("num_threads", 2.0, 0),
+                              ("max_episode_steps", 2**31, 1)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{key} must be an int in \[{least}, 2147483647\]"):
             envs.make("envpool:CartPole-v1", **{key: value})
 
 
@@ -1686,6 +1690,13 @@ def test_envpool_an_episode_that_ends_on_its_time_limit_is_terminated_and_trunca
 
     for task in ("Hopper-v4", "HalfCheetah-v5", "Pong-v5", "LunarLander-v2", "Pendulum-v1"):
         assert _EnvPool(task, {"max_episode_steps": 50}, 1).limit == 50, task
+    # EnvPool's own "no limit" (2**31 - 1, an int32): the pool's one step more stays an int32
+    # (2**31 failed in the worker's first reset, mid-run).
+    unlimited = _EnvPool("CartPole-v1", {"max_episode_steps": 2**31 - 1}, 2)
+    try:
+        assert unlimited.reset(np.array([3, 4])).shape == (2, 4)
+    finally:
+        unlimited.close()
     # ViZDoom has episodic_life but no game-over key: its episodes stay EnvPool's own.
     assert not _EnvPool("D1Basic-v1", {"episodic_life": True}, 1).lives
 

@@ -87,6 +87,10 @@ def test_the_network_follows_the_observation_shape():
     for shape in [(84, 84), (2, 2, 3), (1, 4, 4, 3), (3, 2, 3), (1, 2, 40)]:
         with pytest.raises(ValueError, match=r"mine: observations of shape .* vectors \[D\]"):
             envlib.spec_of(_space(shape, 0, 1))
+    # Nothing to see (an IndexError inside JAX after the run started): refused up front.
+    for shape in [(0,), (0, 4, 4)]:
+        with pytest.raises(ValueError, match=r"mine: observations of shape .* hold no values"):
+            envlib.spec_of(_space(shape, 0, 1))
     # Discrete actions on images: CleanRL's Atari defaults, and no running normalisation.
     cfg = PPOConfig.for_env(MINATAR)
     assert (cfg.num_envs, cfg.clip_coef, cfg.total_steps) == (8, 0.1, 10_000_000)
@@ -250,3 +254,10 @@ def test_evaluation_scores_whole_atari_games_with_raw_rewards():
             obs[done] = pool.step(np.zeros(done.size, np.int32), done)[0]
     np.testing.assert_array_equal(got, want)
     assert (want > first).any()  # points after the first life count
+
+
+def test_action_spaces_with_nothing_to_choose_are_refused():
+    env = type("E", (), dict(name="mine", observation_space=envs.Box.uniform((3,), 0, 1),
+                             action_space=envs.Box.uniform((0,), -1, 1)))()  # fmt: skip
+    with pytest.raises(ValueError, match=r"mine: a continuous action box of shape \(0,\) has no"):
+        envlib.spec_of(env)

@@ -224,13 +224,20 @@ ENVPOOL_POOL_KWARGS = (
 #: EnvPool ``make`` arguments its spec takes but only its pool checks (some by aborting the
 #: process), each with the least value it accepts.
 _ENVPOOL_INT_KWARGS = {"num_threads": 0, "thread_affinity_offset": -1, "max_episode_steps": 1}
+_INT32_MAX = 2**31 - 1  # EnvPool's ints are C++ int32 (2**31 - 1 its own "no time limit")
 
 
 def _check_envpool_ints(env_id: str, kwargs: dict[str, Any]) -> None:
     for key, least in _ENVPOOL_INT_KWARGS.items():
         value = kwargs.get(key, least)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise ValueError(f"envpool:{env_id}: {key} must be an int >= {least}, got {value!r}.")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Integral)
+            or not least <= value <= _INT32_MAX
+        ):
+            raise ValueError(
+                f"envpool:{env_id}: {key} must be an int in [{least}, {_INT32_MAX}], got {value!r}."
+            )
 
 
 def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None]:
@@ -295,7 +302,7 @@ def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:
     _import_env_module(env_id)
     try:
         return make_gymnasium(env_id, **kwargs)
-    except (gymnasium.error.Error, ModuleNotFoundError) as e:
+    except (gymnasium.error.Error, ImportError) as e:  # (an env moved to another package)
         raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
     except (AssertionError, TypeError, ValueError) as e:
         # What gymnasium.make or the env's constructor refuse in the kwargs (gymnasium asserts

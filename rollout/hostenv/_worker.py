@@ -402,7 +402,8 @@ class _EnvPool:
             self.kwargs.pop("reward_clip", None)
         if family in _ENVPOOL_OWN_LIMIT:
             self.limit = int(envpool.make_spec(task, **self.kwargs).config.max_episode_steps)
-            self.kwargs["max_episode_steps"] = self.limit + 1
+            # One step more for the pool, within its int32 (2**31 - 1 is EnvPool's no limit).
+            self.kwargs["max_episode_steps"] = min(self.limit + 1, 2**31 - 1)
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         import envpool

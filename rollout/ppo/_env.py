@@ -206,6 +206,11 @@ def spec_of(env: Any) -> EnvSpec:
     obs_space = env.observation_space
     obs_shape = tuple(obs_space.shape)
     name = getattr(env, "name", "env")
+    if 0 in obs_shape:
+        raise ValueError(
+            f"{name}: observations of shape {obs_shape} hold no values, so the policy would "
+            "see nothing; give the env an observation of at least one value."
+        )
     if len(obs_shape) not in (1, 3) or (len(obs_shape) == 3 and not _image_fits(obs_shape)):
         raise ValueError(
             f"{name}: observations of shape {obs_shape} are not supported: the PPO networks "
@@ -237,6 +242,9 @@ def spec_of(env: Any) -> EnvSpec:
             f"{name}: continuous actions of shape {tuple(space.shape)} are not supported: the "
             "policy outputs a flat vector [D]; flatten the action box in the env."
         )
+    if not np.prod(space.shape):
+        raise ValueError(f"{name}: a continuous action box of shape {tuple(space.shape)} has no "
+                         "action to choose; give it at least one dimension.")  # fmt: skip
     # Per dimension: an infinite bound clips nothing on its side, the finite ones still clip.
     low, high = space.low_array(), space.high_array()
     low = None if np.all(low == -np.inf) else low
