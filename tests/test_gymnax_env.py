@@ -99,6 +99,38 @@ def test_gymnax_spaces_and_bad_names():
     assert isinstance(envs.make("gymnax:Acrobot-v1").action_space, Discrete)
     with pytest.raises(ValueError, match=r"unknown gymnax env 'Nope-v0'; registered: "):
         envs.make("gymnax:Nope-v0")
+    # A kwarg the constructor does not take: one line naming the id and the params fields.
+    with pytest.raises(ValueError, match=r"gymnax:Pendulum-v1: .*'nope'.*params \(dt, g, "):
+        envs.make("gymnax:Pendulum-v1", nope=1)
+
+
+@pytest.mark.timeout(120)
+def test_gymnax_params_fields_are_make_kwargs():
+    """gymnax keeps its time limit and constants in EnvParams, which gymnax.make does not take
+    (CartPole.__init__ refused max_steps_in_episode): a kwarg naming a field sets it."""
+    B, T, limit = 3, 40, 15
+    env = envs.make("gymnax:CartPole-v1", max_steps_in_episode=limit, gravity=12.0)
+    assert env.max_episode_steps == limit
+    genv, params = gymnax.make("CartPole-v1")
+    params = params.replace(max_steps_in_episode=limit, gravity=12.0)
+    keys = jax.random.split(jax.random.key(0), (T + 1, B))
+    actions = jax.random.randint(jax.random.key(1), (T, B), 0, 2)
+    _, (mine, theirs) = jax.jit(_both, static_argnums=(0, 1))(env, genv, params, keys, actions)
+    for what, a, b in zip(("obs", "reward", "term", "trunc"), mine, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+    assert np.asarray(mine[3]).any()  # episodes cut at the new limit
+
+
+def test_gymnax_observations_come_in_their_spaces_dtype():
+    """FourRooms-misc gives int32 positions for a float32 box: as float32, an action outside
+    the space then gives NaN observations as for every other env."""
+    env = envs.make("gymnax:FourRooms-misc", auto_reset=False)
+    state, obs = env.reset(jax.random.key(0))
+    assert obs.dtype == env.observation_space.dtype == jnp.float32
+    step = jax.jit(jax.vmap(env.step, in_axes=(None, 0, None)))
+    _, obs, _, _, _, _ = step(state, jnp.array([9, 1], jnp.int32), jax.random.key(1))
+    assert obs.dtype == jnp.float32 and np.isnan(np.asarray(obs)[0]).all()
+    assert np.isfinite(np.asarray(obs)[1]).all()
 
 
 def test_gymnax_action_outside_the_discrete_space_is_an_error_or_nan():

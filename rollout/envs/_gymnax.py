@@ -65,7 +65,11 @@ def _flat_space(space: Box) -> Box:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GymnaxEnv(Env):
-    """A gymnax environment (``gymnax.make(env_id, **kwargs)``) as a ``rollout.envs.Env``."""
+    """A gymnax environment (``gymnax.make(env_id, **kwargs)``) as a ``rollout.envs.Env``.
+
+    ``kwargs`` naming a field of the env's ``EnvParams`` (``max_steps_in_episode``, a
+    physical constant) set that field of its default params; the rest go to ``gymnax.make``.
+    """
 
     env_id: str
     kwargs: tuple[tuple[str, Any], ...] = ()
@@ -81,13 +85,7 @@ class GymnaxEnv(Env):
                 f"unknown gymnax env {self.env_id!r}; registered: "
                 f"{', '.join(gymnax.registered_envs)}"
             )
-        try:
-            env, params = gymnax.make(self.env_id, **dict(self.kwargs))
-        except OSError as e:  # MNISTBandit-bsuite downloads its data
-            raise ValueError(
-                f"gymnax cannot make {self.env_id!r}: {type(e).__name__}: {e} (it loads data "
-                "from the network)"
-            ) from None
+        env, params = self._make(gymnax)
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_params", params)
         raw = env.observation_space(params)
@@ -99,13 +97,35 @@ class GymnaxEnv(Env):
             action_space = _space(env.action_space(params), "action", self.env_id)
         object.__setattr__(self, "_spaces", (_flat_space(obs_space), action_space))
 
+    def _make(self, gymnax: Any) -> tuple[Any, Any]:
+        """``gymnax.make`` with the kwargs it takes, the default params with the others."""
+        kwargs, fields = dict(self.kwargs), set()
+        try:
+            env = gymnax.make(self.env_id)[0]
+            fields = {f.name for f in dataclasses.fields(env.default_params)}
+            env, params = gymnax.make(
+                self.env_id, **{k: v for k, v in kwargs.items() if k not in fields}
+            )
+        except OSError as e:  # MNISTBandit-bsuite downloads its data
+            raise ValueError(
+                f"gymnax cannot make {self.env_id!r}: {type(e).__name__}: {e} (it loads data "
+                "from the network)"
+            ) from None
+        except TypeError as e:  # a kwarg its constructor does not take
+            raise ValueError(
+                f"gymnax:{self.env_id}: {e}; kwargs go to gymnax.make, or set a field of its "
+                f"params ({', '.join(sorted(fields))})."
+            ) from None
+        return env, params.replace(**{k: v for k, v in kwargs.items() if k in fields})
+
     def _obs(self, obs: jax.Array) -> jax.Array:
         """gymnax's observation as :attr:`observation_space` describes it: a Discrete one
         one-hot, a Box that is neither a vector nor an image flattened (as gymnasium does)."""
         if self._one_hot:
             return jax.nn.one_hot(obs, self._one_hot, dtype=jnp.float32)
-        shape = self._spaces[0].shape
-        return obs if obs.shape == shape else obs.reshape(shape)
+        shape, dtype = self._spaces[0].shape, self._spaces[0].dtype
+        # In the space's dtype: FourRooms-misc gives int32 positions in a float32 box.
+        return (obs if obs.shape == shape else obs.reshape(shape)).astype(dtype)
 
     @property
     def name(self) -> str:  # type: ignore[override]
