@@ -672,17 +672,20 @@ class Members:
                 if not hasattr(x, "ndim") or x.ndim == 0 or is_key(x):
                     return x
                 if x.shape[0] % data:
-                    uneven.append(x.shape[0])
+                    uneven.append(x.shape)
                     return x
-                even.append(x.shape[0])
+                even.append(x.shape)
                 return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
 
             args = [jax.tree.map(split, a) if b else a for a, b in zip(args, batched)]
-            # Only when nothing splits: a member's own state passed beside its batch (BatchNorm
-            # statistics of 5 features) need not split, and the batch beside it still does.
-            if uneven and not even:
+            # Rows of features that do not split, or nothing that does: a member's own state
+            # passed beside its batch (BatchNorm statistics [5], SpectralNorm's u [1, 4]) need
+            # not split, and is no reason to warn while the batch beside it splits.
+            rows = [s[0] for s in uneven if len(s) >= 2 and s[0] > 1]
+            rows = rows or ([] if even else [s[0] for s in uneven])
+            if rows:
                 warn_user(
-                    f"a batch input of {max(uneven)} rows does not split evenly over the "
+                    f"a batch input of {max(rows)} rows does not split evenly over the "
                     f"{data} 'data' devices of a member, so each of them computes all of it: "
                     f"use a batch size that is a multiple of {data} to split the work."
                 )

@@ -306,7 +306,7 @@ def _check_no_raw_arrays(module: nnx.Module) -> None:
     time, so such an array could not be split over the members."""
     nodes = list(nnx.iter_graph(module))
     modules = {path: type(node).__name__ for path, node in nodes if isinstance(node, nnx.Module)}
-    for path, node in nodes:  # (NumPy constants are fine: static, shared)
+    for path, node in nodes:
         if isinstance(node, (jax.Array, jax.ShapeDtypeStruct)):
             name = ".".join(map(str, path))
             owner_path = max((p for p in modules if path[: len(p)] == p), key=len)

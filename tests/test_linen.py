@@ -252,6 +252,16 @@ def test_a_batch_that_does_not_split_over_a_members_data_devices_warns():
     assert w[0].filename == __file__
     np.testing.assert_allclose(y[1], MLP().apply(ens.member(variables, 1), x), rtol=1e-5)
 
+    # Beside a member's own inputs that do split (legacy keys [2], statistics of 16 features),
+    # the batch's rows that do not are still said.
+    def loss(p, key, stats, x):
+        return jnp.mean(MLP().apply(p, x) ** 2) + 0 * jax.random.uniform(key) + 0 * stats.sum()
+
+    step = ens.train_step(loss, optax.sgd(0.1), per_member_batch=(True, True, False))
+    keys = jax.random.split(jax.random.PRNGKey(0), D // 2)
+    with pytest.warns(UserWarning, match=r"3 rows does not split evenly over the 2 'data'"):
+        step(variables, step.init(variables), keys, jnp.ones((D // 2, 16)), x)
+
 
 def test_init_holds_only_a_devices_share():
     x = jnp.ones((2, 64))

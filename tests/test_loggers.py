@@ -436,7 +436,7 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
         "def init(**kw):\n"
         "    raise RuntimeError('api_key not configured (no-tty). call wandb.login')\n"
     )
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "a" / "run"  # new folders all the way down: none left behind
     cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
     cmd += ["--total-steps", "1024", "--num-steps", "64", "--out", str(out), "--no-progress"]
     env = _cli_env()
@@ -448,4 +448,4 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
         assert proc.returncode == 2, proc.stderr[-3000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert errors == [f"error: --log {log}: api_key not configured (no-tty). call wandb.login"]
-        assert not out.exists()  # nothing left that the next start would have to explain
+        assert not (tmp_path / "runs").exists()  # nothing the next start would have to explain

@@ -318,3 +318,17 @@ def test_compiled_memory_of_a_train_steps_scan_is_the_lowered_scan():
     nreal = ensemble.compiled_memory(nstep.lower(nens, opt, xs, stacked=True))
     ngot = ensemble.compiled_memory(nstep.scan, nens, opt, xs)
     assert ngot.alias == nreal.alias > 0 and ngot.peak == nreal.peak
+
+
+def test_compiled_memory_of_another_objects_scan_is_a_plain_function():
+    """Only a train step's scan goes through its step's lower: a user's bounds object with a
+    ``lower`` array and a ``scan`` method is a plain function, as before."""
+
+    class Bounds:
+        lower, upper = np.zeros(3, np.float32), np.ones(3, np.float32)
+
+        def scan(self, x):
+            return jnp.clip(x, self.lower, self.upper)
+
+    stats = ensemble.compiled_memory(Bounds().scan, jnp.ones(3))
+    assert (stats.argument, stats.output) == (12, 12)

@@ -889,14 +889,15 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(f"--log-interval must be a number of seconds >= 0, got {interval}.")
     _check_numbers(args)
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
-    before = _logger_files(args.out)  # (None: no --out yet) to undo a failed logger's files
+    # To undo a failed logger's files, and the folders this start made (none: --out existed).
+    before, made = _logger_files(args.out), missing_dirs(args.out)
     config, info, devices, n_dev = _set_up(args, found, signals)
     # One writer from here on: an old run's logger files go, and the new loggers open, only
     # once no other process can be resuming that run in this directory.
     held = ckpt.lock(Path(args.out)) if info.is_main else None
     try:
-        return _train_locked(args, signals, config, info, devices, n_dev, log_names, before,
-                             interval, held)  # fmt: skip
+        return _train_locked(args, signals, config, info, devices, n_dev, log_names,
+                             (before, made), interval, held)  # fmt: skip
     finally:
         if held is not None:
             held.close()
@@ -910,7 +911,7 @@ def _train_locked(
     devices: Any,
     n_dev: int,
     log_names: Sequence[str],
-    before: Any,
+    undo: tuple[Any, list[Path]],
     interval: float,
     held: Any,
 ) -> int:
@@ -923,7 +924,7 @@ def _train_locked(
     try:  # metrics.jsonl)
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
     except Exception as e:  # e.g. W&B online without a login
-        _remove_new_logger_files(args.out, before)
+        _remove_new_logger_files(args.out, *undo)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
@@ -1030,17 +1031,17 @@ def _logger_files(out: str) -> set[str] | None:
     return {name for name in _LOGGER_FILES if os.path.lexists(os.path.join(out, name))}
 
 
-def _remove_new_logger_files(out: str, before: set[str] | None) -> None:
-    """Undoes what loggers that failed to open left in ``out``, and ``out`` itself if the run
-    made it and it is empty: a failed start leaves no run directory behind."""
+def _remove_new_logger_files(out: str, before: set[str] | None, made: list[Path]) -> None:
+    """Undoes what loggers that failed to open left in ``out``, and the folders this start
+    made (``out`` and its new parents) where they are empty: a failed start leaves no run
+    directory behind."""
     from rollout.ppo import _checkpoint as ckpt
 
     _remove_logger_files(out, set(_LOGGER_FILES) - (before or set()))
     if before is None:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(out, ckpt.LOCK_FILE))  # this start's, held: no run's
-        with contextlib.suppress(OSError):
-            os.rmdir(out)  # only if empty: nothing but what the loggers made was there
+        remove_empty(made)  # only if empty: nothing but what the loggers made was there
 
 
 def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
