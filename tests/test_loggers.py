@@ -449,3 +449,17 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert errors == [f"error: --log {log}: api_key not configured (no-tty). call wandb.login"]
         assert not (tmp_path / "runs").exists()  # nothing the next start would have to explain
+    # --overwrite of a run whose logs are there: refused, it leaves them as they were (they
+    # were removed before the loggers failed to start).
+    old = tmp_path / "old"
+    (old / "tensorboard").mkdir(parents=True)
+    (old / "tensorboard" / "events.out.tfevents.1").write_text("old run")
+    (old / "wandb_run_id").write_text("abc123")
+    proc = subprocess.run(  # log: the last, tensorboard,wandb (TensorBoard's files come first)
+        [*cmd[:-3], "--out", str(old), "--no-progress", "--overwrite", "--log", log],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (old / "tensorboard" / "events.out.tfevents.1").read_text() == "old run"
+    assert (old / "wandb_run_id").read_text() == "abc123"
+    assert sorted(p.name for p in old.iterdir()) == [".lock", "tensorboard", "wandb_run_id"]

@@ -915,19 +915,26 @@ def _train_locked(
     interval: float,
     held: Any,
 ) -> int:
+    from rollout.ppo import _checkpoint as ckpt
     from rollout.ppo import _loggers
 
+    aside: list[tuple[Path, Path]] = []
     if info.is_main and not args.resume:
-        _check_no_old_logs(args, remove=True)  # again: another run may have written them
+        aside = _check_no_old_logs(args, set_aside=True)  # again: another run may have written
     _print_header(args, config, info, n_dev)
     names = log_names if info.is_main else ()  # only the main process logs (it alone writes
     try:  # metrics.jsonl)
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
     except Exception as e:  # e.g. W&B online without a login
         _remove_new_logger_files(args.out, *undo)
+        for old, moved in aside:  # a refused start leaves the old run's logs as they were
+            ckpt.delete(old)  # what the new loggers made there before one failed
+            os.replace(moved, old)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
+    for _, moved in aside:
+        ckpt.delete(moved)
     token = _FOR_CLI.set(True)
     lock_token = _HELD_LOCK.set((Path(args.out), held) if held is not None else None)
     try:
@@ -1001,19 +1008,30 @@ def _resume_hint(args: argparse.Namespace) -> str:
     return "continue with: " + " ".join(words)
 
 
-def _check_no_old_logs(args: argparse.Namespace, remove: bool = False) -> None:
+def _check_no_old_logs(
+    args: argparse.Namespace, set_aside: bool = False
+) -> list[tuple[Path, Path]]:
     """A fresh run's loggers must not write into another run's: its TensorBoard events would
     show as one curve with the new ones, and W&B would continue its run id. ``--overwrite``
-    removes them (``remove``: with the run directory's lock held, before the new loggers open;
-    train removes the rest of the run)."""
+    replaces them (``set_aside``: with the run directory's lock held, they are moved aside
+    for the new loggers, ``[(where, moved to)]``, to be removed once those have started or put
+    back if they fail; train removes the rest of the run)."""
     old = sorted(_logger_files(args.out) or ())
     if old and not args.overwrite:
         raise UsageError(
             f"--out {args.out} holds another run's logs ({', '.join(old)}); use --overwrite "
             "(removes that run's files) or choose another --out."
         )
-    if remove:
-        _remove_logger_files(args.out, old)
+    from rollout.ppo import _checkpoint as ckpt
+
+    moves = []
+    for name in old if set_aside else ():
+        path = Path(args.out) / name
+        moved = path.with_name(f".{name}.overwritten")
+        ckpt.delete(moved)  # one a killed start left
+        os.replace(path, moved)
+        moves.append((path, moved))
+    return moves
 
 
 def _remove_logger_files(out: str, names: Iterable[str]) -> None:
