@@ -2,8 +2,10 @@
 
 Metadata is not placement: a variable annotated ``('ensemble', ...)`` can still be replicated on
 every device (NNX's transform metadata alone does exactly that). These checks read
-``addressable_shards`` (``shard.index`` and ``shard.device``) of the actual arrays, never the
-sharding annotations.
+``addressable_shards`` (``shard.index`` and ``shard.device``) of the actual arrays: the device
+each shard really lives on, and which members' rows it holds by the array's own index (the
+checks do not compare content: rows of the right shape holding another member's numbers, which
+only a hand-assembled array can have, pass).
 
 All three raise ``AssertionError`` (prefixed ``[Chex]``), accept chex's auxiliary keyword arguments
 (``custom_message=``, ``exception_type=``, ...) and are switched off by ``chex.disable_asserts()``,
@@ -148,9 +150,11 @@ def _none_checked(tree: Any, n: int | None) -> None:
     if n is None:
         raise AssertionError("the tree has no leaves, so no member placement to check.")
     leading = sorted({np.shape(leaf)[0] for _, leaf in _leaves(tree) if np.shape(leaf)})
+    scalars = any(True for _ in _leaves(tree))
+    none = "none, the tree has only scalars" if scalars else "none, the tree has no arrays"
     raise AssertionError(
         f"no leaf of the tree has a leading member axis of n={n} (leading sizes: "
-        f"{leading or 'none, the tree has no arrays'}), so nothing was checked; pass the "
+        f"{leading or none}), so nothing was checked; pass the "
         "number of members (not of devices) and the member-major state."
     )
 

@@ -350,11 +350,11 @@ def _host_note(tree: Any) -> str:
     """Lines for the tree's host (NumPy) arrays and shapes alone (``ShapeDtypeStruct``), which
     no device holds: without them such a tree reads as 0 MB everywhere, as if it were empty."""
     leaves = jax.tree_util.tree_leaves(_as_tree(tree))
-    host = [x for x in leaves if isinstance(x, np.ndarray)]
+    host = [x for x in leaves if isinstance(x, np.ndarray | np.generic)]  # scalars too
     shapes = [x for x in leaves if isinstance(x, jax.ShapeDtypeStruct)]
     text = ""
     if host:
-        mb = sum(x.nbytes for x in host) / MB
+        mb = sum(np.asarray(x).nbytes for x in host) / MB
         text += f"\n+ {len(host)} host (NumPy) array(s), {mb:.3f} MB, on no device"
     if shapes:
         mb = sum(math.prod(x.shape) * x.dtype.itemsize for x in shapes) / MB

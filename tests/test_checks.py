@@ -255,6 +255,8 @@ def test_an_assertion_that_checked_nothing_fails():
             check({"w": replicated}, 8)
         with pytest.raises(AssertionError, match=r"leading sizes: none, the tree has no arrays"):
             check({}, 8)
+        with pytest.raises(AssertionError, match=r"leading sizes: none, the tree has only scal"):
+            check({"s": jnp.float32(1)}, 8)
     with pytest.raises(AssertionError, match="the tree has no leaves"):
         ensemble.assert_member_placement({}, mesh)
     sharded = ensemble.shard_members(jnp.zeros((16, 4)), mesh, 16)

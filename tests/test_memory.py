@@ -175,6 +175,8 @@ def test_print_memory_tables(capsys):
     text = ensemble.print_memory({"x": x, "h": np.ones(500_000, np.float32)}, file=None)
     assert "total       8.000" in text
     assert text.splitlines()[-1] == "+ 1 host (NumPy) array(s), 2.000 MB, on no device"
+    text = ensemble.print_memory({"lr": np.float32(0.1), "step": np.int64(3)}, file=None)
+    assert text.splitlines()[-1] == "+ 2 host (NumPy) array(s), 0.000 MB, on no device"
     # So do shapes alone (what compiled_memory takes): 0 MB held, said, not silent.
     abstract = {"w": jax.ShapeDtypeStruct((8, 250_000), jnp.float32)}
     text = ensemble.print_memory(abstract, file=None)
