@@ -327,6 +327,12 @@ def test_log_interval_passes_the_first_row_then_the_last_at_close():
     assert every.rows == [1, 2, 3, 4, 5, 6, 7] and every.closed
     # A row waits for the interval; the one kept back last is written at close.
     assert sparse.rows == [1, 7] and sparse.closed and (b.queued, b.skipped) == (2, 5)
+    # A PBT step's row always goes: who copied whom is in no other row.
+    lineage = _Rows()
+    with _loggers.Loggers([lineage], 3600) as c:
+        for step in range(1, 8):
+            c.write({"env_steps": step, **({"pbt_parent": [0, 0]} if step % 3 == 0 else {})})
+    assert lineage.rows == [1, 3, 6, 7]
     with pytest.raises(ValueError, match="interval must be >= 0"):
         _loggers.Loggers([], interval_s=-1)
 

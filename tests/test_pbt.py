@@ -30,6 +30,11 @@ F32 = {float(np.float32(f)) for f in FACTORS}  # the factors as float32 holds th
 plan = jax.jit(pbt.plan, static_argnums=(2, 3))
 
 
+def _scored_at(rows: list[dict], j: int) -> list[dict]:
+    """The rows a PBT step at row ``j`` ranked: its own row before the step wrote its lineage."""
+    return [*rows[:j], {k: v for k, v in rows[j].items() if k != "pbt_parent"}]
+
+
 def _tiny(env: str, members: int, **kw) -> PPOConfig:
     base = dict(
         members=members,
@@ -102,6 +107,14 @@ def test_recent_returns_ignores_missing_episodes():
     np.testing.assert_array_equal(np.isnan(got), [True, False, False])
     np.testing.assert_allclose(got[1:], [4.0, 7.0])
     assert np.isnan(pbt.recent_returns([], 3, 2)).all()
+    # A window longer than the interval: a member that copied another is scored only on the
+    # rows after the copy (before, the returns were of weights it no longer has).
+    rows = [{"returns": [100.0, 60.0, 60.0, 20.0]},
+            {"returns": [100.0, 60.0, 60.0, 10.0], "pbt_parent": [0, 1, 2, 0]},
+            {"returns": [100.0, 60.0, 60.0, 100.0]},
+            {"returns": [100.0, 60.0, 60.0, 100.0]}]  # fmt: skip
+    np.testing.assert_allclose(pbt.recent_returns(rows, 4, 4), [100.0, 60.0, 60.0, 100.0])
+    assert np.isnan(pbt.recent_returns(rows[:2], 4, 4)[3])  # nothing since its copy: not ranked
 
 
 @pytest.mark.parametrize("n, d", [(8, 8), (4, 8), (16, 8), (6, 3), (5, 1)])
@@ -241,7 +254,7 @@ def test_train_with_pbt_writes_lineage_and_resumes_exactly(tmp_path):
     # Each PBT step replaces floor(fraction * m) of the m members ranked then (those with a
     # finished episode in the window): 1 of 4 when all are ranked.
     ranked = [
-        np.isfinite(pbt.recent_returns(rows[: k + 1], cfg.pbt_window, 4)).sum()
+        np.isfinite(pbt.recent_returns(_scored_at(rows, k), cfg.pbt_window, 4)).sum()
         for k, r in enumerate(rows)
         if "pbt_parent" in r
     ]
@@ -381,7 +394,7 @@ def test_cli_pbt_on_two_processes_learns_exactly_like_one(tmp_path):
     steps = [j for j, r in enumerate(rows) if "pbt_parent" in r]
     assert [rows[j]["update"] for j in steps] == [2, 4, 6]
     for j in steps:  # each step replaced exactly the numpy reference's bottom with its top
-        top, bottom = _reference_plan(pbt.recent_returns(rows[: j + 1], 3, 4), 0.5)
+        top, bottom = _reference_plan(pbt.recent_returns(_scored_at(rows, j), 3, 4), 0.5)
         parent = rows[j]["pbt_parent"]
         assert {i for i in range(4) if parent[i] != i} == bottom
         assert {parent[i] for i in bottom} <= top

@@ -250,7 +250,8 @@ class Loggers:
         if self._thread is None:
             return
         now = time.monotonic()
-        if now - self._last < self.interval_s:
+        # A PBT step's row always goes: its lineage (member_i/pbt_parent) is in no other row.
+        if now - self._last < self.interval_s and "pbt_parent" not in row:
             self._held = dict(row)
             self.skipped += 1
             return

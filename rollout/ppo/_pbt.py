@@ -185,12 +185,22 @@ def make_step(learner: Any):
 
 
 def recent_returns(rows: Sequence[dict[str, Any]], window: int, n: int) -> np.ndarray:
-    """Per member: mean return over the last ``window`` metric rows, ignoring missing (NaN)."""
+    """Per member: mean return over the last ``window`` metric rows, ignoring missing (NaN)
+    and the rows up to the member's last copy of another member (with a window longer than
+    the interval, those are returns of weights it no longer has: a copy of the best member,
+    scored on its own old returns, was replaced again at once)."""
     out = np.full((n,), np.nan, np.float32)
-    recent = [r["returns"] for r in rows[-window:]]
+    recent = rows[-window:]
     if not recent:
         return out
-    values = np.array([[math.nan if v is None else v for v in r] for r in recent], np.float64)
+    values = np.array(
+        [[math.nan if v is None else v for v in r["returns"]] for r in recent], np.float64
+    )
+    for j, row in enumerate(recent):  # rows up to (and with) a copy are the parent's weights'
+        parent = row.get("pbt_parent")
+        if parent is not None:
+            copied = np.asarray(parent) != np.arange(n)
+            values[: j + 1, copied] = np.nan
     finite = np.isfinite(values)
     counts = finite.sum(axis=0)
     sums = np.where(finite, values, 0.0).sum(axis=0)
