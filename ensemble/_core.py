@@ -492,15 +492,30 @@ _DEBUG_CALLBACK_BUG = "axis_index() takes 1 positional argument"
 # fails in shard_map's check of its out_specs with this.
 _EAGER_SHARD_MAP = "must refer to an axis marked as manual"
 _PLAIN_MEMBER = "ens.model.apply(ens.member(variables, i), x) (NNX: ens.member(i)(x))"
+# jax.pure_callback / io_callback inside a member: JAX compiles host callbacks only where every
+# mesh axis is manual, and a member's 'data' and 'model' axes stay automatic.
+_PARTLY_MANUAL_CALLBACK = "callbacks are only supported in spmd computations when all mesh axes"
 
 
 @contextlib.contextmanager
 def explained_errors() -> Iterator[None]:
     """Re-raises JAX's errors that name neither their cause nor a way out: a
-    ``jax.debug.print`` / ``jax.debug.callback`` inside a member (``_DEBUG_CALLBACK_BUG``), and
-    a member run op by op (``_EAGER_SHARD_MAP``); other errors pass unchanged."""
+    ``jax.debug.print`` / ``jax.debug.callback`` inside a member (``_DEBUG_CALLBACK_BUG``), a
+    ``jax.pure_callback`` / ``io_callback`` there (``_PARTLY_MANUAL_CALLBACK``), and a member
+    run op by op (``_EAGER_SHARD_MAP``); other errors pass unchanged."""
     try:
         yield
+    except NotImplementedError as e:
+        if _PARTLY_MANUAL_CALLBACK not in str(e):
+            raise
+        raise NotImplementedError(
+            "jax.pure_callback / io_callback inside an ensemble member cannot be compiled with "
+            f"jax {jax.__version__}: a member runs in a shard_map manual over the member axis "
+            "only (its 'data' and 'model' axes stay automatic), and JAX puts host callbacks "
+            "only where every mesh axis is manual. Call it outside the member, on the stacked "
+            "outputs of the ensemble call (in the same jitted step), or run one member as the "
+            f"plain model: {_PLAIN_MEMBER}."
+        ) from e
     except ValueError as e:
         if _EAGER_SHARD_MAP not in str(e):
             raise

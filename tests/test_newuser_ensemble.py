@@ -127,6 +127,39 @@ def test_a_debug_print_inside_a_member_is_named_with_what_to_do():
         nnx_step(nnx_ens, nnx_step.init(), x)
 
 
+class HostCallback(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(2)(x)
+        return jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(y.shape, y.dtype), y,
+                                 vmap_method="sequential")  # fmt: skip
+
+
+class HostCallbackNNX(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        from jax.experimental import io_callback
+
+        y = self.l(x)
+        return io_callback(np.tanh, jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_callback_inside_a_member_is_named_with_what_to_do():
+    """JAX compiles host callbacks only where every mesh axis is manual: inside a member it
+    raised 'callbacks are only supported in spmd computations when all mesh axes are
+    partitioned manually', naming neither the ensemble nor a way out."""
+    match = r"pure_callback / io_callback inside an ensemble member .* stacked outputs"
+    x = jnp.ones((1, 3))
+    variables = {"params": {"Dense_0": ensemble.build(nn.Dense(2), D).init(0, x)["params"]}}
+    with pytest.raises(NotImplementedError, match=match):
+        ensemble.build(HostCallback(), D).apply(variables, x)
+    with pytest.raises(NotImplementedError, match=match):
+        ensemble.build(HostCallbackNNX, D)(x)
+
+
 def linear(rngs: nnx.Rngs) -> nnx.Module:
     return nnx.Linear(3, 2, rngs=rngs)
 
