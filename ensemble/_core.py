@@ -693,11 +693,14 @@ class Members:
                 return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA_AXIS))
 
             args = [jax.tree.map(split, a) if b else a for a, b in zip(args, batched)]
-            # Rows of features that do not split, or nothing that does: a member's own state
-            # passed beside its batch (BatchNorm statistics [5], SpectralNorm's u [1, 4]) need
-            # not split, and is no reason to warn while the batch beside it splits.
-            rows = [s[0] for s in uneven if len(s) >= 2 and s[0] > 1]
-            rows = rows or ([] if even else [s[0] for s in uneven])
+            # Judged on rows of features ([rows, ...], more than one row) where there are any,
+            # else on vectors: a member's own state passed beside its batch (BatchNorm's [5]
+            # statistics, SpectralNorm's [1, 4] u, an L2 anchor's [5, 3] kernel) need not
+            # split, and is no reason to warn while the batch beside it splits.
+            features = lambda s: len(s) >= 2 and s[0] > 1
+            if any(map(features, (*uneven, *even))):
+                uneven, even = list(filter(features, uneven)), list(filter(features, even))
+            rows = [] if even else [s[0] for s in uneven]
             if rows:
                 warn_user(
                     f"a batch input of {max(rows)} rows does not split evenly over the "

@@ -369,7 +369,9 @@ class TrainStep:
         def step(params, opt_state, *batch):
             # Two member calls in one program: the gradient (fresh outputs: squeezed, see
             # Members._device_program), then the optimizer, which overwrites the donated state.
-            batched = (*([True] * len(batch)),)
+            # A scan's arguments passed once (a dataset the steps index into, the carried
+            # state) are no batch of rows to split over a member's devices.
+            batched = tuple(stacked) if stacked is not None else (True,) * len(batch)
             loss, aux, grads = members.map(
                 member_grads, (params, *batch), (0, *axes), batched=(False, *batched), squeeze=True
             )

@@ -257,10 +257,26 @@ def test_a_batch_that_does_not_split_over_a_members_data_devices_warns():
     def loss(p, key, stats, x):
         return jnp.mean(MLP().apply(p, x) ** 2) + 0 * jax.random.uniform(key) + 0 * stats.sum()
 
-    step = ens.train_step(loss, optax.sgd(0.1), per_member_batch=(True, True, False))
+    step = ens.train_step(loss, optax.sgd(0.1), per_member_batch=(True, True, False), donate=False)
     keys = jax.random.split(jax.random.PRNGKey(0), D // 2)
     with pytest.warns(UserWarning, match=r"3 rows does not split evenly over the 2 'data'"):
         step(variables, step.init(variables), keys, jnp.ones((D // 2, 16)), x)
+
+    # ... and inputs that are no batch beside a batch that splits are no reason to warn: an L2
+    # anchor (a copy of the params, kernels [5, ...]), a dataset a scan's steps index into.
+    def anchored(p, anchor, x):
+        far = sum(jnp.sum((a - b) ** 2) for a, b in zip(*map(jax.tree.leaves, (p, anchor))))
+        return jnp.mean(MLP().apply(p, x) ** 2) + 0.1 * far
+
+    step = ens.train_step(anchored, optax.sgd(0.1), per_member_batch=(True, False), donate=False)
+    indexed = lambda p, i, data: jnp.mean(MLP().apply(p, data[i]) ** 2)
+    scan = ens.train_step(indexed, optax.sgd(0.1), per_member_batch=(True, False), donate=False)
+    anchor = jax.tree.map(jnp.copy, variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(variables, step.init(variables), anchor, jnp.ones((4, 5)))
+        idx = jnp.zeros((3, D // 2, 4), jnp.int32)  # 3 steps of 4 rows per member
+        scan.scan(variables, scan.init(variables), idx, jnp.ones((1001, 5)), stacked=(True, False))
 
 
 def test_init_holds_only_a_devices_share():
