@@ -461,6 +461,7 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
     (old / "tensorboard").mkdir(parents=True)
     (old / "tensorboard" / "events.out.tfevents.1").write_text("old run")
     (old / "wandb_run_id").write_text("abc123")
+    (old / ".wandb.overwritten").mkdir()  # set aside by an --overwrite killed before: it goes
     proc = subprocess.run(  # log: the last, tensorboard,wandb (TensorBoard's files come first)
         [*cmd[:-3], "--out", str(old), "--no-progress", "--overwrite", "--log", log],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100,

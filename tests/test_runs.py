@@ -919,3 +919,26 @@ def test_a_member_whose_losses_turn_nan_stops_the_run_before_its_state_is_saved(
     assert "env_steps_per_s" in rows[0]
     assert ("hparams" in rows[0]) == pbt
     assert ckpt.checkpoints(out) == []  # the NaN state was not saved
+
+
+def test_logs_a_killed_overwrite_set_aside_are_put_back_by_the_next_start(tmp_path, capsys):
+    """An --overwrite killed after it moved the old run's logs aside (before its loggers had
+    started, so before it touched the old run) left them hidden; the next start that is not
+    an --overwrite puts them back, in place of what the killed start's loggers made."""
+    out = tmp_path / "run"
+    _run(_tiny(), out)  # complete: a resume has nothing to do
+    (out / ".wandb_run_id.overwritten").write_text("abc123")
+    (out / ".tensorboard.overwritten").mkdir()
+    (out / ".tensorboard.overwritten" / "events.out.tfevents.1").write_text("old run")
+    (out / "tensorboard").mkdir()  # the killed start's
+    (out / "tensorboard" / "events.out.tfevents.2").write_text("killed start")
+    assert main(["--out", str(out), "--resume", "--no-progress"]) == 0, capsys.readouterr().err
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".overwritten")]
+    assert os.listdir(out / "tensorboard") == ["events.out.tfevents.1"]
+    assert (out / "wandb_run_id").read_text() == "abc123"
+    # An --overwrite removes such leftovers with the rest of the old run.
+    (out / ".wandb.overwritten").mkdir()
+    code = main(["--out", str(out), *_CLI_TINY, "--total-steps", "64", "--overwrite"])
+    assert code == 0, capsys.readouterr().err
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".overwritten")]
+    assert not (out / "tensorboard").exists() and not (out / "wandb_run_id").exists()

@@ -919,6 +919,8 @@ def _train_locked(
     from rollout.ppo import _loggers
 
     aside: list[tuple[Path, Path]] = []
+    if info.is_main:
+        _settle_set_aside(args)
     if info.is_main and not args.resume:
         aside = _check_no_old_logs(args, set_aside=True)  # again: another run may have written
     _print_header(args, config, info, n_dev)
@@ -1022,16 +1024,44 @@ def _check_no_old_logs(
             f"--out {args.out} holds another run's logs ({', '.join(old)}); use --overwrite "
             "(removes that run's files) or choose another --out."
         )
+    moves = []
+    try:
+        for name in old if set_aside else ():
+            path = Path(args.out) / name
+            moved = _aside(path)
+            os.replace(path, moved)
+            moves.append((path, moved))
+    except OSError as e:
+        for path, moved in moves:
+            os.replace(moved, path)
+        raise UsageError(
+            f"--overwrite: cannot move the old run's {path.name} aside in --out {args.out} "
+            f"({e.strerror or e}); give it back write permission, or choose another --out."
+        ) from None
+    return moves
+
+
+def _aside(path: Path) -> Path:
+    """Where ``--overwrite`` keeps an old run's logger file until the new loggers have started."""
+    return path.with_name(f".{path.name}.overwritten")
+
+
+def _settle_set_aside(args: argparse.Namespace) -> None:
+    """Logger files an ``--overwrite`` start killed while they were set aside (before its
+    loggers had started, so before it touched the old run): an ``--overwrite`` removes them,
+    any other start puts them back, in place of what the killed start's loggers made."""
     from rollout.ppo import _checkpoint as ckpt
 
-    moves = []
-    for name in old if set_aside else ():
+    for name in _LOGGER_FILES:
         path = Path(args.out) / name
-        moved = path.with_name(f".{name}.overwritten")
-        ckpt.delete(moved)  # one a killed start left
-        os.replace(path, moved)
-        moves.append((path, moved))
-    return moves
+        moved = _aside(path)
+        if not os.path.lexists(moved):
+            continue
+        if args.overwrite:
+            ckpt.delete(moved)
+        else:
+            ckpt.delete(path)
+            os.replace(moved, path)
 
 
 def _remove_logger_files(out: str, names: Iterable[str]) -> None:
