@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -168,9 +169,14 @@ def _nbytes(x: jax.Array) -> int:
 
 
 def _lowerer(fn: Callable[..., Any]) -> Callable[..., jax.stages.Lowered]:
-    """How ``fn`` is lowered for its arguments. A train step's bound ``scan`` goes through its
-    step's ``lower(..., stacked=)``: ``jax.jit(step.scan)`` would trace ``stacked`` / ``carry``
-    (an error) and drop the step's donation (a peak 1.7x the real one, no alias)."""
+    """How ``fn`` is lowered for its arguments: its own ``lower`` where it has one (a train
+    step's bound ``scan`` through its step's ``lower(..., stacked=)``, as ``jax.jit(step.scan)``
+    would trace ``stacked`` / ``carry`` and drop the step's donation: a peak 1.7x the real
+    one), else ``jax.jit(fn)``'s."""
+    return _own_lowerer(fn) or jax.jit(fn).lower
+
+
+def _own_lowerer(fn: Any) -> Callable[..., jax.stages.Lowered] | None:
     from ensemble._nnx import NNXTrainStep
     from ensemble._train import TrainStep
 
@@ -179,7 +185,10 @@ def _lowerer(fn: Callable[..., Any]) -> Callable[..., jax.stages.Lowered]:
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, TrainStep | NNXTrainStep) and fn.__func__ is type(owner).scan:
         return lambda *args, stacked=True, **kwargs: owner.lower(*args, stacked=stacked, **kwargs)
-    return jax.jit(fn).lower
+    inner = _own_lowerer(fn.func) if isinstance(fn, functools.partial) else None
+    if inner is not None:  # functools.partial(step.scan, stacked=...) and the like
+        return lambda *args, **kwargs: inner(*fn.args, *args, **{**fn.keywords, **kwargs})
+    return None
 
 
 def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CompiledMemory:

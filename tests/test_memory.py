@@ -311,6 +311,10 @@ def test_compiled_memory_of_a_train_steps_scan_is_the_lowered_scan():
     real = ensemble.compiled_memory(step.lower(params, state, xs, stats, stacked=(True, False)))
     got = ensemble.compiled_memory(step.scan, params, state, xs, stats, stacked=(True, False))
     assert got.alias == real.alias > 0 and got.peak == real.peak
+    import functools
+
+    partial = functools.partial(step.scan, stacked=(True, False))
+    assert ensemble.compiled_memory(partial, params, state, xs, stats) == got
     carried = ensemble.compiled_memory(step.scan, params, state, xs, stats, carry=1)
     assert carried == ensemble.compiled_memory(step.lower(params, state, xs, stats, carry=1))
 
