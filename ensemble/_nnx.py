@@ -265,13 +265,18 @@ class NNXEnsemble(nnx.Module):
         kwargs: Mapping[str, Any],
         in_axes: InAxes,
         squeeze: bool = False,
+        batched: Sequence[bool] | None = None,
     ) -> Any:
+        """``batched``: per positional argument, whether it is a batch of rows to split over a
+        member's devices (default: all; a scan's arguments passed once are not)."""
         axes = arg_axes(in_axes, len(args))
         kw_names = sorted(kwargs)
         inputs = (*args, *(kwargs[k] for k in kw_names))
         input_axes = (*axes, *(None for _ in kw_names))  # keyword inputs: shared, as in linen
         self._check_inputs(args, in_axes, kwargs)
         traced, rebuild, traced_axes = _split_inputs(inputs, input_axes, self.n)
+        flags = (*(batched or (True,) * len(args)), *(True,) * len(kw_names))
+        rows = [f for x, f in zip(inputs, flags) if isinstance(x, _MemberKeys) or _is_array_tree(x)]
         graphdef, state = nnx.split(self.members)
         check_live(state, "ensemble state ", _KEEP_A_COPY)
         member_def = _member_treedef(state)
@@ -293,7 +298,7 @@ class NNXEnsemble(nnx.Module):
             one,
             (jax.tree.leaves(state), *traced),
             (0, *traced_axes),
-            batched=(False, *(not isinstance(t, _MemberKeys) for t in traced)),
+            batched=(False, *(r and not isinstance(t, _MemberKeys) for t, r in zip(traced, rows))),
             squeeze=squeeze,
         )
         _write_back(self.members, state, changed, new_leaves)
@@ -983,14 +988,14 @@ class NNXTrainStep:
             return arg_axes(tuple(0 if b else None for b in pmb), count)
         return arg_axes(0 if pmb else None, count)
 
-    def _step(self, ens_def, opt_def, ens_state, opt_state, batch):
+    def _step(self, ens_def, opt_def, ens_state, opt_state, batch, batched=None):
         ens = nnx.merge(ens_def, ens_state)
         optimizer = nnx.merge(opt_def, opt_state)
         in_axes = self._batch_axes(len(batch), ens.in_axes)
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
         grads_of = _member_grads(self, optimizer.wrt)  # squeezed: see Members._device_program
-        losses, aux, grads = ens._map(grads_of, batch, {}, in_axes, squeeze=True)
+        losses, aux, grads = ens._map(grads_of, batch, {}, in_axes, True, batched)
         # value=: each member's loss, for optax transforms that read it (reduce_on_plateau).
         try:
             optimizer.update(ens, nnx.State({"members": grads}), value=losses)
@@ -1008,7 +1013,8 @@ class NNXTrainStep:
 
     def _steps(self, ens_def, opt_def, ens_state, opt_state, batches, *, stacked):
         def one(carry, batch):
-            out, ens_state, opt_state = self._step(ens_def, opt_def, *carry, batch)
+            # Arguments passed once (a dataset the steps index into) are no batch of rows.
+            out, ens_state, opt_state = self._step(ens_def, opt_def, *carry, batch, stacked)
             return (ens_state, opt_state), out
 
         carry = (ens_state, opt_state)

@@ -761,3 +761,26 @@ def test_one_member_per_device_steps_like_the_plain_model():
     step = nnx_train_step(mse)
     got = moves(step.lower(ens, nnx_optimizer(ens, tx), x, y).compile())
     assert got <= want, (got, want)
+
+
+def test_a_scans_dataset_passed_once_is_not_split_as_a_batch():
+    """A member on 2 'data' devices: the dataset the steps index into (stacked=False) is no
+    batch of rows; it was constrained onto 'data', with a warning that 1001 rows do not split."""
+    import warnings
+
+    ens = build_nnx(linear, D // 2, rngs=0)
+    step = ens.train_step(
+        lambda m, i, data: jnp.mean(m(data[i]) ** 2),
+        optax.sgd(0.1),
+        per_member_batch=(True, False),
+        donate=False,
+    )  # clones share arrays
+    opt = step.init()
+    idx = jax.random.randint(jax.random.key(0), (3, D // 2, 4), 0, 1001)
+    data = jax.random.normal(jax.random.key(1), (1001, 3))
+    want_ens, want_opt = nnx.clone(ens), nnx.clone(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = step.scan(ens, opt, idx, data, stacked=(True, False))
+    want = [step(want_ens, want_opt, idx[k], data) for k in range(3)]
+    np.testing.assert_allclose(losses, np.stack(want, axis=1), rtol=1e-5, atol=1e-7)
