@@ -41,6 +41,9 @@ LOCK_FILE = ".lock"  # held (flock) by the process that writes the run
 FORMAT = 2
 _CKPT = re.compile(r"^ckpt_(\d{8})$")
 _SET_ASIDE = re.compile(r"^ckpt_\d{8}\.unreadable$")
+#: An old run's logger files that an ``--overwrite`` start moved aside: still the old run's
+#: until that start removes the run (with them), put back if it is cut short before.
+_LOGS_ASIDE = re.compile(r"^\.(tensorboard|wandb|wandb_run_id)\.overwritten$")
 #: Left by a run cut short (killed, a full disk) while saving, deleting or writing a file.
 _LEFTOVER = re.compile(
     r"^(ckpt_\d{8}\.orbax-checkpoint-tmp.*|\.trash-[0-9a-f]{32}|"
@@ -120,6 +123,7 @@ def inspect(out: str | os.PathLike) -> RunDir:
         if n in (RUN_FILE, METRICS_FILE, CURVE_FILE, *DERIVED)
         or _CKPT.match(n)
         or _SET_ASIDE.match(n)
+        or _LOGS_ASIDE.match(n)
     )
     legacy = any(_is_legacy(p) for p in files if _CKPT.match(p.name))
     record = None

@@ -935,8 +935,8 @@ def _train_locked(
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
-    for _, moved in aside:
-        ckpt.delete(moved)
+    # The old logs set aside stay until train removes the old run (with them, under the
+    # lock): a start killed before that leaves the old run whole, its logs to be put back.
     token = _FOR_CLI.set(True)
     lock_token = _HELD_LOCK.set((Path(args.out), held) if held is not None else None)
     try:
@@ -1047,9 +1047,10 @@ def _aside(path: Path) -> Path:
 
 
 def _settle_set_aside(args: argparse.Namespace) -> None:
-    """Logger files an ``--overwrite`` start killed while they were set aside (before its
-    loggers had started, so before it touched the old run): an ``--overwrite`` removes them,
-    any other start puts them back, in place of what the killed start's loggers made."""
+    """Logger files an ``--overwrite`` start killed while they were set aside (before it
+    removed the old run, which removes them too): an ``--overwrite`` removes them, a
+    ``--resume`` of the old run puts them back, in place of what the killed start's loggers
+    made."""
     from rollout.ppo import _checkpoint as ckpt
 
     for name in _LOGGER_FILES:
