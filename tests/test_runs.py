@@ -942,3 +942,26 @@ def test_logs_a_killed_overwrite_set_aside_are_put_back_by_the_next_start(tmp_pa
     assert code == 0, capsys.readouterr().err
     assert not [p.name for p in out.iterdir() if p.name.endswith(".overwritten")]
     assert not (out / "tensorboard").exists() and not (out / "wandb_run_id").exists()
+
+
+def test_an_overwrite_that_fails_before_it_removed_the_old_run_puts_its_logs_back(
+    tmp_path, capsys, monkeypatch
+):
+    """Loggers started, then training failed before it removed the old run (here: at the
+    start of the new one): the old run is whole, so its set-aside logs come back."""
+    out = tmp_path / "run"
+    _run(_tiny(), out)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_text("old run")
+    (out / "wandb_run_id").write_text("abc123")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the disk is full")
+
+    monkeypatch.setattr(ckpt, "start", fail)
+    code = main(["--out", str(out), *_CLI_TINY, "--total-steps", "64", "--overwrite",
+                 "--log", "tensorboard"])  # fmt: skip
+    assert code == 1 and "the disk is full" in capsys.readouterr().err
+    assert os.listdir(out / "tensorboard") == ["events.out.tfevents.1"]
+    assert (out / "wandb_run_id").read_text() == "abc123"
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".overwritten")]

@@ -915,7 +915,6 @@ def _train_locked(
     interval: float,
     held: Any,
 ) -> int:
-    from rollout.ppo import _checkpoint as ckpt
     from rollout.ppo import _loggers
 
     aside: list[tuple[Path, Path]] = []
@@ -929,14 +928,36 @@ def _train_locked(
         logs = _loggers.open_loggers(names, args.out, config.to_dict(), interval, args.resume)
     except Exception as e:  # e.g. W&B online without a login
         _remove_new_logger_files(args.out, *undo)
-        for old, moved in aside:  # a refused start leaves the old run's logs as they were
-            ckpt.delete(old)  # what the new loggers made there before one failed
-            os.replace(moved, old)
+        _put_back(aside)  # a refused start leaves the old run's logs as they were
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"error: --log {args.log}: {first}", file=sys.stderr)
         return 2
-    # The old logs set aside stay until train removes the old run (with them, under the
-    # lock): a start killed before that leaves the old run whole, its logs to be put back.
+    try:
+        rows = _train_logged(args, config, info, devices, signals, logs, held)
+    except BaseException:
+        _put_back(aside)  # where train failed before it removed the old run (and them)
+        raise
+    if rows and info.is_main:
+        final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
+        print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
+    return 0
+
+
+def _put_back(aside: list[tuple[Path, Path]]) -> None:
+    """The old run's logger files set aside, back in place of what the new loggers made there,
+    where they still are: the old run was not removed (which removes them too)."""
+    from rollout.ppo import _checkpoint as ckpt
+
+    for old, moved in aside:
+        if os.path.lexists(moved):
+            ckpt.delete(old)
+            os.replace(moved, old)
+
+
+def _train_logged(args, config, info, devices, signals, logs, held) -> list[dict[str, Any]]:
+    """``train`` under the CLI's lock, rows to the loggers, which it closes however it ends.
+    The old logs set aside stay until train removes the old run (with them, under the lock):
+    a start killed before that leaves the old run whole, its logs to be put back."""
     token = _FOR_CLI.set(True)
     lock_token = _HELD_LOCK.set((Path(args.out), held) if held is not None else None)
     try:
@@ -959,10 +980,7 @@ def _train_locked(
         # Also when training stops (a signal, a divergence, an error): a process of a
         # multi-process run that fails ends without the atexit handlers.
         logs.close()
-    if rows and info.is_main:
-        final = ", ".join("-" if r is None else f"{r:.1f}" for r in latest_returns(rows))
-        print(f"final returns per member: [{final}]  ({args.out}/metrics.jsonl)")
-    return 0
+    return rows
 
 
 def _print_header(args: argparse.Namespace, config: Any, info: Any, n_dev: int) -> None:

@@ -5,8 +5,9 @@
 - ``member.json``: ``{"format": "rollout.ppo.member", "version": 3, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
   "hparams": {...}, "config": {...}, "env_from_config": ..., "run_id": ...}``. ``run_id`` is
-  the training run's (its ``run.json``), ``null`` for an export of a live state, which knows
-  no run; readers compare it only where both members have one. ``gymnasium_id`` is what
+  the training run's (its ``run.json``) for :func:`export_run` (the CLI), ``null`` for
+  :func:`export_members` / :func:`export_from_state`, which take a state and know no run;
+  readers compare it only where both members have one. ``gymnasium_id`` is what
   ``gymnasium.make`` takes for the env (``null`` where gymnasium has no such env);
   ``env_from_config`` is false for a member trained on an env object that its config does not
   make (``Learner(config, env=...)``), which ``evaluate`` then refuses (absent: true).
