@@ -1034,8 +1034,8 @@ def _check_no_old_logs(
     """A fresh run's loggers must not write into another run's: its TensorBoard events would
     show as one curve with the new ones, and W&B would continue its run id. ``--overwrite``
     replaces them (``set_aside``: with the run directory's lock held, they are moved aside
-    for the new loggers, ``[(where, moved to)]``, to be removed once those have started or put
-    back if they fail; train removes the rest of the run)."""
+    for the new loggers, ``[(where, moved to)]``, still the old run's files: train removes
+    them with it, and a start that fails before puts them back)."""
     old = sorted(_logger_files(args.out) or ())
     if old and not args.overwrite:
         raise UsageError(
@@ -1060,7 +1060,7 @@ def _check_no_old_logs(
 
 
 def _aside(path: Path) -> Path:
-    """Where ``--overwrite`` keeps an old run's logger file until the new loggers have started."""
+    """Where ``--overwrite`` keeps an old run's logger file until the new run removes the old."""
     return path.with_name(f".{path.name}.overwritten")
 
 
