@@ -222,6 +222,13 @@ def seeds_of(keys) -> np.ndarray:
     return np.array([int(jax.random.bits(k, (), jnp.uint32)) for k in flat]).reshape(keys.shape)
 
 
+def assert_same_trajectory(obs0, steps, ref0, ref, tol=1e-5):
+    """The host path's first observations and steps equal the reference loop's."""
+    np.testing.assert_allclose(obs0, ref0, rtol=tol / 10, atol=tol / 10)
+    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=tol, atol=tol, err_msg=name)
+
+
 def reference(env_id, seeds, actions, **kwargs):
     """The same envs in a plain Python loop: gymnasium.make, reset(seed), same-step autoreset;
     observations that are not a Box flattened by gymnasium's own FlattenObservation."""
@@ -295,9 +302,7 @@ def test_trajectories_equal_a_python_loop(env_id, workers, kwargs, step_path):
     else:
         assert obs0.shape[-1] == (10 if kwargs else 4)  # one-hot of 7 cells + 3
         assert obs0.dtype == steps[0].dtype == np.float32
-    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
-    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
-        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_same_trajectory(obs0, steps, ref0, ref)
     # Both ways of ending an episode happened, and the final obs differ from the reset ones.
     assert ref[2].any() and (ref[3] & ~ref[2]).any()
     done = ref[2] | ref[3]
@@ -319,9 +324,7 @@ def test_mujoco_trajectories_equal_a_python_loop():
     finally:
         host.close()
     ref0, ref = reference("HalfCheetah-v5", seeds_of(keys), actions, **kw)
-    np.testing.assert_allclose(obs0, ref0, rtol=1e-5, atol=1e-5)
-    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
-        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-4, atol=1e-4, err_msg=name)
+    assert_same_trajectory(obs0, steps, ref0, ref, tol=1e-4)
     assert ref[3][9].all() and ref[3][19].all() and not ref[2].any()  # truncated at 10 and 20
     assert not np.allclose(steps[0][9], steps[4][9])  # reset obs, not the final one
 
@@ -349,9 +352,7 @@ def test_a_mesh_of_other_axes_steps_each_env_once(axes, shape, step_path):
     finally:
         host.close()
     ref0, ref = reference(WALK_ID, seeds_of(keys), actions)
-    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
-    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
-        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_same_trajectory(obs0, steps, ref0, ref)
 
 
 @pytest.mark.timeout(120)
@@ -407,9 +408,7 @@ def test_steps_slower_than_the_handler_waits_are_finished_by_python(step_path):
     finally:
         host.close()
     ref0, ref = reference(WALK_ID, seeds_of(keys), actions, **kw)
-    np.testing.assert_allclose(obs0, ref0, rtol=1e-6, atol=1e-6)
-    for name, got, want in zip(("obs", "reward", "term", "trunc", "final_obs"), steps, ref):
-        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_same_trajectory(obs0, steps, ref0, ref)
     env = envs.make(f"gymnasium:{WALK_ID}", step_sleep=2.0, workers_per_device=1, timeout=0.5)
     mesh = ensemble.make_mesh(n, devices=jax.devices()[:2])
     host = env.bind(mesh, n, e)

@@ -1071,16 +1071,11 @@ def _settle_set_aside(args: argparse.Namespace) -> None:
     made."""
     from rollout.ppo import _checkpoint as ckpt
 
-    for name in _LOGGER_FILES:
-        path = Path(args.out) / name
-        moved = _aside(path)
-        if not os.path.lexists(moved):
-            continue
-        if args.overwrite:
-            ckpt.delete(moved)
-        else:
-            ckpt.delete(path)
-            os.replace(moved, path)
+    aside = [(path, _aside(path)) for path in (Path(args.out) / n for n in _LOGGER_FILES)]
+    if not args.overwrite:
+        _put_back(aside)
+    for _, moved in aside:  # what is left: an --overwrite's to remove
+        ckpt.delete(moved)
 
 
 def _remove_logger_files(out: str, names: Iterable[str]) -> None:
