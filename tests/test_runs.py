@@ -8,6 +8,7 @@ sends a signal runs the CLI in a subprocess under a hard timeout.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import wandb_file
 from subprocess_env import clean_env
 
 from ensemble.distributed import checkpoint_metadata
@@ -665,8 +667,12 @@ def test_a_resumed_cpu_run_keeps_its_devices_and_says_when_they_change(tmp_path,
 def _env(cache: Path | None = None) -> dict[str, str]:
     """The session's compilation cache, or the test's own for runs killed at random points (a
     kill in the middle of a cache write leaves a torn entry)."""
-    return clean_env(**({} if cache is None else {"JAX_COMPILATION_CACHE_DIR": str(cache)}))
+    cached = {} if cache is None else {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    return clean_env(WANDB_MODE="offline", WANDB_SILENT="true", **cached)
 
+
+# W&B is optional: without it, TensorBoard alone is checked.
+_LOGS = "tensorboard,wandb" if importlib.util.find_spec("wandb") else "tensorboard"
 
 _CLI_TINY = ["--members", "2", "--devices", "2", "--num-envs", "2", "--num-steps", "16",
              "--updates-per-call", "1", "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
@@ -730,7 +736,7 @@ def _wait(proc: subprocess.Popen, until, timeout: float = 120.0, poll: float = 0
     "sig, env, logs",
     [
         (signal.SIGINT, ("--env-on", "cpu"), ()),
-        (signal.SIGTERM, ("--env", "gymnasium:CartPole-v1"), ("--log", "tensorboard")),
+        (signal.SIGTERM, ("--env", "gymnasium:CartPole-v1"), ("--log", _LOGS)),
     ],
     ids=["SIGINT-on_cpu-workers", "SIGTERM-host-env-workers"],
 )
@@ -765,6 +771,8 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sig, env,
     meta = checkpoint_metadata(newest)
     assert meta["metrics_rows"] == meta["update"] == _rows(out)  # rows == the checkpoint's
     assert (out / "learning_curve.png").stat().st_size > 0  # the curves so far
+    if logs and "wandb" in _LOGS:  # W&B shows the stopped run as failed, not finished
+        assert wandb_file.exit_code(out) == 128 + sig
 
 
 @pytest.mark.timeout(180)

@@ -960,6 +960,7 @@ def _train_logged(args, config, info, devices, signals, logs, held) -> list[dict
     a start killed before that leaves the old run whole, its logs to be put back."""
     token = _FOR_CLI.set(True)
     lock_token = _HELD_LOCK.set((Path(args.out), held) if held is not None else None)
+    code = 1  # how the run ended, for loggers that record it (W&B: finished or failed)
     try:
         _, rows = train(
             config,
@@ -974,12 +975,19 @@ def _train_logged(args, config, info, devices, signals, logs, held) -> list[dict
             on_update=logs.write,
             on_resume=logs.restore,  # rows a killed run's loggers had not written yet
         )
+        code = 0
+    except Interrupted as e:
+        code = e.code
+        raise
+    except (UsageError, RunDirError):
+        code = 2
+        raise
     finally:
         _FOR_CLI.reset(token)
         _HELD_LOCK.reset(lock_token)
         # Also when training stops (a signal, a divergence, an error): a process of a
         # multi-process run that fails ends without the atexit handlers.
-        logs.close()
+        logs.close(code)
     return rows
 
 

@@ -41,7 +41,9 @@ class Logger(Protocol):
     """Anything that takes metric rows: ``write(row)`` per update, ``close()`` at the end.
 
     A logger may also have ``restore(rows)``: on a resumed run, it gets the rows restored with
-    the checkpoint first, to write those the stopped run did not get to write."""
+    the checkpoint first, to write those the stopped run did not get to write. And
+    ``set_exit_code(code)``: before ``close()``, the run's exit code where it did not end well
+    (the CLI's: 1 diverged or failed, 2 refused, 128 + signal stopped by a signal)."""
 
     def write(self, row: Mapping[str, Any]) -> None: ...
 
@@ -180,6 +182,7 @@ class WandbLogger:
     ) -> None:
         import wandb
 
+        self._exit_code = 0
         Path(directory).mkdir(parents=True, exist_ok=True)
         # One W&B run per training run: a resumed run continues the W&B run it started.
         id_file = Path(directory) / "wandb_run_id"
@@ -206,8 +209,12 @@ class WandbLogger:
             if int(row["env_steps"]) >= first:
                 self.write(row)
 
+    def set_exit_code(self, code: int) -> None:
+        self._exit_code = code
+
     def close(self) -> None:
-        self._run.finish()
+        # Non-zero: W&B shows the run as failed, not finished (a stopped run, a diverged one).
+        self._run.finish(exit_code=self._exit_code)
 
 
 #: Default seconds between two rows handed to the loggers (``--log-interval``).
@@ -259,8 +266,9 @@ class Loggers:
         self.queued += 1
         self._queue.put(dict(row))
 
-    def close(self) -> None:
-        """Writes what is queued (and the last row kept back), then closes every logger."""
+    def close(self, exit_code: int = 0) -> None:
+        """Writes what is queued (and the last row kept back), then closes every logger.
+        ``exit_code``: how the run ended, for loggers that record it (``set_exit_code``)."""
         if self._thread is not None:
             if self._held is not None:
                 self._queue.put(self._held)
@@ -269,6 +277,8 @@ class Loggers:
             self._thread.join()
             self._thread = None
         for logger in self.loggers:  # failed ones too: they may hold open files
+            if exit_code and hasattr(logger, "set_exit_code"):
+                _report(logger, "set_exit_code", lambda lg=logger: lg.set_exit_code(exit_code))
             _report(logger, "close", logger.close)
         self.loggers, self._live = [], []
         atexit.unregister(self.close)
