@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules
+from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules, own_mesh
 from ensemble._warn import warn_user
 
 InAxes = int | None | Sequence[int | None]
@@ -624,7 +624,7 @@ class Members:
             axis_names={MEMBER_AXIS},
             check_vma=False,
         )
-        with self.scope(), explained_errors():
+        with self.scope(), own_mesh(self.mesh), explained_errors():
             # Under jit always (inlined when already tracing one): a partially manual shard_map
             # is only supported as part of a compiled program.
             return jax.jit(run)(*args)

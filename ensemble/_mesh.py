@@ -311,6 +311,24 @@ def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> 
         yield mesh
 
 
+@contextlib.contextmanager
+def own_mesh(mesh: Mesh) -> Iterator[None]:
+    """The ensemble's own mesh in context while its code runs, where the caller set another
+    (its own ``jax.set_mesh``, another ensemble's :func:`partitioning`): JAX refuses a
+    ``shard_map`` or an array of one mesh under another mesh in context. No mesh set: no change.
+    """
+    current = jax.sharding.get_abstract_mesh()
+    if current.empty or current == mesh.abstract_mesh:
+        yield
+        return
+    try:
+        ctx: Any = jax.set_mesh(mesh)
+    except ValueError:  # tracing the caller's jit: the concrete mesh cannot change there
+        ctx = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with ctx:
+        yield
+
+
 def _axes_in_mesh(value: Any, mesh: Mesh) -> bool:
     axes = value if isinstance(value, (tuple, list)) else (value,)
     return all(a in mesh.axis_names for a in axes)

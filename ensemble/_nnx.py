@@ -60,6 +60,7 @@ from ensemble._mesh import (
     member_index,
     member_sharding,
     merge_rules,
+    own_mesh,
     partitioning,
     resolve_mesh,
     take_member,
@@ -539,7 +540,9 @@ def build_nnx(
       ((8, 3, 2), 8)
     """
     in_axes = check_in_axes(in_axes)
-    plan = _plan(factory, n, mesh, devices, model_parallel, rules, rngs, module_kwargs)
+    mesh = resolve_mesh(n, mesh, devices, model_parallel)
+    with own_mesh(mesh):  # keys made under a caller's mesh would be typed with it
+        plan = _plan(factory, n, mesh, rules, rngs, module_kwargs)
     with partitioning(plan.mesh, plan.rules):
         state = plan.init(plan.keys)
     members = nnx.merge(plan.graphdef, state)
@@ -568,7 +571,9 @@ def lower_build_nnx(
       >>> lowered.compile().memory_analysis().output_size_in_bytes // 1024  # KiB per device
       16
     """
-    plan = _plan(factory, n, mesh, devices, model_parallel, rules, rngs, module_kwargs)
+    mesh = resolve_mesh(n, mesh, devices, model_parallel)
+    with own_mesh(mesh):
+        plan = _plan(factory, n, mesh, rules, rngs, module_kwargs)
     with partitioning(plan.mesh, plan.rules):
         return plan.init.lower(plan.keys)
 
@@ -584,16 +589,14 @@ class _Plan(NamedTuple):
 def _plan(
     factory: Any,
     n: int,
-    mesh: Mesh | None,
-    devices: Sequence[jax.Device] | None,
-    model_parallel: int,
+    mesh: Mesh,
     rules: Sequence[tuple[str, Any]] | None,
     rngs: RngsLike,
     module_kwargs: Mapping[str, Any],
 ) -> _Plan:
     """Validates the arguments, traces the creation abstractly and jits it with out_shardings."""
     make_member = _checked(_as_factory(factory, module_kwargs))
-    members = Members(int(n), resolve_mesh(n, mesh, devices, model_parallel), merge_rules(rules))
+    members = Members(int(n), mesh, merge_rules(rules))
     keys = _stream_keys(rngs)
 
     def create(keys: dict[str, jax.Array]) -> nnx.Module:
@@ -956,7 +959,7 @@ class NNXTrainStep:
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
-        with explained_errors():
+        with own_mesh(ens.mesh), explained_errors():
             out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
@@ -975,10 +978,11 @@ class NNXTrainStep:
         _check_pair(ens, optimizer)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
-        if stacked is None:
-            return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
-        flags = stacked_flags(stacked, len(batch))
-        return self._scanned.lower(ens_def, opt_def, ens_state, opt_state, batch, stacked=flags)
+        with own_mesh(ens.mesh):
+            if stacked is None:
+                return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
+            flags = stacked_flags(stacked, len(batch))
+            return self._scanned.lower(ens_def, opt_def, ens_state, opt_state, batch, stacked=flags)
 
     def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch

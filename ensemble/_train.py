@@ -48,7 +48,14 @@ from ensemble._core import (
     explained_errors,
     split_loss,
 )
-from ensemble._mesh import MEMBER_AXIS, MODEL_AXIS, check_mesh, member_sharding, merge_rules
+from ensemble._mesh import (
+    MEMBER_AXIS,
+    MODEL_AXIS,
+    check_mesh,
+    member_sharding,
+    merge_rules,
+    own_mesh,
+)
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
 from ensemble._steps import one_step_of, scan_steps, stacked_flags
 from ensemble._warn import warn_user
@@ -180,7 +187,7 @@ class TrainStep:
         ``params`` and ``opt_state`` are donated (with ``donate=True``): keep only the returned
         ones. The program is compiled once per structure and sharding of the inputs.
         """
-        with explained_errors():
+        with own_mesh(self.mesh), explained_errors():
             return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
     def scan(
@@ -224,7 +231,7 @@ class TrainStep:
         if carry is not None:
             flags = self._carried(carry, flags)
             self._check_carry_layout(carry, batches[carry])
-        with explained_errors():
+        with own_mesh(self.mesh), explained_errors():
             program = self._program(params, opt_state, batches, flags, carry)
             return program(params, opt_state, *batches)
 
@@ -279,9 +286,9 @@ class TrainStep:
         # member axis): lowered as unplaced inputs instead, the step lost its donation and
         # compiled_memory over-reported its peak (by a third for a small MLP).
         params, opt_state = jax.tree.map(self._placed_spec, (params, opt_state))
-        return self._program(params, opt_state, batch, flags, carry).lower(
-            params, opt_state, *batch
-        )
+        with own_mesh(self.mesh):
+            program = self._program(params, opt_state, batch, flags, carry)
+            return program.lower(params, opt_state, *batch)
 
     def _placed_spec(self, x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:

@@ -142,3 +142,47 @@ def test_api_mistakes_are_named_where_they_are_made():
     step = ensemble.train_step(loss, optax.sgd(0.1), n=4, mesh=ens.mesh)
     with pytest.raises(ValueError, match=r"returned a tuple;.*has_aux=True"):
         step(params, step.init(params), jnp.ones((2, 3)))
+
+
+def test_ensemble_calls_run_under_a_mesh_the_callers_code_set():
+    """An ensemble call needs no context, and works inside one the caller set for its own code:
+    another ensemble's partitioning, a jax.set_mesh of a mesh of other (Explicit) axes, or a
+    jit traced under one. JAX refuses a shard_map or a key of one mesh under another."""
+    import contextlib
+
+    import flax.linen as nn
+    import optax
+    from flax import nnx
+
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+    lin = ensemble.build(nn.Dense(2), 8)
+    other = ensemble.build(nn.Dense(2), 2, model_parallel=2)
+    user_mesh = jax.make_mesh((8,), ("batch",))  # Explicit axes
+
+    def run():
+        params = lin.init(jax.random.key(0), x)["params"]
+        step = lin.train_step(lambda p, x: jnp.mean(nn.Dense(2).apply({"params": p}, x) ** 2),
+                              optax.sgd(0.1))  # fmt: skip
+        p, s, loss = step(params, step.init(params), x)
+        p, s, losses = step.scan(p, s, jnp.stack([x, x]))
+        ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=rngs), 8, rngs=1)
+        nnx_step = ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+        nnx_loss = nnx_step(ens, nnx_step.init(), x)
+        outs = (lin.apply({"params": p}, x), loss, losses, ens(x), nnx_loss)
+        return [np.asarray(o) for o in outs]
+
+    want = run()
+    contexts = {
+        "another ensemble's": lambda: ensemble.sharding.partitioning(other.mesh, other.rules),
+        "the user's": lambda: jax.set_mesh(user_mesh),
+    }
+    for name, context in contexts.items():
+        with context():
+            got = run()
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=name)
+    params = lin.init(jax.random.key(0), x)
+    with ensemble.sharding.partitioning(other.mesh, other.rules):  # traced under it
+        traced = jax.jit(lambda v, x: lin.apply(v, x) * 2)(params, x)
+    with contextlib.nullcontext():
+        np.testing.assert_allclose(traced, 2 * lin.apply(params, x), rtol=1e-6)
