@@ -265,7 +265,10 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
     """Places every leaf with leading axis n on the member axis; other leaves are replicated.
 
     Use it for trees built outside ``ensemble`` (per-member batches, hyperparameters, metrics
-    that came back to the host). Leaves already placed correctly are not copied.
+    that came back to the host). A leaf already split on this mesh's member axis keeps its
+    placement (a tensor-parallel split inside members too) and is not copied. A boxed leaf
+    (``nn.LogicallyPartitioned``, e.g. from ``ens.init_shardings``-style abstract trees or a
+    model's own init) is also split inside members by its logical names through ``rules``.
 
     Example:
       >>> import numpy as np
@@ -275,15 +278,21 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
       (P('ensemble', None), P())
     """
 
-    def place(x):
+    def place(x, names=None):
+        if isinstance(x, nn.LogicallyPartitioned):
+            return x.replace_boxed(place(x.unbox(apply_constraint=False), x.names))
         shape = np.shape(x)
         if len(shape) >= 1 and shape[0] == n:
-            target = member_sharding(mesh, len(shape), None, rules)
+            if names is None and _on_member_axis(x, mesh):
+                return x
+            target = member_sharding(mesh, len(shape), names, rules)
         else:
             target = NamedSharding(mesh, PartitionSpec())
         return jax.device_put(x, target)
 
-    return jax.tree_util.tree_map(place, tree)
+    check_mesh(mesh, n)
+    boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    return jax.tree_util.tree_map(place, tree, is_leaf=boxed)
 
 
 @contextlib.contextmanager

@@ -186,3 +186,26 @@ def test_ensemble_calls_run_under_a_mesh_the_callers_code_set():
         traced = jax.jit(lambda v, x: lin.apply(v, x) * 2)(params, x)
     with contextlib.nullcontext():
         np.testing.assert_allclose(traced, 2 * lin.apply(params, x), rtol=1e-6)
+
+
+def test_shard_members_keeps_a_split_inside_members_and_places_boxes_by_their_names():
+    """Re-placing tensor-parallel params gathered each member whole onto every one of its
+    devices (4x the bytes here); a boxed leaf's names went unused."""
+    import flax.linen as nn
+
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("input", "hidden"))
+    rules = [("input", None), ("hidden", "model")]
+    ens = ensemble.build(nn.Dense(64, kernel_init=init), 2, model_parallel=4, rules=rules)
+    params = ens.init(jax.random.key(0), jnp.ones((4, 8)))["params"]
+    kernel = params["kernel"]
+    assert kernel.sharding.spec == P("ensemble", None, "model")
+    again = ensemble.sharding.shard_members(params, ens.mesh, ens.n)
+    assert again["kernel"] is kernel  # already placed: not copied, still split
+    host = nn.LogicallyPartitioned(np.asarray(kernel), ("input", "hidden"))
+    boxed = ensemble.sharding.shard_members({"kernel": host}, ens.mesh, ens.n, ens.rules)
+    placed = boxed["kernel"].unbox(apply_constraint=False)
+    assert placed.sharding.spec == P("ensemble", None, "model")
+    assert {s.data.shape for s in placed.addressable_shards} == {(1, 8, 16)}
+    np.testing.assert_array_equal(placed, kernel)
+    with pytest.raises(ValueError, match="n=3 members cannot be split"):
+        ensemble.sharding.shard_members(np.ones((3, 2)), ensemble.sharding.make_mesh(4), 3)
