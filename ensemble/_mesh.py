@@ -291,7 +291,7 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
         return jax.device_put(x, target)
 
     check_mesh(mesh, n)
-    boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)
     return jax.tree_util.tree_map(place, tree, is_leaf=boxed)
 
 
