@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules, own_mesh
+from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules, check_rules, own_mesh
 from ensemble._warn import warn_user
 
 InAxes = int | None | Sequence[int | None]
@@ -569,6 +569,9 @@ class Members:
     rules: LogicalRules
     axis_name: str | None = None
     data_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        check_rules(self.rules, self.mesh, in_members=True)
 
     @property
     def local(self) -> int:

@@ -308,12 +308,10 @@ def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> 
       >>> with partitioning(mesh, [("hidden", "model")]):
       ...     pass
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"partitioning needs a jax.sharding.Mesh (e.g. ens.mesh); got {mesh!r}.")
     merged = merge_rules(rules)
-    unknown = [v for _, v in merged if v is not None and not _axes_in_mesh(v, mesh)]
-    if unknown:
-        raise ValueError(
-            f"rules map logical names onto mesh axes {unknown} that mesh {mesh.axis_names} lacks."
-        )
+    check_rules(merged, mesh)
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.set_mesh(mesh))
         stack.enter_context(nn.logical_axis_rules(merged))
@@ -338,9 +336,30 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
         yield
 
 
+def check_rules(rules: LogicalRules, mesh: Mesh, in_members: bool = False) -> None:
+    """Refuses rules onto axes ``mesh`` lacks; ``in_members``: also rules that split a member's
+    own dimension over the member axis (it holds the members: each device has its members
+    whole). Outside members, your own code may put a member-major array's names on it."""
+    unknown = [v for _, v in rules if v is not None and not _axes_in_mesh(v, mesh)]
+    if unknown:
+        raise ValueError(
+            f"rules map logical names onto mesh axes {unknown} that mesh {mesh.axis_names} lacks."
+        )
+    onto_members = [k for k, v in rules if k != MEMBER_AXIS and MEMBER_AXIS in _axes(v)]
+    if in_members and onto_members:
+        raise ValueError(
+            f"rules map logical names {onto_members} onto the {MEMBER_AXIS!r} axis, which holds "
+            f"the members; a dimension inside a member can go on {DATA_AXIS!r} or "
+            f"{MODEL_AXIS!r} (or None: not split)."
+        )
+
+
+def _axes(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
 def _axes_in_mesh(value: Any, mesh: Mesh) -> bool:
-    axes = value if isinstance(value, (tuple, list)) else (value,)
-    return all(a in mesh.axis_names for a in axes)
+    return all(a in mesh.axis_names for a in _axes(value))
 
 
 def devices_per_member(mesh: Mesh, n: int) -> float:

@@ -209,3 +209,28 @@ def test_shard_members_keeps_a_split_inside_members_and_places_boxes_by_their_na
     np.testing.assert_array_equal(placed, kernel)
     with pytest.raises(ValueError, match="n=3 members cannot be split"):
         ensemble.sharding.shard_members(np.ones((3, 2)), ensemble.sharding.make_mesh(4), 3)
+
+
+def test_rules_onto_a_missing_axis_or_the_member_axis_are_refused_in_one_line():
+    """build used to give JAX's 'Resource axis: mp of P(None, 'mp') is not found in mesh' (or,
+    onto 'ensemble', a message about Auto axes and reshard) at the first call."""
+    import flax.linen as nn
+    from flax import nnx
+
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("input", "hidden"))
+    nnx_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("input", "hidden"))
+    x = jnp.ones((4, 3))
+    cases = (([("hidden", "mp")], r"onto mesh axes \['mp'\] that mesh"),
+             ([("hidden", "ensemble")], r"\['hidden'\] onto the 'ensemble' axis"))  # fmt: skip
+    for rules, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ens = ensemble.build(nn.Dense(8, kernel_init=init), 2, model_parallel=2, rules=rules)
+            ens.init(jax.random.key(0), x)
+        with pytest.raises(ValueError, match=match):
+            ensemble.build(lambda rngs: nnx.Linear(3, 8, kernel_init=nnx_init, rngs=rngs), 2,
+                           model_parallel=2, rules=rules)  # fmt: skip
+    mesh = ensemble.sharding.make_mesh(2, model_parallel=2)
+    with ensemble.sharding.partitioning(mesh, [("members", "ensemble")]):
+        pass  # outside members, your own member-major arrays may go on it
+    with pytest.raises(TypeError, match=r"needs a jax\.sharding\.Mesh"):
+        ensemble.sharding.partitioning(None).__enter__()
