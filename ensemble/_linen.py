@@ -45,6 +45,7 @@ from ensemble._core import (
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    devices_per_member,
     member_index,
     member_pspec,
     merge_rules,
@@ -253,7 +254,7 @@ class LinenEnsemble:
             for leaf in jax.tree.leaves(boxed, is_leaf=_is_box)
             if isinstance(leaf, nn.LogicallyPartitioned)
         ]
-        warn_unmapped(names, self.rules, self.mesh, self.n)
+        warn_unmapped(names, self.rules, self.mesh)
 
     # ------------------------------------------------------------------ apply
 
@@ -428,16 +429,16 @@ class LinenEnsemble:
 # ---------------------------------------------------------------------- helpers
 
 
-def warn_unmapped(names: Sequence[Sequence[Any]], rules: LogicalRules, mesh: Mesh, n: int) -> None:
+def warn_unmapped(names: Sequence[Sequence[Any]], rules: LogicalRules, mesh: Mesh) -> None:
     """Warns about logical names of parameter annotations that no rule maps, when that really
     drops a split: only if a member spans several devices (otherwise there is nothing to split)."""
-    if n >= mesh.devices.size:
+    if devices_per_member(mesh) == 1:
         return
     missing = unmapped_names(names, rules)
     if missing:
         warn_user(
             f"parameter annotations use logical axes {missing} that no rule maps to a mesh axis "
-            f"(rules: {rules}); each member spans {mesh.devices.size // n} devices, and those "
+            f"(rules: {rules}); each member spans {devices_per_member(mesh)} devices, and those "
             "dimensions will be replicated on all of them. Add (name, <mesh axis or None>) to "
             "rules= to make the choice explicit.",
         )

@@ -13,7 +13,6 @@ so arrays placed on the mesh work in a user's plain ``jax.jit`` without entering
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -362,9 +361,10 @@ def _axes_in_mesh(value: Any, mesh: Mesh) -> bool:
     return all(a in mesh.axis_names for a in _axes(value))
 
 
-def devices_per_member(mesh: Mesh, n: int) -> float:
-    """How many devices one member spans (a fraction when several members share a device)."""
-    return math.prod(mesh.devices.shape) / n
+def devices_per_member(mesh: Mesh) -> int:
+    """How many devices each member's arrays span: every device of its member-axis slice (the
+    members sharing that slice each span all of it)."""
+    return mesh.devices.size // mesh.shape[MEMBER_AXIS]
 
 
 def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:

@@ -701,7 +701,7 @@ def _warn_unmapped_nnx(abstract: Any, members: Members) -> None:
         if isinstance(v, nnx.Variable)
     ]
     names = [[a for a in spec if a != MEMBER_AXIS] for spec in names if spec]
-    warn_unmapped(names, members.rules, members.mesh, members.n)
+    warn_unmapped(names, members.rules, members.mesh)
 
 
 def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx.Rngs], Any]:

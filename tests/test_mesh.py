@@ -85,6 +85,10 @@ def test_unmapped_annotation_warns_only_when_a_split_is_dropped():
     with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices") as seen:
         ensemble.build(model, 4, rules=[("hidden", None)]).init(jax.random.key(0), x)
     assert seen[0].filename == __file__  # the user's line, not the library's
+    # 8 members on blocks of 2 devices (2 members per block): each spans its block's 2 devices.
+    mesh = ensemble.sharding.make_mesh(4)
+    with pytest.warns(UserWarning, match=r"\['vocab'\].*spans 2 devices"):
+        ensemble.build(model, 8, mesh=mesh, rules=[("hidden", None)]).init(jax.random.key(0), x)
 
 
 def test_nnx_unmapped_annotation_is_replicated_like_linen():
