@@ -18,6 +18,7 @@ members.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -813,6 +814,8 @@ def nnx_optimizer(
     friends see one member at a time. ``hyperparams`` give per-member values (length n) for
     hyperparameters of a ``tx`` made with ``optax.inject_hyperparams``. The state (moments,
     counts, injected hyperparameters) is created under ``jax.jit(..., out_shardings=...)``.
+    ``wrt``, an NNX filter, sees each member's own paths, as on the plain model (``('head',
+    'kernel')``, not the ensemble's ``('members', 'head', 'kernel')``).
 
     Example:
       >>> import jax.numpy as jnp, optax, ensemble
@@ -833,13 +836,14 @@ def nnx_optimizer(
         raise ValueError(
             f"nnx_optimizer: wrt={wrt!r} selects none of the ensemble's Variables (it has "
             f"{', '.join(kinds) or 'none'}), so there is nothing to train; give a filter that "
-            "selects some (the default, nnx.Param, trains the parameters)."
+            "selects some (the default, nnx.Param, trains the parameters). It sees each "
+            "member's own paths, as on the plain model: ('head', 'kernel'), not ('members', ...)."
         )
     member_tx = per_member(tx, ens.n, **hyperparams)
     graphdef, ens_state = nnx.split(ens)
 
     def create(ens_state: Any) -> nnx.Optimizer:
-        return nnx.Optimizer(nnx.merge(graphdef, ens_state), member_tx, wrt=wrt)
+        return nnx.Optimizer(nnx.merge(graphdef, ens_state), member_tx, wrt=_InMembers(wrt))
 
     # Traced with no mesh, as in the creation: Flax would refuse an annotation name that no
     # rule maps; _member_shardings maps every name through the rules.
@@ -998,7 +1002,8 @@ class NNXTrainStep:
         in_axes = self._batch_axes(len(batch), ens.in_axes)
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
-        grads_of = _member_grads(self, optimizer.wrt)  # squeezed: see Members._device_program
+        # The user's filter, on a member's own paths (squeezed: see Members._device_program).
+        grads_of = _member_grads(self, _member_filter(optimizer.wrt))
         losses, aux, grads = ens._map(grads_of, batch, {}, in_axes, True, batched)
         # value=: each member's loss, for optax transforms that read it (reduce_on_plateau).
         try:
@@ -1038,6 +1043,22 @@ def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
         return loss, aux, grads
 
     return grads_of
+
+
+@dataclasses.dataclass(frozen=True)
+class _InMembers:
+    """A ``wrt`` filter written for one member (as for the plain model: ``path[0] == 'head'``),
+    applied to the ensemble's paths (``('members', 'head', ...)``) by the optimizer."""
+
+    filter: Any
+
+    def __call__(self, path: tuple, value: Any) -> bool:
+        inside = path[:1] == ("members",)
+        return inside and nnx.filterlib.to_predicate(self.filter)(path[1:], value)
+
+
+def _member_filter(wrt: Any) -> Any:
+    return wrt.filter if isinstance(wrt, _InMembers) else wrt
 
 
 def _check_pair(ens: Any, optimizer: Any) -> None:

@@ -784,3 +784,34 @@ def test_a_scans_dataset_passed_once_is_not_split_as_a_batch():
         losses = step.scan(ens, opt, idx, data, stacked=(True, False))
     want = [step(want_ens, want_opt, idx[k], data) for k in range(3)]
     np.testing.assert_allclose(losses, np.stack(want, axis=1), rtol=1e-5, atol=1e-7)
+
+
+def test_wrt_filters_see_a_members_own_paths_as_on_the_plain_model():
+    """A filter on path positions, written for the plain model (``path[0] == 'head'``), selects
+    the same Variables of each member; the optimizer used to read it on the ensemble's paths
+    (``('members', 'head', ...)``), select nothing, and fail in vmap on an empty State."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(3, 4, rngs=rngs)
+            self.head = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.body(x)))
+
+    only_head = lambda path, v: isinstance(v, nnx.Param) and path[0] == "head"
+    ens = build_nnx(Net, D, rngs=3)
+    x, y = jnp.arange(12.0).reshape(4, 3) / 10, jnp.ones((4, 1))
+    body = np.asarray(ens.members.body.kernel[...])
+    member = ens.member(1)
+    step = ens.train_step(mse, optax.sgd(0.1), wrt=only_head)
+    step(ens, step.init(), x, y)
+    np.testing.assert_array_equal(ens.members.body.kernel[...], body)  # not selected
+    ref = nnx.Optimizer(member, optax.sgd(0.1), wrt=only_head)
+    ref.update(member, nnx.grad(mse, argnums=nnx.DiffState(0, only_head))(member, x, y))
+    got = ens.member(1).head.kernel[...]
+    np.testing.assert_allclose(got, member.head.kernel[...], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got, build_nnx(Net, D, rngs=3).member(1).head.kernel[...])
+    on_ensemble_paths = lambda path, v: len(path) > 1 and path[1] == "head"
+    with pytest.raises(ValueError, match=r"member's own paths, as on the plain model"):
+        ensemble.nnx_optimizer(ens, optax.sgd(0.1), wrt=on_ensemble_paths)
