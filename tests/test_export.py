@@ -542,11 +542,38 @@ def test_a_copied_member_or_damaged_arrays_are_refused_not_averaged(cartpole, tm
     assert evaluate.main([str(out), "--episodes", "1"]) == 2
     assert "are both member 1 of the run: a copy would count twice" in capsys.readouterr().err
     shutil.rmtree(out / "member_7")
+    # Renamed as a member the run does not have: member 1 would count twice.
+    shutil.copytree(out / "member_1", out / f"member_{MEMBERS}")
+    meta_path = out / f"member_{MEMBERS}" / "member.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "member": MEMBERS}))
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert f"field 'member' is {MEMBERS}, but 'config.members' is" in capsys.readouterr().err
+    shutil.rmtree(out / f"member_{MEMBERS}")
     params = out / "member_1" / "params.npz"
+    with np.load(params) as f:
+        arrays = dict(f)
+    arrays["actor_out/bias"][0] = np.nan  # a NaN logit: argmax plays action 0, a real score
+    np.savez(params, **arrays)
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert "hold NaN or infinite values" in capsys.readouterr().err
     for damaged in (params.read_bytes()[:300], b""):
         params.write_bytes(damaged)
         assert evaluate.main([str(out), "--episodes", "1"]) == 2
         assert "cannot read the member's arrays" in capsys.readouterr().err
+
+
+def test_an_action_box_unlike_the_envs_is_refused(pendulum, tmp_path, capsys):
+    """The ensemble clips its mean action into member 0's box: an edited one scored another
+    policy without a word."""
+    learner, state = pendulum
+    out = tmp_path / "export"
+    export.export_members(learner, state, out, members=[0, 1])
+    meta_path = out / "member_0" / "member.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["action"] == {"low": [-2.0], "high": [2.0]}
+    meta_path.write_text(json.dumps({**meta, "action": {"low": [-0.01], "high": [0.01]}}))
+    assert evaluate.main([str(out), "--episodes", "1"]) == 2
+    assert "field 'action' is {'low': [-0.01]" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -832,3 +859,32 @@ def test_a_run_on_an_env_object_its_config_cannot_make_is_not_resumed_or_evaluat
     with pytest.raises(ValueError, match="step your env with the member's act"):
         evaluate.evaluate([export.read_member(p) for p in paths], 1, 0)
     learner.close()
+
+
+@pytest.mark.timeout(300)
+def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp_path):
+    """Orbax's reads still in flight when the damaged checkpoint's restore failed complete into
+    its closed event loop: each printed a traceback (hundreds) around the one warning."""
+    from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo import train
+
+    cfg = PPOConfig.for_env(
+        "cartpole", members=2, total_steps=2 * 128, num_envs=2, num_steps=64,
+        num_minibatches=2, update_epochs=1, updates_per_call=1,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    train(cfg, run, progress=False, checkpoint_every=1, devices=jax.devices()[:2])
+    older, newest = ckpt.checkpoints(run)[-2:]
+    for path in newest.rglob("*"):
+        if path.is_file() and path.parent.name == "d":  # the array data
+            path.write_bytes(b"")
+    cmd = [sys.executable, "-m", "rollout.ppo.export", str(run)]
+    proc = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: checkpoint {newest} cannot be"), (
+        proc.stderr[-3000:]
+    )
+    meta = json.loads((run / "export" / "member_0" / "member.json").read_text())
+    assert meta["env_steps"] == int(older.name.split("_")[1]) * 128

@@ -101,6 +101,22 @@ class RunDir:
 # ---------------------------------------------------------------------- run directory
 
 
+def without_closed_loop_noise(hook: Any) -> Any:
+    """``hook`` (for ``sys.unraisablehook``) that skips ``Event loop is closed`` errors. When a
+    checkpoint write or read fails (a full disk, a damaged checkpoint), TensorStore's
+    operations still in flight complete into orbax's closed event loop, each printing a
+    traceback (up to hundreds) around the one line that says what failed."""
+
+    def skip(info: Any) -> None:
+        if not (
+            isinstance(info.exc_value, RuntimeError)
+            and "Event loop is closed" in str(info.exc_value)
+        ):
+            hook(info)
+
+    return skip
+
+
 def inspect(out: str | os.PathLike) -> RunDir:
     """Reads what ``out`` holds; raises :class:`RunDirError` if it is not a usable directory."""
     out = Path(out)

@@ -2,7 +2,8 @@
 
 Runs ``N`` deterministic episodes (argmax / mean action) per member of an export written by
 :mod:`rollout.ppo.export`, and the same episodes for the ensemble's averaged policy (mean of the
-members' action probabilities for discrete actions, mean of their mean actions for continuous),
+members' action probabilities for discrete actions; for continuous ones, the mean of their
+Gaussian means before clipping, then clipped into the action box),
 and prints the mean +- std of the episode return for each. Every policy sees the same ``N``
 initial states (drawn from ``--seed``), so the rows compare policies, not luck; a pure-JAX
 env's step ``t`` of episode ``i`` draws its randomness from ``fold_in(reset key i, t)``.
@@ -63,8 +64,9 @@ def reset_keys(seed: int, episodes: int) -> Any:
 
 
 def ensemble_act(members: Sequence[Any]) -> Policy:
-    """The ensemble's deterministic policy: argmax of the mean probabilities, or the mean
-    action (clipped into the box) for continuous actions."""
+    """The ensemble's deterministic policy: argmax of the mean probabilities, or for continuous
+    actions the mean of the members' unclipped Gaussian means, clipped into the box (not the
+    mean of their clipped actions: the two differ where a member's mean is outside the box)."""
 
     from rollout.ppo.export import argmax_action
 
@@ -365,7 +367,14 @@ def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
         return f"observations {tuple(shape)}{pixels} and {acts}"
 
     has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale, spec.action_groups)
+    box = export.action_box(spec)
     for m in members:
+        if m.meta["action"] != box and m.meta["network"]["discrete"] == spec.discrete:
+            raise export.NotAnExport(
+                f"{where(m)}: field 'action' is {m.meta['action']}, but {env_id}'s action box "
+                f"is {box} (edited, or the env changed since training); export the member "
+                "again."
+            )
         net = m.meta["network"]  # (an MLP has no obs_scale: it takes the env's as it comes)
         scale = net.get("obs_scale", spec.obs_scale)
         takes = says(net["obs_shape"], net["action_dim"], net["discrete"], scale, m.action_groups)

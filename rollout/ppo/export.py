@@ -380,12 +380,19 @@ def gymnasium_id(env: str) -> str | None:
     return _GYMNASIUM_IDS.get(env)
 
 
-def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
-    def box(a: Any) -> list[float | None] | None:  # JSON has no infinity: null
-        if a is None:
+def action_box(spec: Any) -> dict[str, list[float | None] | None]:
+    """``member.json``'s ``action`` of an env's spec: its box's bounds (null: unbounded, as JSON
+    has no infinity; both null for discrete actions)."""
+
+    def bounds(a: Any) -> list[float | None] | None:
+        if a is None or spec.discrete:
             return None
         return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float32).ravel()]
 
+    return {"low": bounds(spec.action_low), "high": bounds(spec.action_high)}
+
+
+def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -395,10 +402,7 @@ def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> di
         "env_steps": env_steps,
         "network": network,
         "obs_norm": {"enabled": bool(normalize_obs), "clip": OBS_CLIP, "epsilon": OBS_EPSILON},
-        "action": {
-            "low": None if spec.discrete else box(spec.action_low),
-            "high": None if spec.discrete else box(spec.action_high),
-        },
+        "action": action_box(spec),
         "hparams": {k: float(v) for k, v in hparams.items()},
         "config": config.to_dict(),
     }
@@ -667,6 +671,9 @@ def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
         if box is not None and len(box) != n:
             what = f"has {len(box)} bounds but 'network.action_dim' is {n}"
             raise _edited(meta_path, f"field 'action.{side}' {what}")
+    if meta["member"] >= config.members:
+        what = f"is {meta['member']}, but 'config.members' is {config.members}"
+        raise _edited(meta_path, f"field 'member' {what} (a member renamed or copied by hand?)")
 
 
 def _groups_of(meta: dict[str, Any]) -> list[int]:
@@ -761,6 +768,20 @@ def _check_arrays(meta_path: Path, network: dict[str, Any], params: dict, mean, 
             )
 
 
+def _check_finite(path: Path, params: dict, mean: Any, var: Any) -> None:
+    """Training never saves a NaN (it stops first), so one here is damage: a NaN logit would
+    score as a real policy (argmax takes action 0), and drag the ensemble's average with it."""
+    arrays = {**{f"params.npz {k}": v for k, v in params.items()}, "obs_norm.npz mean": mean}
+    bad = [name for name, a in arrays.items() if not bool(jnp.isfinite(a).all())]
+    if not bool((jnp.isfinite(var) & (var >= 0)).all()):
+        bad.append("obs_norm.npz var")
+    if bad:
+        raise NotAnExport(
+            f"{path}: the member's arrays hold NaN or infinite values, or a negative variance "
+            f"({', '.join(bad)}): damaged; export the member again."
+        )
+
+
 def read_member(directory: str | os.PathLike, device: jax.Device | None = None) -> ExportedMember:
     """Reads one member directory; its arrays go to ``device`` (default: the first device).
 
@@ -790,6 +811,7 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
         # (a truncated or empty .npz: NumPy raises zipfile's error or EOFError)
         raise NotAnExport(f"{path}: cannot read the member's arrays ({e}).") from None
     _check_arrays(meta_path, meta["network"], params, mean, var)
+    _check_finite(path, params, mean, var)
     _check_obs_norm(meta_path, meta)  # after the arrays: an edited 'discrete' is named there
     return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var, path=path)
 
@@ -987,5 +1009,9 @@ def _devices_for_run(run_dir: str) -> list[jax.Device] | None:
 
 if __name__ == "__main__":
     from ensemble._exit import exit_process
+    from rollout.ppo._checkpoint import without_closed_loop_noise
 
+    # A damaged newest checkpoint (export falls back to the one before) or one a run still
+    # training removes while it is read: one warning line, not hundreds of tracebacks.
+    sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
     exit_process(main())
