@@ -67,7 +67,7 @@ from ensemble._mesh import (
     take_member,
 )
 from ensemble._optim import per_member
-from ensemble._steps import one_step_of, scan_steps, stacked_flags
+from ensemble._steps import one_step_of, scan_steps, stacked_flags, traced_batch
 from ensemble._warn import warn_user
 
 __all__ = ["NNXEnsemble", "build_nnx", "lower_build_nnx", "nnx_optimizer", "nnx_train_step"]
@@ -963,7 +963,7 @@ class NNXTrainStep:
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
-        with own_mesh(ens.mesh), explained_errors():
+        with own_mesh(ens.mesh), explained_errors(), traced_batch(batch):
             out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)

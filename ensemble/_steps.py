@@ -10,12 +10,37 @@ step (a dataset the steps index into) are marked ``stacked=False`` and passed on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+_CLOSE_OVER = (
+    "the train step traces its batch arguments, as jax.jit does, so a Python flag or mode "
+    "passed as one is not a Python value in the loss; give it to the loss by closing over it "
+    "(functools.partial(loss_fn, train=False)) and pass arrays as batch arguments"
+)
+
+
+@contextlib.contextmanager
+def traced_batch(batch: Sequence[Any]) -> Iterator[None]:
+    """Says why, where a batch argument holds a Python value the loss cannot trace: a string
+    (JAX: "Error interpreting argument ... as an abstract array"), or a bool the loss branches
+    on with ``if`` (JAX: a TracerBoolConversionError naming the step's internals)."""
+    for pos, arg in enumerate(batch):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+            if isinstance(leaf, str | bytes):
+                where = f"batch argument {pos}{jax.tree_util.keystr(path)} = {leaf!r}"
+                raise TypeError(f"{where} is a string: {_CLOSE_OVER}.")
+    try:
+        yield
+    except jax.errors.TracerBoolConversionError as e:
+        if not any(isinstance(leaf, bool) for leaf in jax.tree.leaves(tuple(batch))):
+            raise
+        raise TypeError(f"a Python bool among the batch arguments is traced: {_CLOSE_OVER}.") from e
 
 
 def stacked_flags(stacked: bool | Sequence[bool], count: int) -> tuple[bool, ...]:

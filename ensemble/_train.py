@@ -57,7 +57,7 @@ from ensemble._mesh import (
     own_mesh,
 )
 from ensemble._optim import accepted_extra_args, as_transformation, per_member
-from ensemble._steps import one_step_of, scan_steps, stacked_flags
+from ensemble._steps import one_step_of, scan_steps, stacked_flags, traced_batch
 from ensemble._warn import warn_user
 
 
@@ -187,7 +187,7 @@ class TrainStep:
         ``params`` and ``opt_state`` are donated (with ``donate=True``): keep only the returned
         ones. The program is compiled once per structure and sharding of the inputs.
         """
-        with own_mesh(self.mesh), explained_errors():
+        with own_mesh(self.mesh), explained_errors(), traced_batch(batch):
             return self._program(params, opt_state, batch)(params, opt_state, *batch)
 
     def scan(
@@ -231,7 +231,7 @@ class TrainStep:
         if carry is not None:
             flags = self._carried(carry, flags)
             self._check_carry_layout(carry, batches[carry])
-        with own_mesh(self.mesh), explained_errors():
+        with own_mesh(self.mesh), explained_errors(), traced_batch(batches):
             program = self._program(params, opt_state, batches, flags, carry)
             return program(params, opt_state, *batches)
 

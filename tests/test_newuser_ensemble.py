@@ -359,3 +359,36 @@ def test_an_nnx_rngs_inside_a_container_input_is_refused_in_one_line():
     ens = ensemble.build(linear, D)
     with pytest.raises(TypeError, match=r"^an nnx.Rngs inside a container input .* own"):
         ens(jnp.ones((2, 3)), {"rngs": nnx.Rngs(dropout=1)})
+
+
+def test_a_python_flag_passed_to_a_train_step_says_to_close_over_it():
+    """The train steps trace their batch arguments (as jax.jit does); a mode string failed in
+    JAX's argument parsing and an ``if train:`` in a TracerBoolConversionError naming the
+    library's internals, neither saying what to do."""
+    import functools
+
+    import flax.linen as nn
+    import optax
+    from flax import nnx
+
+    model = nn.Dense(2)
+    ens = ensemble.build(model, 4)
+    x = jnp.ones((3, 5))
+    params = ens.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(p, x, train):
+        out = model.apply({"params": p}, x)
+        return jnp.mean((out if train else 2 * out) ** 2)
+
+    step = ens.train_step(loss_fn, optax.sgd(0.1), donate=False)
+    state = step.init(params)
+    for flag, match in ((False, "a Python bool among the batch arguments is traced"),
+                        ("eval", r"batch argument 1 = 'eval' is a string")):  # fmt: skip
+        with pytest.raises(TypeError, match=match):
+            step(params, state, x, flag)
+    closed = ens.train_step(functools.partial(loss_fn, train=False), optax.sgd(0.1))
+    assert closed(params, closed.init(params), x)[2].shape == (4,)  # the way out works
+    nnx_ens = ensemble.build(lambda rngs: nnx.Linear(5, 2, rngs=rngs), 4)
+    nnx_step = nnx_ens.train_step(lambda m, x, mode: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"batch argument 1 = 'eval' is a string"):
+        nnx_step(nnx_ens, nnx_step.init(), x, "eval")
