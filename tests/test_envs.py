@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 
 import gymnasium as gym
 import jax
@@ -572,3 +574,120 @@ def test_box_sample_stays_in_the_box_like_gymnasium():
         wide = envs.Box((2,), (-65000.0, 10.0), (65000.0, inf), dtype)
         x = jax.vmap(wide.sample)(jax.random.split(jax.random.key(1), 500))
         assert x.dtype == dtype and np.isfinite(np.asarray(x, np.float32)).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Your own env: the learner's check of the functional API
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk(envs.Env):
+    """A user env: a position on a line, reward -|x|, a time limit of 5 steps."""
+
+    mistake: str = ""
+    name: str = "walk"
+    max_episode_steps: int = 5
+    observation_space = envs.Box.uniform((2,), -10.0, 10.0)
+    action_space = envs.Discrete(2)
+
+    def reset(self, key, params=None):
+        return (jnp.float32(0), jnp.int32(0)), self._obs(jnp.float32(0), jnp.int32(0))
+
+    def _obs(self, x, t):
+        obs = jnp.stack([x, t.astype(jnp.float32)])
+        return {"dict": {"x": obs}, "tuple": (obs,)}.get(self.mistake, obs)
+
+    def step(self, state, action, key, params=None):
+        x, t = state[0] + 2.0 * action - 1.0, state[1] + 1
+        out = ((x, t), self._obs(x, t), -jnp.abs(x), x > 3, t >= 5, {})
+        if self.mistake == "float-reward":
+            out = (*out[:2], -1.0, *out[3:])
+        return {"5-tuple": out[:5], "info-none": (*out[:5], None)}.get(self.mistake, out)
+
+
+class _Counting:
+    """Not a frozen dataclass: Python state on the env, changed in step (at trace time only)."""
+
+    name, max_episode_steps = "counting", 5
+    observation_space, action_space = _Walk.observation_space, _Walk.action_space
+
+    def __init__(self, mutate="counter"):
+        self.inner, self.mutate, self.steps, self.seen, self.table = _Walk(), mutate, 0, [], None
+
+    def default_params(self):
+        return None
+
+    def reset(self, key, params=None):
+        return self.inner.reset(key)
+
+    def step(self, state, action, key, params=None):
+        if self.table is None:  # a cache filled on the first trace: no state, accepted
+            self.table = np.arange(3.0)
+        if self.mutate == "counter":
+            self.steps += 1
+        if self.mutate == "list":
+            self.seen.append(action)
+        return self.inner.step(state, action, key)
+
+
+def _learner(env):
+    from rollout.ppo import Learner, PPOConfig
+
+    cfg = PPOConfig(env="walk", members=2, total_steps=64, num_envs=2, num_steps=16)
+    return Learner(cfg, devices=jax.devices()[:2], env=env)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (envs.AutoReset(_Walk("dict")), "reset returns observations of type dict: observations "
+         r"must be one array \(flatten dict or tuple observations into one vector\)"),
+        (envs.AutoReset(_Walk("tuple")), "reset returns observations of type tuple"),
+        (envs.AutoReset(_Walk("5-tuple")), r"step returns 5 values \(gym's API: no state first\);"
+         r" step\(state, action, key, params=None\) must return \(state, obs, reward, "
+         r"terminated, truncated, info\)"),
+        (_Walk("5-tuple"), "step returns 5 values"),  # not "no 'final_obs' ... AutoReset"
+        (envs.AutoReset(_Walk("info-none")), r"step returns info of type NoneType: info must be "
+         "a dict of arrays"),
+        (envs.AutoReset(_Walk("float-reward")), r"step returns reward of type float: reward must"
+         r" be an array \(jnp.float32\(r\)\)"),
+        (envs.AutoReset(_Counting()), r"counting: _Counting.steps changed while reset and step "
+         "were traced; .* keep it in the state that reset returns"),
+        (envs.AutoReset(_Counting("list")), "_Counting.seen changed while"),
+        (_Counting(), "_Counting.steps changed while"),
+    ],
+    ids=["dict-obs", "tuple-obs", "5-tuple", "bare-5-tuple", "info-none", "float-reward",
+         "python-counter", "list-appended", "bare-python-counter"],
+)  # fmt: skip
+def test_a_user_env_breaking_the_functional_api_is_one_value_error_naming_it(env, message):
+    """Each of these failed deep in the check or in AutoReset (AttributeError, TypeError, the
+    unpacking of 5 values), was taken for a missing final_obs, or trained silently on values
+    read at trace time."""
+    with pytest.raises(ValueError, match=message) as caught:
+        _learner(env)
+    assert str(caught.value).startswith(env.name + ": ") and "\n" not in str(caught.value)
+
+
+def test_an_observation_space_that_is_not_a_box_is_one_value_error_naming_the_env():
+    @dataclasses.dataclass(frozen=True)
+    class DictSpace(_Walk):
+        observation_space = gym.spaces.Dict({"x": gym.spaces.Box(-1, 1, (2,))})
+
+    with pytest.raises(ValueError, match=r"^walk: observation space gymnasium.spaces.dict.Dict "
+                       r"is not supported: use a flat rollout.envs.Box \(flatten"):  # fmt: skip
+        _learner(envs.AutoReset(DictSpace()))
+
+
+def test_the_projects_envs_and_adapters_pass_the_python_state_check():
+    """What the check reads (every object an env holds) must not refuse a pure env: the
+    project's own envs, the gymnax and brax adapters, a cache filled on the first trace."""
+    from rollout.ppo._env import check_functional_env, spec_of
+
+    made = [envs.make(name) for name in ("cartpole", "pendulum", "audio")]
+    adapters = {"gymnax:CartPole-v1": {}, "brax:inverted_pendulum": {"backend": "spring"}}
+    for env_id, kwargs in adapters.items():
+        if importlib.util.find_spec(env_id.partition(":")[0]):
+            made.append(envs.make(env_id, **kwargs))
+    for env in [*made, envs.AutoReset(_Counting(mutate=""))]:
+        check_functional_env(env, spec_of(env))

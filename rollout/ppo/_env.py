@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -204,8 +205,14 @@ def spec_of(env: Any) -> EnvSpec:
     from rollout.envs import Box, Discrete, MultiDiscrete
 
     obs_space = env.observation_space
-    obs_shape = tuple(obs_space.shape)
     name = getattr(env, "name", "env")
+    if not isinstance(obs_space, Box):
+        raise ValueError(
+            f"{name}: observation space {type(obs_space).__module__}."
+            f"{type(obs_space).__qualname__} is not supported: use a flat rollout.envs.Box "
+            "(flatten dict or tuple observations into one vector in the env)."
+        )
+    obs_shape = tuple(obs_space.shape)
     if 0 in obs_shape:
         raise ValueError(
             f"{name}: observations of shape {obs_shape} hold no values, so the policy would "
@@ -275,13 +282,19 @@ def check_functional_env(env: Any, spec: EnvSpec) -> None:
     """Traces one env's ``reset`` and ``step`` abstractly (``jax.eval_shape``: nothing runs or
     compiles), so a user env's mistake is one ``ValueError`` naming it here, not a shape error
     inside the jitted update, and an env that never restarts its episodes (a bare env, not in
-    ``AutoReset``) cannot train silently on what comes after their end."""
+    ``AutoReset``) cannot train silently on what comes after their end.
+
+    Refused: ``reset`` / ``step`` not returning ``(state, obs)`` / ``(state, obs, reward,
+    terminated, truncated, info)``, observations that are not one array of the observation
+    space's shape, a reward that is not an array, non-scalar rewards or flags, an ``info`` that
+    is not a dict or lacks ``final_obs``, and an env object whose attributes change while its
+    ``reset`` and ``step`` are traced (Python state: the compiled step would never see it)."""
     from rollout.envs import AutoReset
 
     name = getattr(env, "name", type(env).__name__)
-    # The wrapped env first: AutoReset's own tracing would fail on its shapes less clearly.
+    # The wrapped env first: AutoReset's own tracing would fail on its mistakes less clearly.
     inner = env.env if isinstance(env, AutoReset) else env
-    obs, next_obs, *flags, info = _trace_one_step(inner)
+    obs, next_obs, *flags, info = _trace_one_step(inner, name)
     for what, got in (("reset", obs), ("step", next_obs)):
         if tuple(got.shape) != spec.obs_shape:
             raise ValueError(
@@ -294,8 +307,12 @@ def check_functional_env(env: Any, spec: EnvSpec) -> None:
                 f"{name}: step returns {what} of shape {tuple(got.shape)}; reward, terminated "
                 "and truncated are scalars (one env: the learner vmaps it)."
             )
-    info = info if inner is env else _trace_one_step(env)[-1]
-    if not isinstance(info, dict) or not any(k in info for k in _FINAL_KEYS):
+    # Traced again (the first trace let lazy caches settle): an attribute that changes now
+    # changes at every call, state the compiled step would read once, at trace time.
+    before = _attributes(env)
+    info = _trace_one_step(env, name)[-1]
+    _refuse_python_state(name, before)
+    if not any(k in info for k in _FINAL_KEYS):
         raise ValueError(
             f"{name}: step's info has no 'final_obs', so nothing restarts finished episodes: "
             "wrap the env in rollout.envs.AutoReset (an env that restarts its own episodes "
@@ -304,12 +321,92 @@ def check_functional_env(env: Any, spec: EnvSpec) -> None:
         )
 
 
-def _trace_one_step(env: Any) -> tuple:
-    """``(obs, next_obs, reward, terminated, truncated, info)`` of one env, as shapes."""
+_STEP = "step(state, action, key, params=None) must return (state, obs, reward, terminated, "
+_STEP += "truncated, info)"
+_RESET = "reset(key, params=None) must return (state, obs)"
+
+
+def _trace_one_step(env: Any, name: str) -> tuple:
+    """``(obs, next_obs, reward, terminated, truncated, info)`` of one env, as shapes; a
+    ``reset`` or ``step`` not returning what the functional API says is one ``ValueError``."""
+    problems: list[str] = []
+
+    def checked(fn: Any, n: int, *args: Any) -> Any:
+        out = fn(*args)
+        problem = _contract_problem(out, n)
+        problems.extend([problem] if problem else [])
+        return None if problem else out  # (what it returned may not even be JAX types)
+
     key = jax.random.key(0)
-    state, obs = jax.eval_shape(env.reset, key)
+    reset = jax.eval_shape(functools.partial(checked, env.reset, 2), key)
+    if problems:
+        raise ValueError(f"{name}: reset returns {problems[0]}; {_RESET}.")
+    state, obs = reset
     action = jax.eval_shape(env.action_space.sample, key)
-    return (obs, *jax.eval_shape(env.step, state, action, key)[1:])
+    stepped = jax.eval_shape(functools.partial(checked, env.step, 6), state, action, key)
+    if problems:
+        raise ValueError(f"{name}: step returns {problems[0]}; {_STEP}.")
+    return (obs, *stepped[1:])
+
+
+def _contract_problem(out: Any, n: int) -> str | None:
+    """What is wrong with a traced ``reset`` (``n=2``) or ``step`` (``n=6``) return, if any."""
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+        gym = n == 6 and isinstance(out, (tuple, list)) and len(out) in (4, 5)
+        return got + (" (gym's API: no state first)" if gym else "")
+    if not _is_array(out[1]):
+        return (f"observations of type {type(out[1]).__name__}: observations must be one array "
+                "(flatten dict or tuple observations into one vector)")  # fmt: skip
+    if n == 6 and not _is_array(out[2]):
+        return f"reward of type {type(out[2]).__name__}: reward must be an array (jnp.float32(r))"
+    if n == 6 and not isinstance(out[5], dict):
+        return f"info of type {type(out[5]).__name__}: info must be a dict of arrays ({{}} if none)"
+    return None
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _attributes(env: Any, limit: int = 64) -> dict[int, tuple[Any, dict[str, tuple]]]:
+    """The instance attributes of ``env`` and of the objects it holds (wrapped envs, an
+    adapter's library env; up to ``limit`` objects): ``id -> (object, {name: (value, size)})``,
+    with the size of a list, dict or set (they change in place)."""
+    todo, out = [env], {}
+    while todo and len(out) < limit:
+        obj = todo.pop(0)
+        if id(obj) in out or not _holds_state(obj):
+            continue
+        out[id(obj)] = (obj, _values(obj))
+        todo.extend(vars(obj).values())
+    return out
+
+
+def _values(obj: Any) -> dict[str, tuple]:
+    sized = (list, dict, set)
+    return {k: (v, len(v) if isinstance(v, sized) else None) for k, v in vars(obj).items()}
+
+
+def _holds_state(obj: Any) -> bool:
+    skip = (type, types.ModuleType, types.FunctionType, types.MethodType, jax.Array, np.ndarray)
+    return hasattr(obj, "__dict__") and not isinstance(obj, skip)
+
+
+def _refuse_python_state(name: str, before: dict[int, tuple[Any, dict[str, tuple]]]) -> None:
+    """An attribute rebound, resized or added since ``before`` is refused, naming it."""
+    changed = []
+    for obj, old in before.values():
+        for key, (value, size) in _values(obj).items():
+            if key not in old or old[key][0] is not value or old[key][1] != size:
+                changed.append(f"{type(obj).__name__}.{key}")
+    if changed:
+        raise ValueError(
+            f"{name}: {', '.join(changed)} changed while reset and step were traced; the "
+            "learner compiles them once, so Python state kept on the env is read at trace "
+            "time only: keep it in the state that reset returns and step takes and returns "
+            "(a pure JAX env, like a frozen dataclass)."
+        )
 
 
 def to_env_action(action: jax.Array, spec: EnvSpec) -> jax.Array:

@@ -186,8 +186,9 @@ class Learner:
         ``rollout.envs.Env`` (yours, or ``rollout.envs.make('gymnax:...')``), or a host env
         (``rollout.envs.make('gymnasium:HalfCheetah-v5', **make_kwargs)``). ``config.env`` is
         then only its label. A functional env must restart its episodes (``AutoReset``, which
-        puts ``final_obs`` in ``info``) and match its spaces: checked here, by tracing one
-        step abstractly (``ValueError`` otherwise).
+        puts ``final_obs`` in ``info``), match its spaces and return what the API says, with
+        no Python state kept on the object: checked here, by tracing one step abstractly
+        (``ValueError`` otherwise).
 
     Example:
       >>> import jax
