@@ -175,6 +175,7 @@ class NNXEnsemble(nnx.Module):
             split = _split_static(args, kwargs)
             if split is not None:
                 self._check_inputs(args, self.in_axes, kwargs)
+                check_live(nnx.state(self.members), "ensemble state ", _KEEP_A_COPY)
                 dynamic, static = split
                 with explained_errors():
                     return _compiled_call(self, dynamic, static)
@@ -217,6 +218,7 @@ class NNXEnsemble(nnx.Module):
         """
         i = member_index(i, self.n) % self.n
         graphdef, state = nnx.split(self.members)
+        check_live(state, "ensemble state ", _KEEP_A_COPY)
         # tree.map builds new Variables, so stripping the member axis from their sharding
         # metadata below leaves the ensemble's own Variables untouched.
         state = take_member(state, i, self.mesh, self.n)

@@ -413,6 +413,15 @@ def test_train_step_lowers_loss_and_donates():
     with pytest.raises(ValueError, match=r"was donated .*in place .*keep a copy") as info:
         step(ens, opt, x, y)
     assert "params, opt_state" not in str(info.value)
+    # A clone taken before a donating step: every way of using it says so (a call and member()
+    # gave XLA's bare "Array has been deleted").
+    ens = build_nnx(linear, D, rngs=2)
+    opt = nnx_optimizer(ens, optax.sgd(0.1))
+    clone = nnx.clone(ens)
+    step(ens, opt, x, y)
+    for use in (lambda: clone(x), lambda: clone.member(0), lambda: clone.map(mse, x, y)):
+        with pytest.raises(ValueError, match=r"was donated .*in place .*keep a copy"):
+            use()
 
 
 @pytest.mark.parametrize("n", [D, 2 * D])
