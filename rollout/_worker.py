@@ -64,6 +64,18 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)  # the parent died (SIGKILL) during a call: the call's result has no reader
 
 
+def _drop(programs: dict, keys) -> None:
+    """Forget these compiled programs and free their memory."""
+    if [programs.pop(k) for k in keys if k in programs]:
+        # JAX's own caches (of jit(exported.call) and its lowering) keep every program compiled
+        # here alive, with the constants fn closed over (a 100 MB table is 100 MB a program):
+        # empty them. The programs still in use are held in `programs`, so they stay compiled.
+        import jax
+
+        jax.clear_caches()
+        gc.collect()  # the programs sit in reference cycles: free them now, not at some later gc
+
+
 def main(fd: int) -> None:
     from multiprocessing.connection import Connection
 
@@ -91,8 +103,7 @@ def main(fd: int) -> None:
                 shm = shm_name = None
                 continue
             _, call_id, name, size, key, program, ins, outs, drops = msg
-            for k in drops:
-                programs.pop(k, None)
+            _drop(programs, drops)
             try:
                 if name != shm_name:
                     if shm is not None:
@@ -122,7 +133,7 @@ def main(fd: int) -> None:
                 conn.send(("ok", call_id))
             except BaseException as e:  # report everything; the parent decides what to raise
                 args = results = buf = None
-                programs.pop(key, None)
+                _drop(programs, [key])
                 conn.send(("err", call_id, type(e).__name__, str(e), traceback.format_exc()))
     finally:
         if shm is not None:

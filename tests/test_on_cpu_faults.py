@@ -672,6 +672,29 @@ def test_dropped_wrappers_release_their_worker_programs():
     assert res.stdout.split("\n")[:4] == ["1 1"] * 3 + ["0 0"], res.stdout
 
 
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.timeout(180)
+def test_evicted_programs_free_worker_memory():
+    """Each program embeds the 64 MB table fn closes over; JAX's own caches in the worker kept
+    every evicted program alive (a table each per worker) until the worker emptied them."""
+    table = np.random.default_rng(0).normal(size=16_000_000).astype(np.float32)
+    f = on_cpu(lambda i: jnp.asarray(table)[i], workers=W, executor="process", cache_size=1)
+    try:
+        rss = []
+        for rows in range(2, 12, 2):  # a new batch shape each call evicts the previous program
+            idx = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3) * 1000
+            same(f(idx), table[idx])
+            rss.append(sum(map(_rss_mb, f.pids)))
+        growth = rss[-1] - rss[1]  # over 3 evictions in each of the W workers (old: 400 MB)
+        assert growth < 2 * table.nbytes / 2**20, rss
+    finally:
+        f.close()
+
+
 def test_an_output_shape_that_depends_on_the_batch_size_is_an_error_not_broadcast():
     outer = lambda x: x[:, None] * x[None, :]  # (B, B): not row-independent
     batch_last = lambda x: jnp.stack([x, 2 * x, 3 * x, 4 * x])  # (4, B), and B = 4 here
