@@ -493,6 +493,7 @@ class OnCpu:
         # new lambda at a freed lambda's address, a field left out of a dataclass's repr).
         self._structures = _LRU(cache_size)
         self._structures_lock = threading.Lock()  # traces may run in several threads
+        self._specs = _LRU(cache_size)  # fn's output specs per input signature
         self._coalescer = _Coalescer()
         functools.update_wrapper(self, fn, updated=())
 
@@ -512,6 +513,7 @@ class OnCpu:
             # The shared pool this wrapper uses (or would use), even if another wrapper started it.
             pool = self._pool or _shared_pools.get(self.workers or available_cores())
             self._exports.clear()
+            self._specs.clear()
             if pool is not None:
                 pool.close()
             if self._inprocess is not None:
@@ -650,19 +652,19 @@ class OnCpu:
             jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=w)
             for x, w in zip((*batched, *shared), weak_in)
         ]
-        out_specs = _output_specs(flat_fn, specs, n)
+        # The program depends on the weak types and on the settings JAX lowers it under (x64: a
+        # float64 input means float32 without it): a call under other settings must not reuse
+        # another's program, as jax.jit's own cache does not.
+        structure = self._structure_id(treedef)
+        sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
+               _lowering_settings())  # fmt: skip
+        out_specs = self._output_specs(flat_fn, specs, n, sig, out_info)
         platform, devices, auto_mesh = _caller(leaves)
         sub_byte = sorted({str(x.dtype) for x in specs if jax.dtypes.itemsize_bits(x.dtype) < 8})
         kind = self._choose(platform, devices, eager, sub_byte)
         self.last_executor = kind
         call = self._prepare(kind, flat_fn, len(batched), specs, out_specs, platform, eager)
-        # The program depends on the weak types and on the settings JAX lowers it under (x64: a
-        # float64 input means float32 without it): a call under other settings must not reuse
-        # another's program, as jax.jit's own cache does not.
-        structure = self._structure_id(treedef)
-        call.sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
-                    _lowering_settings())  # fmt: skip
-        call.weak = weak_in
+        call.sig, call.weak = sig, weak_in
         if kind == "process" and not eager:
             # Exported now, at trace time (and cached for a run in one chunk): what the workers
             # cannot run, a host callback inside fn, is refused here, not inside the callback.
@@ -681,6 +683,20 @@ class OnCpu:
             for o, k in zip(outs, out_info["keys"])
         ]
         return jax.tree.unflatten(out_info["tree"], outs)
+
+    def _output_specs(self, flat_fn, specs, n, sig, out_info) -> Any:
+        """fn's output specs, traced once per input signature (keyed as its programs are):
+        later eager calls do not trace fn again, and the specs keep the values fn closed over
+        at that first trace, as its programs do."""
+        key = (sig, tuple((x.shape, str(x.dtype)) for x in specs))
+        with self._structures_lock:
+            known = self._specs.get(key)
+        if known is None:
+            known = (_output_specs(flat_fn, specs, n), dict(out_info))  # out_info: filled now
+            with self._structures_lock:
+                self._specs.put(key, known)
+        out_info.update(known[1])
+        return known[0]
 
     def _structure_id(self, treedef: Any) -> int:
         """A number for this argument structure: the same for equal structures while cached."""
@@ -875,13 +891,17 @@ class _Call:
                 self.flat_fn, key, self.nb, b, s, chunk, weak, self.timeout, self.timeout_message
             )
         for j, (o, (shape, dt)) in enumerate(zip(outs, self.row_outs)):
-            # fn's output shape or dtype depends on the batch size
+            # fn's output shape or dtype depends on the batch size, or the chunk's program
+            # predates this batch's trace and a closed-over value changed in between
             if o.shape[1:] != tuple(shape) or o.dtype != np.dtype(dt):
                 raise ValueError(
                     f"on_cpu(fn): output leaf {j} has rows of {o.dtype} {o.shape[1:]} when fn "
                     f"runs on chunks of {chunk} rows, and {np.dtype(dt)} {tuple(shape)} on the "
                     "whole batch: fn must be row-independent (no output shape or dtype that "
-                    "depends on the batch size), with the batch on axis 0 of every output"
+                    "depends on the batch size), with the batch on axis 0 of every output; or "
+                    "a value fn closes over that sets an output's shape or dtype changed since "
+                    "the chunks' program was compiled (closed-over values are frozen then): "
+                    "pass it as an argument"
                 )
         return [o[:rows] for o in outs]
 
@@ -1080,8 +1100,10 @@ def on_cpu(
     respect to ``fn``'s inputs), exactly as the rollout-then-train pattern wants.
 
     Values ``fn`` closes over (a global, ``self.w`` of a callable object) are frozen into its
-    compiled program at the first call for each batch shape, and later changes to them are not
-    seen, even by a newly traced ``jit``: pass whatever changes (parameters) as arguments.
+    output shapes and compiled program at the first call for each batch shape, and later changes
+    to them are not seen, even by a newly traced ``jit`` (a new batch size whose chunks reuse a
+    program compiled before a change that alters an output shape is an error): pass whatever
+    changes (parameters) as arguments.
 
     Random keys pass as typed keys or raw key data. With threefry keys (JAX's default) a row's
     draws do not depend on its batch, so results do not depend on ``workers``. ``rbg`` and

@@ -31,11 +31,14 @@ import threading
 import time
 import traceback
 
-#: fn's outputs for a chunk of rows must be the full batch's, row for row.
+#: fn's outputs for a chunk of rows must be the full batch's, row for row. The program can also
+#: predate the whole batch's trace: a value fn closes over changed in between (see on_cpu).
 _SHAPE_CHANGED = (
     "fn returned output leaf {} as {} {} for this worker's chunk of rows, where the whole "
     "batch's output gives the chunk {} {}: fn must be row-independent (no output shape or "
-    "dtype that depends on the batch size), with the batch on axis 0 of every output"
+    "dtype that depends on the batch size), with the batch on axis 0 of every output; or a "
+    "value fn closes over that sets an output's shape or dtype changed since this chunk "
+    "shape's program was compiled (closed-over values are frozen then): pass it as an argument"
 )
 
 

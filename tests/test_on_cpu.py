@@ -278,6 +278,33 @@ class _State:
 
 
 @pytest.mark.timeout(120)
+def test_eager_calls_trace_fn_once_per_signature():
+    """Eager calls traced fn again for its output shapes on every call (150-300x a jitted call)."""
+    traces = []
+
+    def fn(x):
+        traces.append(x.shape)  # a Python side effect: runs once per trace
+        return jnp.cumsum(x, axis=1)
+
+    f = on_cpu(fn, workers=W, executor="process")
+    try:
+        x = np.arange(40, dtype=np.float32).reshape(8, 5)
+        close(f(x), np.cumsum(x, axis=1))
+        first = len(traces)  # its output shapes and the workers' program
+        for _ in range(3):
+            close(f(x), np.cumsum(x, axis=1))
+        assert len(traces) == first, traces
+        with jax.numpy_rank_promotion("raise"):  # other settings: traced again, as programs are
+            close(f(x), np.cumsum(x, axis=1))
+        assert len(traces) > first
+        traced = len(traces)
+        close(f(x[:6]), np.cumsum(x[:6], axis=1))  # a new batch size: traced again
+        assert len(traces) > traced
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(120)
 def test_static_parts_of_arguments_are_compared_by_equality_as_jit_does():
     # Keyed on the structure's text, a changed static part that prints the same (a repr=False
     # field; a new lambda at a freed one's address) silently reused the first program.

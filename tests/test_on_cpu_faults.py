@@ -721,6 +721,26 @@ def test_an_output_dtype_that_depends_on_the_batch_size_is_an_error_not_cast():
         f.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("executor", ["process", "inprocess"])
+def test_a_changed_closed_over_shape_stays_frozen_or_names_the_change(executor):
+    """A closed-over value that sets the output's shape is frozen at the first call per batch
+    shape (the same batch was an error after a change); a new batch size whose chunks reuse the
+    old program cannot be made consistent, and its error names that cause too."""
+    cfg = {"reps": 2}
+    f = on_cpu(lambda x: jnp.tile(x, cfg["reps"]), workers=W, executor=executor)
+    try:
+        x = np.arange(8, dtype=np.float32).reshape(4, 2)
+        same(f(x), np.tile(x, 2))
+        cfg["reps"] = 3
+        same(f(x), np.tile(x, 2))  # frozen, as documented
+        with pytest.raises(Exception, match="fn must be row-independent") as info:
+            f(x[:3])  # chunks of 2 rows again: the program compiled with reps=2
+        assert "a value fn closes over that sets an output's shape" in str(info.value)
+    finally:
+        f.close()
+
+
 EXIT_DURING_CALL = textwrap.dedent(
     """
     import threading, time
