@@ -652,12 +652,7 @@ class OnCpu:
             jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=w)
             for x, w in zip((*batched, *shared), weak_in)
         ]
-        # The program depends on the weak types and on the settings JAX lowers it under (x64: a
-        # float64 input means float32 without it): a call under other settings must not reuse
-        # another's program, as jax.jit's own cache does not.
-        structure = self._structure_id(treedef)
-        sig = (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
-               _lowering_settings())  # fmt: skip
+        sig = self._signature(treedef, axes, keys, weak_in)
         out_specs = self._output_specs(flat_fn, specs, n, sig, out_info)
         platform, devices, auto_mesh = _caller(leaves)
         sub_byte = sorted({str(x.dtype) for x in specs if jax.dtypes.itemsize_bits(x.dtype) < 8})
@@ -683,6 +678,15 @@ class OnCpu:
             for o, k in zip(outs, out_info["keys"])
         ]
         return jax.tree.unflatten(out_info["tree"], outs)
+
+    def _signature(self, treedef, axes, keys, weak_in) -> tuple:
+        """What keys fn's output specs and programs, besides the input shapes and dtypes."""
+        # The program depends on the weak types and on the settings JAX lowers it under (x64: a
+        # float64 input means float32 without it): a call under other settings must not reuse
+        # another's program, as jax.jit's own cache does not.
+        structure = self._structure_id(treedef)
+        return (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
+                _lowering_settings())  # fmt: skip
 
     def _output_specs(self, flat_fn, specs, n, sig, out_info) -> Any:
         """fn's output specs, traced once per input signature (keyed as its programs are):

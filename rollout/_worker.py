@@ -79,13 +79,33 @@ def _drop(programs: dict, keys) -> None:
         gc.collect()  # the programs sit in reference cycles: free them now, not at some later gc
 
 
+def _compile(key, program: bytes | None, args: list):
+    if program is None:
+        raise RuntimeError(f"worker has no program for key {key!r}")
+    import jax
+
+    exported = pickle.loads(program)  # a jax.export.Exported
+    return jax.jit(exported.call).lower(*args).compile()
+
+
+def _write(outs: list, results: list, buf) -> None:
+    """Copies the results into their slices of the shared block."""
+    import numpy as np
+
+    for j, ((off, shape, dt), res) in enumerate(zip(outs, results, strict=True)):
+        # NumPy would broadcast or cast it in, silently
+        if tuple(res.shape) != tuple(shape) or res.dtype != np.dtype(dt):
+            raise ValueError(_SHAPE_CHANGED.format(j, res.dtype, res.shape, dt, tuple(shape)))
+        np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
+
+
 def main(fd: int) -> None:
     from multiprocessing.connection import Connection
 
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     conn = Connection(fd)
-    import jax
+    import jax  # noqa: F401  (imported before "ready", not in the first call)
     import numpy as np
 
     conn.send(("ready", os.getpid()))
@@ -118,19 +138,10 @@ def main(fd: int) -> None:
                     for off, shape, dt in ins
                 ]
                 if key not in programs:
-                    if program is None:
-                        raise RuntimeError(f"worker has no program for key {key!r}")
-                    exported = pickle.loads(program)  # a jax.export.Exported
-                    programs[key] = jax.jit(exported.call).lower(*args).compile()
+                    programs[key] = _compile(key, program, args)
                 conn.send(("start", call_id))
                 results = programs[key](*args)
-                for j, ((off, shape, dt), res) in enumerate(zip(outs, results, strict=True)):
-                    # NumPy would broadcast or cast it in, silently
-                    if tuple(res.shape) != tuple(shape) or res.dtype != np.dtype(dt):
-                        raise ValueError(
-                            _SHAPE_CHANGED.format(j, res.dtype, res.shape, dt, tuple(shape))
-                        )
-                    np.ndarray(shape, dtype=np.dtype(dt), buffer=buf, offset=off)[...] = res
+                _write(outs, results, buf)
                 # Drop views into the block now, so that it can be closed when it is replaced.
                 args = results = buf = None
                 conn.send(("ok", call_id))
