@@ -331,7 +331,7 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
         if not leaf.committed or leaf.is_deleted():
             return False
         order = tuple(mesh.devices.flat) if order is None else order
-        if sharding.device_set != set(order):
+        if sharding.device_set != set(order) or _explicit_elsewhere(sharding, mesh):
             return True
         # Same devices, another order: jit refuses to mix device assignments.
         other = getattr(sharding, "mesh", None)
@@ -347,7 +347,12 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
         else "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
         "jax.sharding.PartitionSpec())))"
     )
-    if leaf.sharding.device_set == set(order):
+    if _explicit_elsewhere(leaf.sharding, mesh):
+        where = (
+            f"is split on a mesh with Explicit axes of its own ({leaf.sharding.mesh.axis_names}, "
+            f"{leaf.sharding.spec}), which JAX cannot take into this ensemble's mesh"
+        )
+    elif leaf.sharding.device_set == set(order):
         where = (
             f"is on this ensemble's devices ({_device_ids(order)}) in another order (another "
             "ensemble's mesh), which a compiled call cannot mix with this one's"
@@ -360,6 +365,21 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
     raise ValueError(
         f"{what}{path} {where}; pass it uncommitted (np.asarray(x)) or move it there {fix}."
     )
+
+
+def _explicit_elsewhere(sharding: Any, mesh: Mesh) -> bool:
+    """Split over an Explicit axis of another mesh (``jax.make_mesh``'s default): JAX's
+    shard_map then fails with a bare KeyError naming that axis."""
+    other = getattr(sharding, "mesh", None)
+    if other is None or other == mesh:
+        return False
+    explicit = {
+        name
+        for name, kind in zip(other.axis_names, other.axis_types)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    used = {a for part in sharding.spec for a in (part if isinstance(part, tuple) else (part,))}
+    return bool(explicit & used)
 
 
 def check_shared(tree: Any, n: int, what: str, hint: str, axis: int = 0) -> None:

@@ -265,9 +265,9 @@ def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_R
 
     Use it for trees built outside ``ensemble`` (per-member batches, hyperparameters, metrics
     that came back to the host). A leaf already split on this mesh's member axis keeps its
-    placement (a tensor-parallel split inside members too) and is not copied. A boxed leaf
-    (``nn.LogicallyPartitioned``, e.g. from ``ens.init_shardings``-style abstract trees or a
-    model's own init) is also split inside members by its logical names through ``rules``.
+    placement (a tensor-parallel split inside members too) and is not copied. A boxed array
+    (``nn.LogicallyPartitioned``, as a model's own init returns it) is also split inside
+    members by its logical names through ``rules``.
 
     Example:
       >>> import numpy as np

@@ -832,6 +832,7 @@ def nnx_optimizer(
         raise TypeError(
             f"nnx_optimizer needs an NNXEnsemble (from ensemble.build), got {type(ens).__name__}."
         )
+    wrt = _member_filter(wrt)  # another optimizer's opt.wrt: the filter it was made with
     if not jax.tree.leaves(nnx.state(ens.members, wrt)):  # (per_member's vmap then failed)
         kinds = sorted({type(v).__name__ for _, v in nnx.iter_graph(ens.members)
                         if isinstance(v, nnx.Variable)})  # fmt: skip
@@ -1050,7 +1051,8 @@ def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
 @dataclasses.dataclass(frozen=True)
 class _InMembers:
     """A ``wrt`` filter written for one member (as for the plain model: ``path[0] == 'head'``),
-    applied to the ensemble's paths (``('members', 'head', ...)``) by the optimizer."""
+    applied to the ensemble's paths (``('members', 'head', ...)``) by the optimizer: its
+    ``opt.wrt``; ``opt.wrt.filter`` is the filter as given."""
 
     filter: Any
 

@@ -40,7 +40,11 @@ def traced_batch(batch: Sequence[Any]) -> Iterator[None]:
     except jax.errors.TracerBoolConversionError as e:
         if not any(isinstance(leaf, bool) for leaf in jax.tree.leaves(tuple(batch))):
             raise
-        raise TypeError(f"a Python bool among the batch arguments is traced: {_CLOSE_OVER}.") from e
+        first = (str(e).splitlines() or [""])[0]
+        raise TypeError(
+            f"a traced value was used in Python control flow ({first}); a Python bool is among "
+            f"the batch arguments: if the loss branches on it, {_CLOSE_OVER}."
+        ) from e
 
 
 def stacked_flags(stacked: bool | Sequence[bool], count: int) -> tuple[bool, ...]:

@@ -286,7 +286,7 @@ class TrainStep:
         # member axis): lowered as unplaced inputs instead, the step lost its donation and
         # compiled_memory over-reported its peak (by a third for a small MLP).
         params, opt_state = jax.tree.map(self._placed_spec, (params, opt_state))
-        with own_mesh(self.mesh):
+        with own_mesh(self.mesh), traced_batch(batch):
             program = self._program(params, opt_state, batch, flags, carry)
             return program.lower(params, opt_state, *batch)
 

@@ -238,3 +238,21 @@ def test_rules_onto_a_missing_axis_or_the_member_axis_are_refused_in_one_line():
         pass  # outside members, your own member-major arrays may go on it
     with pytest.raises(TypeError, match=r"needs a jax\.sharding\.Mesh"):
         ensemble.sharding.partitioning(None).__enter__()
+
+
+def test_an_input_split_on_an_explicit_mesh_of_the_users_is_one_line():
+    """jax.make_mesh's axes are Explicit: a batch split on such a mesh of the user's failed in
+    shard_map with a bare KeyError naming the user's axis."""
+    import flax.linen as nn
+    from jax.sharding import NamedSharding
+
+    user = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8, 3)), NamedSharding(user, P("d")))
+    ens = ensemble.build(nn.Dense(2), 4)
+    variables = ens.init(jax.random.key(0), jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match=r"input 0 is split on a mesh with Explicit axes .*'d'"):
+        ens.apply(variables, x)
+    fixed = jax.device_put(x, NamedSharding(ens.mesh, P()))  # the fix the message gives
+    np.testing.assert_allclose(ens.apply(variables, fixed), ens.apply(variables, np.asarray(x)))
+    replicated = jax.device_put(x, NamedSharding(user, P()))  # nothing split on it: accepted
+    assert ens.apply(variables, replicated).shape == (4, 8, 2)

@@ -382,10 +382,12 @@ def test_a_python_flag_passed_to_a_train_step_says_to_close_over_it():
 
     step = ens.train_step(loss_fn, optax.sgd(0.1), donate=False)
     state = step.init(params)
-    for flag, match in ((False, "a Python bool among the batch arguments is traced"),
+    for flag, match in ((False, "a Python bool is among the batch arguments: if the loss branches"),
                         ("eval", r"batch argument 1 = 'eval' is a string")):  # fmt: skip
         with pytest.raises(TypeError, match=match):
             step(params, state, x, flag)
+    with pytest.raises(TypeError, match=r"batch argument 1 = 'eval' is a string"):
+        ensemble.compiled_memory(step, params, state, x, "eval")
     closed = ens.train_step(functools.partial(loss_fn, train=False), optax.sgd(0.1))
     assert closed(params, closed.init(params), x)[2].shape == (4,)  # the way out works
     nnx_ens = ensemble.build(lambda rngs: nnx.Linear(5, 2, rngs=rngs), 4)

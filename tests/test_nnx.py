@@ -821,6 +821,10 @@ def test_wrt_filters_see_a_members_own_paths_as_on_the_plain_model():
     got = ens.member(1).head.kernel[...]
     np.testing.assert_allclose(got, member.head.kernel[...], rtol=1e-5, atol=1e-7)
     assert not np.allclose(got, build_nnx(Net, D, rngs=3).member(1).head.kernel[...])
+    again = ensemble.nnx_optimizer(ens, optax.adam(0.1), wrt=step.init().wrt)  # opt.wrt back
+    assert jax.tree.structure(nnx.state(again, nnx.Param)) == jax.tree.structure(
+        nnx.state(step.init(), nnx.Param)
+    )
     on_ensemble_paths = lambda path, v: len(path) > 1 and path[1] == "head"
     with pytest.raises(ValueError, match=r"member's own paths, as on the plain model"):
         ensemble.nnx_optimizer(ens, optax.sgd(0.1), wrt=on_ensemble_paths)
