@@ -455,7 +455,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
               + "   (learner CPU us per host step / machine idle %)"]  # fmt: skip
     for r in rows:
         cpu, idle = r["learner_cpu_us_per_step"], r["idle"]
-        cells = [f"{cpu[m]:8.0f} / {100 * idle[m]:3.0f}%" for m in cpu_modes]
+        # (idle is NaN where the machine's CPU ticks cannot be read: gVisor, not Linux)
+        cells = [f"{cpu[m]:8.0f} / " + (f"{100 * idle[m]:3.0f}%" if idle[m] == idle[m] else "n/a")
+                 for m in cpu_modes]  # fmt: skip
         lines.append(f"{label(r):34s} " + " ".join(f"{c:>15s}" for c in cells))
     text = "\n".join(lines)
     print(text)

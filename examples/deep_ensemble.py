@@ -122,6 +122,8 @@ class Config:
         for name in ("members", "hidden", "epochs", "batch_size", "bins"):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.bins > 1000:  # more bins than test rows: ECE is then noise, and memory goes
+            out.append(f"--bins must be at most 1000, got {self.bins}")
         if self.test_resamples != 0 and not 100 <= self.test_resamples <= 100_000:
             out.append(f"--test-resamples must be 0 or in [100, 100000], got {self.test_resamples}")
         if not 0 <= self.adversarial <= 0.5:

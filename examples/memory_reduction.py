@@ -59,7 +59,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
-from rollout.ppo._parser import OneLineParser
+from rollout.ppo._parser import OneLineParser, writable_dir
 
 MB = 1e6
 
@@ -357,16 +357,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--devices must be >= 1, got {args.devices}")
     _simulate_cpu_devices(8)
     available = jax.devices()
-    ds = [d for d in args.devices if d <= len(available) and args.members % d == 0]
+    unfit = [d for d in args.devices if args.members % d]
+    if unfit:
+        parser.error(f"D={unfit} of --devices does not divide n={args.members}: give divisors")
+    ds = [d for d in args.devices if d <= len(available)]
     if not ds:
-        parser.error(f"none of D={args.devices} fits {len(available)} devices / n={args.members}")
-    out = pathlib.Path(args.out)
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {out} is a file; give a folder")
+        parser.error(f"none of D={args.devices} fits the {len(available)} devices here")
+    if len(ds) < len(args.devices):  # (the default's D=8 on a host of 4 GPUs)
+        print(f"note: D > {len(available)} skipped: only {len(available)} devices here")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        parser.error(f"--out {out} cannot be made ({e.strerror or e}); give another folder")
+        out = writable_dir(args.out)  # before the runs: not a traceback after them
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--out {args.out}: {e}; give another folder")
 
     start = time.perf_counter()
     results: dict[str, dict[int, dict[str, Any]]] = {"naive": {}, "advice": {}, "ensemble": {}}

@@ -18,7 +18,9 @@ MISTAKES = [
     ("examples/cpu_rollout.py", ["--workers", "0"], "error: --workers must be >= 1, got 0"),
     ("examples/deep_ensemble.py", ["--members"], "error: argument --members: expected one"),
     ("examples/memory_reduction.py", ["--batch", "-1"], "error: --batch must be >= 1"),
-    ("examples/memory_reduction.py", ["--out", "/proc/x/y"], "--out /proc/x/y cannot be made"),
+    ("examples/memory_reduction.py", ["--out", "/proc/x/y"], "--out /proc/x/y: cannot create"),
+    ("examples/memory_reduction.py", ["--devices", "1", "3"], "D=[3] of --devices does not"),
+    ("examples/deep_ensemble.py", ["--bins", "2000"], "--bins must be at most 1000, got 2000"),
     ("benchmarks/accelerator_check.py", ["--check-timeout", "0"], "expected a number > 0"),
     ("benchmarks/accelerator_check.py", ["--out", "README.md"], NOT_A_FOLDER),
     ("benchmarks/callback_cost.py", ["--work", "spin:x"], "expected spin:W or sleep:W"),
@@ -68,6 +70,16 @@ def test_a_refused_command_leaves_no_folder_behind(tmp_path):
         )  # fmt: skip
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"], args
+
+
+def test_an_output_folder_given_relative_is_the_callers(tmp_path, monkeypatch):
+    """The benchmarks run their work in subprocesses started in the repository root: a
+    relative --runs / --work went there, and the summary read the caller's folder (nothing)."""
+    from rollout.ppo._parser import writable_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert writable_dir("rel/runs") == tmp_path / "rel" / "runs"
+    assert (tmp_path / "rel" / "runs").is_dir()
 
 
 def test_every_benchmark_has_a_mistake_case():

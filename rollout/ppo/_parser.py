@@ -102,7 +102,7 @@ def writable_dir(text: str) -> Path:
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write in {text!r}: {e.strerror or e}") from None
-    return path
+    return path.absolute()  # a script may run its work elsewhere (subprocesses in the repo root)
 
 
 #: Folders ``writable_dir`` created in this process, deepest first.
