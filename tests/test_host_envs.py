@@ -1773,3 +1773,17 @@ def test_where_the_compiled_step_cannot_serve_python_steps_with_a_warning(why, m
         host.close()
     _, ref = reference(WALK_ID, seeds_of(keys), actions)
     np.testing.assert_allclose(steps[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_mesh_with_explicit_axes_takes_unplaced_keys():
+    """jax.make_mesh's axes are Explicit, and the docstrings' meshes come from it: the reset's
+    shard_map refused keys not already on the member axis with JAX's bare in_specs error."""
+    mesh = jax.make_mesh((4,), ("ensemble",), devices=jax.devices()[:4])
+    assert mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+    host = envs.make(f"gymnasium:{WALK_ID}", workers_per_device=0).bind(mesh, 4, 2)
+    try:
+        _, obs = jax.jit(host.reset)(jax.random.split(jax.random.key(1), (4, 2)))
+        assert obs.shape[:2] == (4, 2)
+    finally:
+        host.close()

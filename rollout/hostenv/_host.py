@@ -401,6 +401,11 @@ class HostEnvs:
     """
 
     def __init__(self, env: HostEnv, mesh: Mesh, members: int, num_envs: int):
+        # Auto axes (jax.make_mesh makes Explicit ones): the step's shard_map then places keys
+        # and actions on the member axis itself, where Explicit axes refused any other layout
+        # with JAX's bare in_specs error.
+        auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
         self.env, self.mesh, self.members, self.num_envs = env, mesh, members, num_envs
         shape = dict(mesh.shape)
         self.num_groups = shape["ensemble"]
