@@ -973,3 +973,34 @@ def test_an_overwrite_that_fails_before_it_removed_the_old_run_puts_its_logs_bac
     assert os.listdir(out / "tensorboard") == ["events.out.tfevents.1"]
     assert (out / "wandb_run_id").read_text() == "abc123"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".overwritten")]
+
+
+def test_stop_returning_false_goes_on_and_true_stops_as_sigint(tmp_path):
+    """``stop=lambda: time.time() > deadline``: False crashed the run (signal.Signals(False):
+    "False is not a valid Signals", no checkpoint) and True would have meant SIGHUP."""
+    from rollout.ppo._cli import Interrupted
+
+    cfg = _tiny()
+    polls = []
+
+    def after_two_calls():
+        polls.append(1)
+        return len(polls) > 2
+
+    with pytest.raises(Interrupted) as e:
+        _run(cfg, tmp_path / "run", stop=after_two_calls)
+    assert e.value.code == 128 + signal.SIGINT and "stopped at update 2/6" in str(e.value)
+    assert ckpt.checkpoints(tmp_path / "run")  # stopped with a checkpoint
+    with pytest.raises(ValueError, match=r"returned 'soon': return None or False to go on"):
+        _run(cfg, tmp_path / "other", stop=lambda: "soon")
+
+
+def test_a_state_an_update_donated_is_refused_not_a_crash():
+    """With JAX 0.10, a program given a donated buffer split over several devices ends the
+    process with a segmentation fault: a notebook cell run twice lost the kernel."""
+    learner = _learner(_tiny())
+    old = learner.init()
+    new, _ = learner.update(old, 1)
+    with pytest.raises(ValueError, match=r"this state was donated to an earlier update"):
+        learner.update(old, 1)
+    learner.update(new, 1)  # the returned one goes on

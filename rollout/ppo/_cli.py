@@ -145,11 +145,12 @@ def train(
     (``rollout.worker_errors``), not JAX's wrapper of it. ``learner``: reuse an existing
     :class:`Learner` for ``config`` (and its compiled programs). ``on_update``: called with each
     metric row as it arrives; ``on_resume``: with ``resume=True``, called once with the rows
-    restored with the checkpoint, before training continues. ``stop``: polled after every
-    jitted call; when it returns a signal number, a checkpoint is written and
-    :class:`Interrupted` raised. ``warn``: where one-line notes go (default stderr). A member
-    whose losses turn NaN or infinite stops the run with :class:`Diverged` (its metric rows
-    written, that state not saved).
+    restored with the checkpoint, before training continues. ``stop``: polled before every
+    jitted call (the first too); when it returns a signal number (or ``True``: as SIGINT), a
+    checkpoint is written and :class:`Interrupted` raised; ``None`` / ``False`` go on.
+    ``warn``: where one-line notes go (default stderr). A member whose losses turn NaN or
+    infinite stops the run with :class:`Diverged` (its metric rows written, that state not
+    saved).
 
     Example:
       >>> import jax
@@ -458,11 +459,27 @@ def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict
     return rows
 
 
+def _as_signal(value: Any) -> int | None:
+    """What ``stop()`` returned: falsy keeps training, ``True`` stops as SIGINT does, else a
+    signal number (``signal.SIGTERM``)."""
+    if not value:
+        return None
+    if value is True:
+        return int(signal.SIGINT)
+    try:
+        return int(signal.Signals(value))
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"train(stop=...) returned {value!r}: return None or False to go on, and True or a "
+            "signal number (signal.SIGTERM) to stop with a checkpoint."
+        ) from None
+
+
 def _stop_requested(stop: Callable[[], int | None] | None) -> int | None:
     """The signal to stop on; with several processes, all agree (any one asked: all stop)."""
     import jax
 
-    signum = stop() if stop is not None else None
+    signum = _as_signal(stop()) if stop is not None else None
     if jax.process_count() == 1:
         return signum
     import numpy as np

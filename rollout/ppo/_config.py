@@ -293,7 +293,7 @@ class PPOConfig:
             layout(self.members, num_devices)  # its error names n, D and the valid choices
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict (tuples become lists); ``PPOConfig(**d)`` inverts it."""
+        """JSON-friendly dict (tuples become lists); ``PPOConfig.from_dict(d)`` inverts it."""
         return {
             k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
         }

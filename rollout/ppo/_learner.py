@@ -353,6 +353,7 @@ class Learner:
         program = self._programs.get(k)
         if program is None:
             program = self._programs[k] = self._compile_updates(k)
+        _refuse_donated(state)
         with jax.set_mesh(self.mesh):
             return program(state)
 
@@ -665,6 +666,7 @@ class Learner:
 
         if self._pbt_step is None:
             self._pbt_step = _pbt.make_step(self)
+        _refuse_donated(state)
         with jax.set_mesh(self.mesh):
             return self._pbt_step(state, recent_returns, key)
 
@@ -742,6 +744,19 @@ def _episode_stats(
         ]
     )
     return jnp.where(game_over, 0.0, ep_return), jnp.where(game_over, 0.0, ep_length), finished
+
+
+def _refuse_donated(state: Any) -> None:
+    """A state an earlier update or PBT step donated: with JAX 0.10, a program given a donated
+    buffer split over several devices ends the process (a segmentation fault), not an error."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if leaf.is_deleted():
+                raise ValueError(
+                    "this state was donated to an earlier update (its buffers are gone): pass "
+                    "the state that call returned (state, metrics = learner.update(state)); to "
+                    "keep an old one, copy it first: jax.tree.map(jnp.copy, state)."
+                )
 
 
 def _refuse_debug_nans() -> None:
