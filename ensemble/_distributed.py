@@ -229,7 +229,45 @@ def _joins_a_run(
             f"process_id={process_id} must be in 0..num_processes-1 (num_processes="
             f"{num_processes}); give each process its own id."
         )
+    if coordinator_address is not None:
+        _check_address(coordinator_address)
+    _check_against_cluster(num_processes, process_id)
     return True
+
+
+def _check_address(address: str) -> None:
+    """``host:port``: JAX fails on anything else with a bare IndexError, an OverflowError or
+    an abort of the process."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"coordinator address {address!r} must be host:port with a port in 1..65535 (e.g. "
+            "10.0.0.1:1234): the address of process 0, the same on every process."
+        )
+
+
+def _check_against_cluster(num_processes: int | None, process_id: int | None) -> None:
+    """Settings given beside a detected cluster's (SLURM, Open MPI, ...) must agree with it:
+    JAX otherwise mixes them (3 processes with SLURM's ids for 2) and waits until it aborts."""
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        found = [e for e in ClusterEnv._cluster_types
+                 if not e.opt_in_only_method and e.is_env_present()]  # fmt: skip
+        if not found:
+            return
+        env = found[0]
+        theirs = {"num_processes": env.get_process_count(), "process_id": env.get_process_id()}
+    except Exception:  # a private JAX API moved: JAX checks what it can itself
+        return
+    ours = {"num_processes": num_processes, "process_id": process_id}
+    for name, value in ours.items():
+        if value is not None and theirs[name] is not None and value != theirs[name]:
+            cluster = env.__name__.removesuffix("Cluster")
+            raise ValueError(
+                f"{name}={value} disagrees with the {cluster} cluster's {theirs[name]}: give "
+                "the cluster's own settings, or none (they are detected)."
+            )
 
 
 def is_main_process() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -333,6 +334,25 @@ def test_a_process_id_that_contradicts_the_launchers_is_refused(monkeypatch):
     assert distributed.resolve_settings("127.0.0.1:1", 2, 0) == ("127.0.0.1:1", 2, 0)
 
 
+def test_a_coordinator_address_without_a_port_or_beside_a_cluster_is_one_line(monkeypatch):
+    """JAX took '127.0.0.1' with a bare IndexError (the CLI printed it with exit 1), a port
+    past 65535 with an OverflowError, ':1234' by aborting; and it mixed ENSEMBLE_* settings
+    with a detected cluster's (3 processes with SLURM's 2)."""
+    for bad in ("127.0.0.1", "127.0.0.1:99999", "127.0.0.1:abc", ":1234"):
+        with pytest.raises(ValueError, match=r"must be host:port with a port in 1\.\.65535"):
+            distributed.resolve_settings(bad, 2, 0)
+    assert distributed.resolve_settings("[::1]:1234", 2, 0) == ("[::1]:1234", 2, 0)
+    slurm = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "localhost"}  # fmt: skip
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "3")
+    with pytest.raises(ValueError, match=r"num_processes=3 disagrees with the Slurm cluster's 2"):
+        distributed.resolve_settings()
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    assert distributed.resolve_settings() == (None, 2, None)  # agreeing: accepted
+
+
 def test_loopback_detection():
     assert distributed._is_loopback("127.0.0.1:1234") and distributed._is_loopback("[::1]:1")
     assert distributed._is_loopback("localhost:80")
@@ -541,3 +561,21 @@ def test_a_process_waiting_for_its_coordinator_says_so(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.timeout(240)
+def test_processes_started_with_different_settings_are_refused_not_left_waiting(tmp_path):
+    """A --total-steps of its own on one process: both waited forever in collectives that did
+    not match (deaf to SIGTERM); a --lr of its own trained those members on settings run.json
+    does not record."""
+    ppo = (f"exec {shlex.quote(sys.executable)} -m rollout.ppo --members 2 --num-envs 2 "
+           f"--num-steps 64 --no-progress --out {shlex.quote(str(tmp_path / 'run'))} "
+           "--total-steps $((256 * (ENSEMBLE_PROCESS_ID + 1)))")  # fmt: skip
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--", "bash", "-c", ppo]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=200)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert (
+        "error: the processes of this run were started with different settings (not as on "
+        "process 0: total_steps)" in proc.stderr
+    ), proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # the folder the refused start made is gone

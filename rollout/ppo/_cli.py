@@ -174,6 +174,7 @@ def train(
         raise ValueError("out must name a directory (an empty path would be the current one).")
     if learner is not None and learner.config != config:
         raise ValueError("learner= was built for a different config than config=.")
+    _check_same_config(config)
     warn = warn or (lambda line: print(line, file=sys.stderr))
     run, learner_given = None, learner
     try:
@@ -362,6 +363,31 @@ def _refuse_env_object_run(out: Any) -> None:
         "its run.json cannot make again; resume it in Python with that env: train(config, out, "
         "resume=True, learner=Learner(config, env=...))."
     )
+
+
+def _check_same_config(config: Any) -> None:
+    """Every process of a run trains one config: processes started with different ones (a
+    --total-steps of their own) waited forever in collectives that did not match, deaf to
+    signals, or trained their members on settings run.json does not record."""
+    import zlib
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    fields = config.to_dict()
+    names = sorted(fields)
+    mine = [zlib.crc32(json.dumps(fields[k], sort_keys=True).encode()) for k in names]
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.uint32)))
+    differ = sorted({names[j] for row in every for j in np.flatnonzero(row != every[0])})
+    if differ:
+        raise UsageError(
+            "the processes of this run were started with different settings (not as on process "
+            f"0: {', '.join(differ)}); start every process with the same arguments."
+        )
 
 
 def _on_main_then_all(fn: Callable[[], Any]) -> None:
@@ -1182,6 +1208,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
             config.validate(num_devices=n_dev)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        _check_same_config(config)  # (train checks it too, for the Python API)
     except UsageError:
         remove_empty(made)  # a refused command leaves no folders behind
         raise
