@@ -231,7 +231,7 @@ def _joins_a_run(
         )
     if coordinator_address is not None:
         _check_address(coordinator_address)
-    _check_against_cluster(num_processes, process_id)
+    _check_against_cluster(coordinator_address, num_processes, process_id)
     return True
 
 
@@ -246,9 +246,14 @@ def _check_address(address: str) -> None:
         )
 
 
-def _check_against_cluster(num_processes: int | None, process_id: int | None) -> None:
+def _check_against_cluster(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> None:
     """Settings given beside a detected cluster's (SLURM, Open MPI, ...) must agree with it:
-    JAX otherwise mixes them (3 processes with SLURM's ids for 2) and waits until it aborts."""
+    JAX otherwise mixes them (3 processes with SLURM's ids for 2) and waits until it aborts.
+    All three given (``ensemble.launch`` inside a SLURM job): JAX asks the cluster nothing."""
+    if None not in (coordinator_address, num_processes, process_id):
+        return
     try:
         from jax._src.clusters import ClusterEnv
 

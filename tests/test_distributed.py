@@ -351,6 +351,8 @@ def test_a_coordinator_address_without_a_port_or_beside_a_cluster_is_one_line(mo
         distributed.resolve_settings()
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
     assert distributed.resolve_settings() == (None, 2, None)  # agreeing: accepted
+    # All three given (ensemble.launch -n 4 inside a SLURM job step): JAX asks SLURM nothing.
+    assert distributed.resolve_settings("127.0.0.1:1234", 4, 3) == ("127.0.0.1:1234", 4, 3)
 
 
 def test_loopback_detection():

@@ -488,9 +488,11 @@ def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict
 def _as_signal(value: Any) -> int | None:
     """What ``stop()`` returned: falsy keeps training, ``True`` stops as SIGINT does, else a
     signal number (``signal.SIGTERM``)."""
+    import numpy as np
+
     if not value:
         return None
-    if value is True:
+    if isinstance(value, bool | np.bool_):  # (np.True_ would read as signal 1, SIGHUP)
         return int(signal.SIGINT)
     try:
         return int(signal.Signals(value))
