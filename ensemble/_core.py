@@ -323,7 +323,9 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
 
     def misplaced(leaf: Any) -> bool:
         nonlocal order
-        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, jax.core.Tracer):  # inside the caller's jit: its type's sharding
+            return _explicit_elsewhere(getattr(jax.typeof(leaf), "sharding", None), mesh)
+        if not isinstance(leaf, jax.Array):
             return False
         sharding = leaf.sharding
         if getattr(sharding, "mesh", None) is mesh:  # the usual case, in O(1)
@@ -341,25 +343,33 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
     if found is None:
         return
     path, leaf = found
+    sharding = jax.typeof(leaf).sharding if isinstance(leaf, jax.core.Tracer) else leaf.sharding
     fix = (
         "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
         if member_major
         else "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
         "jax.sharding.PartitionSpec())))"
     )
-    if _explicit_elsewhere(leaf.sharding, mesh):
-        where = (
-            f"is split on a mesh with Explicit axes of its own ({leaf.sharding.mesh.axis_names}, "
-            f"{leaf.sharding.spec}), which JAX cannot take into this ensemble's mesh"
+    if isinstance(leaf, jax.core.Tracer):  # traced: nothing to put, but replicate it first
+        raise ValueError(
+            f"{what}{path} is split on a mesh with Explicit axes of its own "
+            f"({sharding.mesh.axis_names}, {sharding.spec}), which JAX cannot take into this "
+            "ensemble's mesh; replicate it on yours first: jax.sharding.reshard(x, "
+            "jax.sharding.NamedSharding(your_mesh, jax.sharding.PartitionSpec()))."
         )
-    elif leaf.sharding.device_set == set(order):
+    if _explicit_elsewhere(sharding, mesh):
+        where = (
+            f"is split on a mesh with Explicit axes of its own ({sharding.mesh.axis_names}, "
+            f"{sharding.spec}), which JAX cannot take into this ensemble's mesh"
+        )
+    elif sharding.device_set == set(order):
         where = (
             f"is on this ensemble's devices ({_device_ids(order)}) in another order (another "
             "ensemble's mesh), which a compiled call cannot mix with this one's"
         )
     else:
         where = (
-            f"is committed to device(s) {_device_ids(leaf.sharding.device_set)}, but this "
+            f"is committed to device(s) {_device_ids(sharding.device_set)}, but this "
             f"ensemble runs on devices {_device_ids(order)}"
         )
     raise ValueError(

@@ -566,18 +566,33 @@ def test_a_process_waiting_for_its_coordinator_says_so(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_processes_started_with_different_settings_are_refused_not_left_waiting(tmp_path):
+@pytest.mark.parametrize(
+    "differs, args, message",
+    [
+        ("total_steps", "--total-steps $((256 * (ENSEMBLE_PROCESS_ID + 1)))",
+         "different settings (not as on process 0: total_steps)"),
+        # The CLI makes a process's CPU devices from --members: unequal device counts, which
+        # JAX's allgather cannot even take (a bare reshape error).
+        ("members", "--members $((4 + 2 * ENSEMBLE_PROCESS_ID)) --total-steps 256",
+         "different settings (not as on every process: their device counts"),
+        ("out", "--total-steps 256 --out-suffix", "give every process the same --out"),
+    ],
+)  # fmt: skip
+def test_processes_started_with_different_settings_are_refused_not_left_waiting(
+    tmp_path, differs, args, message
+):
     """A --total-steps of its own on one process: both waited forever in collectives that did
     not match (deaf to SIGTERM); a --lr of its own trained those members on settings run.json
-    does not record."""
-    ppo = (f"exec {shlex.quote(sys.executable)} -m rollout.ppo --members 2 --num-envs 2 "
-           f"--num-steps 64 --no-progress --out {shlex.quote(str(tmp_path / 'run'))} "
-           "--total-steps $((256 * (ENSEMBLE_PROCESS_ID + 1)))")  # fmt: skip
+    does not record; an --out process 1 could not see was a bare FileNotFoundError."""
+    out = shlex.quote(str(tmp_path / "run"))
+    if args.endswith("--out-suffix"):
+        args, out = args.removesuffix(" --out-suffix"), out + "_$ENSEMBLE_PROCESS_ID"
+    members = "" if "--members" in args else "--members 2 "
+    ppo = (f"exec {shlex.quote(sys.executable)} -m rollout.ppo {members}--num-envs 2 "
+           f"--num-steps 64 --no-progress --out {out} {args}")  # fmt: skip
     cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--", "bash", "-c", ppo]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=200)
-    assert proc.returncode != 0, proc.stderr[-3000:]
-    assert (
-        "error: the processes of this run were started with different settings (not as on "
-        "process 0: total_steps)" in proc.stderr
-    ), proc.stderr[-3000:]
-    assert not (tmp_path / "run").exists()  # the folder the refused start made is gone
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr[-3000:]
+    if differs != "out":  # (process 0 wrote its run before process 1 looked for it)
+        assert not (tmp_path / "run").exists()  # the folder the refused start made is gone

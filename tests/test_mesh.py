@@ -256,3 +256,10 @@ def test_an_input_split_on_an_explicit_mesh_of_the_users_is_one_line():
     np.testing.assert_allclose(ens.apply(variables, fixed), ens.apply(variables, np.asarray(x)))
     replicated = jax.device_put(x, NamedSharding(user, P()))  # nothing split on it: accepted
     assert ens.apply(variables, replicated).shape == (4, 8, 2)
+    # Traced in the caller's own jit: the same refusal, with the fix that works there.
+    with pytest.raises(ValueError, match=r"input 0 is split .*jax\.sharding\.reshard\(x, "):
+        jax.jit(lambda x: ens.apply(variables, x))(x)
+    in_jit = jax.jit(
+        lambda x: ens.apply(variables, jax.sharding.reshard(x, NamedSharding(user, P())))
+    )(x)
+    np.testing.assert_allclose(in_jit, ens.apply(variables, np.asarray(x)))

@@ -991,8 +991,17 @@ def test_stop_returning_false_goes_on_and_true_stops_as_sigint(tmp_path):
         _run(cfg, tmp_path / "run", stop=after_two_calls)
     assert e.value.code == 128 + signal.SIGINT and "stopped at update 2/6" in str(e.value)
     assert ckpt.checkpoints(tmp_path / "run")  # stopped with a checkpoint
-    with pytest.raises(ValueError, match=r"returned 'soon': return None or False to go on"):
+    with pytest.raises(ValueError, match=r"returned 'soon'; return None or False to go on"):
         _run(cfg, tmp_path / "other", stop=lambda: "soon")
+    from rollout.ppo._cli import _as_signal
+
+    sigint = int(signal.SIGINT)  # (a 0-d array read as an enum value was signal 1, SIGHUP)
+    assert [_as_signal(v) for v in (jnp.array(True), np.array(True), jnp.any(jnp.ones(2) > 0))] == [
+        sigint
+    ] * 3
+    assert _as_signal(jnp.array(False)) is None and _as_signal(np.int64(15)) == 15
+    with pytest.raises(ValueError, match=r"an array of shape \(2,\)"):
+        _as_signal(np.array([0, 1]))
 
 
 def test_a_state_an_update_donated_is_refused_not_a_crash():

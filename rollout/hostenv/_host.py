@@ -395,8 +395,9 @@ class HostEnvs:
     (with ``workers_per_device=0``, an ``InProcessGroup`` instead).
     ``reset`` and ``step`` are traceable (use them inside ``jit``, with the mesh's shardings);
     ``close()`` stops the workers. The mesh's axes are used as Auto ones (``jax.make_mesh``
-    makes Explicit ones), so the envs take keys and actions placed anyhow; call them outside a
-    ``jax.set_mesh`` of an Explicit mesh, whose typed arrays do not mix with Auto ones.
+    makes Explicit ones), so the envs take keys and actions uncommitted or placed on this mesh;
+    call them outside a ``jax.set_mesh`` of an Explicit mesh, whose typed arrays do not mix
+    with Auto ones.
 
     When a member spans several devices (fewer members than devices), only the first device of
     its group calls the workers; the others receive the result through a ``psum``.

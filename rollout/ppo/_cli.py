@@ -300,6 +300,11 @@ class _Run:
             self.record = {**self.record, **layout, "env_from_config": learner.env_from_config}
             _on_main_then_all(lambda: ckpt.start(self.out, self.record, overwrite=self.overwrite))
             # Every process takes process 0's run id.
+            if not (self.out / ckpt.RUN_FILE).is_file():
+                raise UsageError(
+                    f"{self.out}/{ckpt.RUN_FILE}, which process 0 has just written, is not here: "
+                    "give every process the same --out, on a file system every host sees."
+                )
             self.record = json.loads((self.out / ckpt.RUN_FILE).read_text())
             return learner.init(), []
         self._check_env(learner)
@@ -378,6 +383,13 @@ def _check_same_config(config: Any) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
+    if jax.local_device_count() * jax.process_count() != jax.device_count():
+        # (made from --members / --devices: no collective of JAX's can even compare them)
+        raise UsageError(
+            "the processes of this run were started with different settings (not as on every "
+            f"process: their device counts, {jax.local_device_count()} here of "
+            f"{jax.device_count()}); start every process with the same arguments."
+        )
     fields = config.to_dict()
     names = sorted(fields)
     mine = [zlib.crc32(json.dumps(fields[k], sort_keys=True).encode()) for k in names]
@@ -485,22 +497,27 @@ def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict
     return rows
 
 
+_STOP = "return None or False to go on, and True or a signal number (signal.SIGTERM) to stop"
+
+
 def _as_signal(value: Any) -> int | None:
     """What ``stop()`` returned: falsy keeps training, ``True`` stops as SIGINT does, else a
     signal number (``signal.SIGTERM``)."""
     import numpy as np
 
+    if hasattr(value, "dtype"):  # NumPy / JAX scalars and 0-d arrays: jnp.any(flag) too
+        if np.size(value) != 1:
+            shape = np.shape(value)
+            raise ValueError(f"train(stop=...) returned an array of shape {shape}; {_STOP}")
+        value = np.asarray(value).item()
     if not value:
         return None
-    if isinstance(value, bool | np.bool_):  # (np.True_ would read as signal 1, SIGHUP)
+    if isinstance(value, bool):  # (True would read as signal 1, SIGHUP)
         return int(signal.SIGINT)
     try:
         return int(signal.Signals(value))
     except (ValueError, TypeError):
-        raise ValueError(
-            f"train(stop=...) returned {value!r}: return None or False to go on, and True or a "
-            "signal number (signal.SIGTERM) to stop with a checkpoint."
-        ) from None
+        raise ValueError(f"train(stop=...) returned {value!r}; {_STOP}") from None
 
 
 def _stop_requested(stop: Callable[[], int | None] | None) -> int | None:
@@ -1202,6 +1219,9 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     ckpt.check_writable(args.out)
     try:
         info = _join(args, joining)
+        # Compared first: a setting one process's own checks below refuse would leave the
+        # others waiting in this comparison's collective.
+        _check_same_config(config)  # (train checks it too, for the Python API)
         signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
         devices, n_dev = _learner_devices(info, learner_devices)
         _check_devices_of(args, info, devices, n_dev)
@@ -1210,7 +1230,6 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
             config.validate(num_devices=n_dev)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        _check_same_config(config)  # (train checks it too, for the Python API)
     except UsageError:
         remove_empty(made)  # a refused command leaves no folders behind
         raise

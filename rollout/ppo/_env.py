@@ -205,7 +205,7 @@ def spec_of(env: Any) -> EnvSpec:
     from rollout.envs import Box, Discrete, MultiDiscrete
 
     obs_space = env.observation_space
-    name = getattr(env, "name", "env")
+    name = env_name(env)
     if not isinstance(obs_space, Box):
         raise ValueError(
             f"{name}: observation space {type(obs_space).__module__}."
@@ -278,6 +278,14 @@ def final_obs(info: dict) -> jax.Array:
     return next(info[key] for key in _FINAL_KEYS if key in info)
 
 
+def env_name(env: Any) -> str:
+    """An env's ``name``, or its class's where it kept ``Env``'s default ("env" names none)."""
+    name = getattr(env, "name", None)
+    if isinstance(name, str) and name and name != "env":
+        return name
+    return type(getattr(env, "env", env)).__name__  # (AutoReset: the env it wraps)
+
+
 def check_functional_env(env: Any, spec: EnvSpec) -> None:
     """Traces one env's ``reset`` and ``step`` abstractly (``jax.eval_shape``: nothing runs or
     compiles), so a user env's mistake is one ``ValueError`` naming it here, not a shape error
@@ -291,7 +299,7 @@ def check_functional_env(env: Any, spec: EnvSpec) -> None:
     ``reset`` and ``step`` are traced (Python state: the compiled step would never see it)."""
     from rollout.envs import AutoReset
 
-    name = getattr(env, "name", type(env).__name__)
+    name = env_name(env)
     # The wrapped env first: AutoReset's own tracing would fail on its mistakes less clearly.
     inner = env.env if isinstance(env, AutoReset) else env
     obs, next_obs, *flags, info = _trace_one_step(inner, name)
@@ -352,7 +360,8 @@ def _trace_one_step(env: Any, name: str) -> tuple:
 def _contract_problem(out: Any, n: int) -> str | None:
     """What is wrong with a traced ``reset`` (``n=2``) or ``step`` (``n=6``) return, if any."""
     if not isinstance(out, (tuple, list)) or len(out) != n:
-        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+        got = (f"{len(out)} values" if isinstance(out, (tuple, list))
+               else "one array" if hasattr(out, "shape") else type(out).__name__)  # fmt: skip
         gym = n == 6 and isinstance(out, (tuple, list)) and len(out) in (4, 5)
         return got + (" (gym's API: no state first)" if gym else "")
     if not _is_array(out[1]):
