@@ -378,8 +378,9 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
 
 
 def _explicit_elsewhere(sharding: Any, mesh: Mesh) -> bool:
-    """Split over an Explicit axis of another mesh (``jax.make_mesh``'s default): JAX's
-    shard_map then fails with a bare KeyError naming that axis."""
+    """Split over an Explicit axis of another mesh (``jax.make_mesh``'s default) that this
+    ensemble's mesh does not have: JAX's shard_map then fails with a bare KeyError naming that
+    axis (one it has, a user's ``'data'``, JAX takes)."""
     other = getattr(sharding, "mesh", None)
     if other is None or other == mesh:
         return False
@@ -389,7 +390,7 @@ def _explicit_elsewhere(sharding: Any, mesh: Mesh) -> bool:
         if kind == jax.sharding.AxisType.Explicit
     }
     used = {a for part in sharding.spec for a in (part if isinstance(part, tuple) else (part,))}
-    return bool(explicit & used)
+    return bool((explicit & used) - set(mesh.axis_names))
 
 
 def check_shared(tree: Any, n: int, what: str, hint: str, axis: int = 0) -> None:

@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         out = writable_dir(args.out)  # before the runs: not a traceback after them
     except argparse.ArgumentTypeError as e:
-        parser.error(f"--out {args.out}: {e}; give another folder")
+        parser.error(f"--out: {e}; give another folder")
 
     start = time.perf_counter()
     results: dict[str, dict[int, dict[str, Any]]] = {"naive": {}, "advice": {}, "ensemble": {}}

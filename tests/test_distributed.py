@@ -574,7 +574,7 @@ def test_a_process_waiting_for_its_coordinator_says_so(tmp_path):
         # The CLI makes a process's CPU devices from --members: unequal device counts, which
         # JAX's allgather cannot even take (a bare reshape error).
         ("members", "--members $((4 + 2 * ENSEMBLE_PROCESS_ID)) --total-steps 256",
-         "different settings (not as on every process: their device counts"),
+         "the processes of this run have different device counts"),
         ("out", "--total-steps 256 --out-suffix", "give every process the same --out"),
     ],
 )  # fmt: skip

@@ -691,3 +691,20 @@ def test_the_projects_envs_and_adapters_pass_the_python_state_check():
             made.append(envs.make(env_id, **kwargs))
     for env in [*made, envs.AutoReset(_Counting(mutate=""))]:
         check_functional_env(env, spec_of(env))
+
+
+def test_env_names_in_messages_are_the_envs_own():
+    """An env that kept Env's default name ("env") is named by its class, through AutoReset,
+    and not by the type of a field of its own that happens to be called ``env``."""
+    import dataclasses
+
+    from rollout.envs import AutoReset, Env
+    from rollout.ppo._env import env_name
+
+    @dataclasses.dataclass(frozen=True)
+    class HasEnvField(Env):
+        env: str = "prod"
+
+    assert env_name(HasEnvField()) == "HasEnvField"
+    assert env_name(AutoReset(AutoReset(HasEnvField()))) == "HasEnvField"
+    assert env_name(envs.make("cartpole")) == "CartPole-v1"

@@ -224,7 +224,7 @@ def test_memory_reduction_example_runs(tmp_path, monkeypatch, capsys):
     for bad, message in [
         (["--members", "0"], "--members must be >= 1"),
         (["--devices", "0"], "--devices must be >= 1"),
-        (["--out", str(a_file)], f"--out {a_file} is a file"),
+        (["--out", str(a_file)], f"--out: {str(a_file)!r} is a file, not a folder"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             module.main(["--out", str(tmp_path), *bad])

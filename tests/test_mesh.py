@@ -263,3 +263,10 @@ def test_an_input_split_on_an_explicit_mesh_of_the_users_is_one_line():
         lambda x: ens.apply(variables, jax.sharding.reshard(x, NamedSharding(user, P())))
     )(x)
     np.testing.assert_allclose(in_jit, ens.apply(variables, np.asarray(x)))
+    # Split over an Explicit axis the ensemble's mesh has too (a data-parallel 'data' mesh):
+    # JAX takes it, eagerly and in jit.
+    data = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rows = jax.device_put(jnp.arange(48.0).reshape(16, 3), NamedSharding(data, P("data")))
+    want = ens.apply(variables, np.asarray(rows))
+    np.testing.assert_allclose(ens.apply(variables, rows), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(ens.apply)(variables, rows), want, rtol=1e-6)

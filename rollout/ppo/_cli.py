@@ -386,9 +386,10 @@ def _check_same_config(config: Any) -> None:
     if jax.local_device_count() * jax.process_count() != jax.device_count():
         # (made from --members / --devices: no collective of JAX's can even compare them)
         raise UsageError(
-            "the processes of this run were started with different settings (not as on every "
-            f"process: their device counts, {jax.local_device_count()} here of "
-            f"{jax.device_count()}); start every process with the same arguments."
+            "the processes of this run have different device counts "
+            f"({jax.local_device_count()} here of {jax.device_count()}): start every process "
+            "with the same arguments, and on CPU with the same --devices (without it, a "
+            "process's CPU count sets its devices)."
         )
     fields = config.to_dict()
     names = sorted(fields)

@@ -283,7 +283,11 @@ def env_name(env: Any) -> str:
     name = getattr(env, "name", None)
     if isinstance(name, str) and name and name != "env":
         return name
-    return type(getattr(env, "env", env)).__name__  # (AutoReset: the env it wraps)
+    from rollout.envs import AutoReset
+
+    while isinstance(env, AutoReset):  # the env it wraps
+        env = env.env
+    return type(env).__name__
 
 
 def check_functional_env(env: Any, spec: EnvSpec) -> None:
