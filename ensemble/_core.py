@@ -343,20 +343,25 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
     if found is None:
         return
     path, leaf = found
-    sharding = jax.typeof(leaf).sharding if isinstance(leaf, jax.core.Tracer) else leaf.sharding
-    fix = (
-        "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
-        if member_major
-        else "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
-        "jax.sharding.PartitionSpec())))"
-    )
     if isinstance(leaf, jax.core.Tracer):  # traced: nothing to put, but replicate it first
+        sharding = jax.typeof(leaf).sharding
         raise ValueError(
             f"{what}{path} is split on a mesh with Explicit axes of its own "
             f"({sharding.mesh.axis_names}, {sharding.spec}), which JAX cannot take into this "
             "ensemble's mesh; replicate it on yours first: jax.sharding.reshard(x, "
             "jax.sharding.NamedSharding(your_mesh, jax.sharding.PartitionSpec()))."
         )
+    _refuse_placement(f"{what}{path}", leaf.sharding, mesh, order, member_major)
+
+
+def _refuse_placement(what: str, sharding: Any, mesh: Mesh, order: Any, member_major: bool) -> None:
+    """:func:`check_on_mesh`'s one line for a committed array: where it is, and the fix."""
+    fix = (
+        "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
+        if member_major
+        else "(jax.device_put(x, jax.sharding.NamedSharding(ens.mesh, "
+        "jax.sharding.PartitionSpec())))"
+    )
     if _explicit_elsewhere(sharding, mesh):
         where = (
             f"is split on a mesh with Explicit axes of its own ({sharding.mesh.axis_names}, "
@@ -372,9 +377,7 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
             f"is committed to device(s) {_device_ids(sharding.device_set)}, but this "
             f"ensemble runs on devices {_device_ids(order)}"
         )
-    raise ValueError(
-        f"{what}{path} {where}; pass it uncommitted (np.asarray(x)) or move it there {fix}."
-    )
+    raise ValueError(f"{what} {where}; pass it uncommitted (np.asarray(x)) or move it there {fix}.")
 
 
 def _explicit_elsewhere(sharding: Any, mesh: Mesh) -> bool:
