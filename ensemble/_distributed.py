@@ -239,7 +239,7 @@ def _check_address(address: str) -> None:
     """``host:port``: JAX fails on anything else with a bare IndexError, an OverflowError or
     an abort of the process."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(
             f"coordinator address {address!r} must be host:port with a port in 1..65535 (e.g. "
             "10.0.0.1:1234): the address of process 0, the same on every process."

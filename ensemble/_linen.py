@@ -49,6 +49,7 @@ from ensemble._mesh import (
     member_index,
     member_pspec,
     merge_rules,
+    own_mesh_of_size,
     resolve_mesh,
     take_member,
     unmapped_names,
@@ -184,9 +185,12 @@ class LinenEnsemble:
           ``{'params': ..., <other collections>: ...}``, every leaf ``[n, ...]`` and sharded on
           the member axis (and further mesh axes through logical annotations and rules).
         """
-        jitted, _, call_args = self._init_program(rng, args, kwargs)
-        with explained_errors():
-            return jitted(*call_args)
+        # Its own mesh from the start: a caller's of another size (another ensemble's, on other
+        # devices) refused the member program inside this jit's trace.
+        with own_mesh_of_size(self.mesh):
+            jitted, _, call_args = self._init_program(rng, args, kwargs)
+            with explained_errors():
+                return jitted(*call_args)
 
     def init_shardings(self, rng: RngLike, *args: Any, **kwargs: Any) -> Any:
         """The ``NamedSharding`` of every leaf that :meth:`init` returns (nothing is computed).
@@ -198,8 +202,9 @@ class LinenEnsemble:
     def lower_init(self, rng: RngLike, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered init program, e.g. ``ens.lower_init(k, x).compile().memory_analysis()``
         to see that each device only ever holds its share."""
-        jitted, _, call_args = self._init_program(rng, args, kwargs)
-        return jitted.lower(*call_args)
+        with own_mesh_of_size(self.mesh):
+            jitted, _, call_args = self._init_program(rng, args, kwargs)
+            return jitted.lower(*call_args)
 
     def _init_program(self, rng: RngLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         keys = stream_keys(rng, default="params")
@@ -300,7 +305,7 @@ class LinenEnsemble:
             self._warn_new_function(method)
         make = lambda: self._make_apply(static, mutable, method, axes)
         jitted = self._cache.get_or_make(cache_key, make)
-        with explained_errors():
+        with own_mesh_of_size(self.mesh), explained_errors():  # (see init)
             return jitted(variables, keys, arrays, kw_arrays)
 
     def _check_shared_names(self, keys: Mapping[str, Any]) -> None:

@@ -335,6 +335,20 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def own_mesh_of_size(mesh: Mesh) -> Iterator[None]:
+    """:func:`own_mesh` for an entry that jits the call itself, where the caller's mesh has
+    another size: a jit traced under it cannot switch to this one (``use_abstract_mesh``
+    keeps the size). Otherwise the member program switches inside the trace, and inputs made
+    under the caller's mesh (typed with it) are still handled under it."""
+    current = jax.sharding.get_abstract_mesh()
+    if current.empty or current.size == mesh.size:
+        yield
+        return
+    with own_mesh(mesh):
+        yield
+
+
 def check_rules(rules: LogicalRules, mesh: Mesh, in_members: bool = False) -> None:
     """Refuses rules onto axes ``mesh`` lacks; ``in_members``: also rules that split a member's
     own dimension over the member axis (it holds the members: each device has its members

@@ -62,6 +62,7 @@ from ensemble._mesh import (
     member_sharding,
     merge_rules,
     own_mesh,
+    own_mesh_of_size,
     partitioning,
     resolve_mesh,
     take_member,
@@ -177,7 +178,9 @@ class NNXEnsemble(nnx.Module):
                 self._check_inputs(args, self.in_axes, kwargs)
                 check_live(nnx.state(self.members), "ensemble state ", _KEEP_A_COPY)
                 dynamic, static = split
-                with explained_errors():
+                # Its own mesh before the jit: a caller's of another size refused the member
+                # program inside the trace.
+                with own_mesh_of_size(self.mesh), explained_errors():
                     return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
 

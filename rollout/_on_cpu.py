@@ -653,7 +653,7 @@ class OnCpu:
             for x, w in zip((*batched, *shared), weak_in)
         ]
         sig = self._signature(treedef, axes, keys, weak_in)
-        out_specs = self._output_specs(flat_fn, specs, n, sig, out_info)
+        out_specs = self._output_specs(flat_fn, specs, n, sig, out_info, eager)
         platform, devices, auto_mesh = _caller(leaves)
         sub_byte = sorted({str(x.dtype) for x in specs if jax.dtypes.itemsize_bits(x.dtype) < 8})
         kind = self._choose(platform, devices, eager, sub_byte)
@@ -688,10 +688,13 @@ class OnCpu:
         return (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
                 _lowering_settings())  # fmt: skip
 
-    def _output_specs(self, flat_fn, specs, n, sig, out_info) -> Any:
+    def _output_specs(self, flat_fn, specs, n, sig, out_info, eager) -> Any:
         """fn's output specs, traced once per input signature (keyed as its programs are):
         later eager calls do not trace fn again, and the specs keep the values fn closed over
-        at that first trace, as its programs do."""
+        at that first trace, as its programs do. A traced call (once per trace of the caller's
+        jit) traces fn afresh: it may close over that jit's tracers, which are refused then."""
+        if not eager:
+            return _output_specs(flat_fn, specs, n)
         key = (sig, tuple((x.shape, str(x.dtype)) for x in specs))
         with self._structures_lock:
             known = self._specs.get(key)

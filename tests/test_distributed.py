@@ -338,7 +338,7 @@ def test_a_coordinator_address_without_a_port_or_beside_a_cluster_is_one_line(mo
     """JAX took '127.0.0.1' with a bare IndexError (the CLI printed it with exit 1), a port
     past 65535 with an OverflowError, ':1234' by aborting; and it mixed ENSEMBLE_* settings
     with a detected cluster's (3 processes with SLURM's 2)."""
-    for bad in ("127.0.0.1", "127.0.0.1:99999", "127.0.0.1:abc", ":1234"):
+    for bad in ("127.0.0.1", "127.0.0.1:99999", "127.0.0.1:abc", ":1234", "host:\u00b2"):
         with pytest.raises(ValueError, match=r"must be host:port with a port in 1\.\.65535"):
             distributed.resolve_settings(bad, 2, 0)
     assert distributed.resolve_settings("[::1]:1234", 2, 0) == ("[::1]:1234", 2, 0)

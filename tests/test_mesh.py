@@ -185,6 +185,22 @@ def test_ensemble_calls_run_under_a_mesh_the_callers_code_set():
             got = run()
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=name)
+    # An ensemble on a subset of the devices under a mesh of all of them: its jit's trace
+    # could not switch to a mesh of another size ("use_abstract_mesh cannot change the size").
+    half = ensemble.build(nn.Dense(2), 4, devices=jax.devices()[:4])
+    half_nnx = ensemble.build(
+        lambda rngs: nnx.Linear(3, 2, rngs=rngs), 4, devices=jax.devices()[:4]
+    )
+    key = jax.random.key(0)  # (one made under an 8-device jax.set_mesh is committed to all 8)
+    half_params = half.init(key, x)
+    want = [np.asarray(half.apply(half_params, x)), np.asarray(half_nnx(x))]
+    for context in contexts.values():
+        with context():
+            again = half.init(key, x)
+            got = [half.apply(half_params, x), half_nnx(x)]
+        np.testing.assert_array_equal(again["params"]["kernel"], half_params["params"]["kernel"])
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
     params = lin.init(jax.random.key(0), x)
     with ensemble.sharding.partitioning(other.mesh, other.rules):  # traced under it
         traced = jax.jit(lambda v, x: lin.apply(v, x) * 2)(params, x)

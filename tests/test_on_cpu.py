@@ -468,6 +468,25 @@ def test_errors_in_fn_surface_at_trace_time(rollout_fn):
             jax.jit(lambda w, x, e=executor: on_cpu(lambda x: x * w, executor=e, workers=W)(x))(
                 2.0, jnp.ones((4, 3))
             )
+        with pytest.raises(TypeError, match="fn closes over a value traced by the enclosing"):
+            _closed_over_tracer_after_an_eager_call(executor)
+
+
+def _closed_over_tracer_after_an_eager_call(executor: str) -> None:
+    """An eager call of the same signature cached fn's output specs first: the cached trace
+    skipped the check (a stale value, or a bare pytree error, came back)."""
+    box = {"w": jnp.float32(2.0)}
+    warm = on_cpu(lambda x: x * box["w"], executor=executor, workers=W)
+    warm(np.ones((4, 3), np.float32))
+
+    def closing(x, w):
+        box["w"] = w
+        return warm(x)
+
+    try:
+        jax.jit(closing)(np.ones((4, 3), np.float32), jnp.float32(5.0))
+    finally:
+        warm.close()
 
 
 @pytest.mark.timeout(90)

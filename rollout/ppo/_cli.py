@@ -1216,13 +1216,15 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     else:
         ckpt.check_fresh(found, args.overwrite)
         _check_no_old_logs(args)
-    made = missing_dirs(args.out)  # what check_writable makes
-    ckpt.check_writable(args.out)
+    made: list[Path] = []
     try:
         info = _join(args, joining)
         # Compared first: a setting one process's own checks below refuse would leave the
-        # others waiting in this comparison's collective.
+        # others waiting in this comparison's collective. Before any process makes --out: a
+        # process the launcher stops once another is refused would leave it behind.
         _check_same_config(config)  # (train checks it too, for the Python API)
+        made = missing_dirs(args.out)  # what check_writable makes
+        ckpt.check_writable(args.out)
         signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
         devices, n_dev = _learner_devices(info, learner_devices)
         _check_devices_of(args, info, devices, n_dev)
