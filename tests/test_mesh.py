@@ -201,6 +201,9 @@ def test_ensemble_calls_run_under_a_mesh_the_callers_code_set():
         np.testing.assert_array_equal(again["params"]["kernel"], half_params["params"]["kernel"])
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-6)
+    with ensemble.sharding.partitioning(other.mesh, other.rules):  # a jit traced under it
+        with pytest.raises(ValueError, match=r"cannot run inside a jit traced under a mesh of 8"):
+            jax.jit(lambda v, x: half.apply(v, x))(half_params, x)
     params = lin.init(jax.random.key(0), x)
     with ensemble.sharding.partitioning(other.mesh, other.rules):  # traced under it
         traced = jax.jit(lambda v, x: lin.apply(v, x) * 2)(params, x)
