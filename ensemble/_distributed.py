@@ -246,6 +246,13 @@ def _check_address(address: str) -> None:
         )
 
 
+#: (cluster, process-count variable, process-id variable) of the schedulers JAX detects.
+_CLUSTER_VARIABLES = (
+    ("Open MPI", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    ("Slurm", "SLURM_NTASKS", "SLURM_PROCID"),
+)
+
+
 def _check_against_cluster(
     coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> None:
@@ -254,21 +261,15 @@ def _check_against_cluster(
     All three given (``ensemble.launch`` inside a SLURM job): JAX asks the cluster nothing."""
     if None not in (coordinator_address, num_processes, process_id):
         return
-    try:
-        from jax._src.clusters import ClusterEnv
-
-        found = [e for e in ClusterEnv._cluster_types
-                 if not e.opt_in_only_method and e.is_env_present()]  # fmt: skip
-        if not found:
-            return
-        env = found[0]
-        theirs = {"num_processes": env.get_process_count(), "process_id": env.get_process_id()}
-    except Exception:  # a private JAX API moved: JAX checks what it can itself
+    # The schedulers' own documented variables, which JAX's detection reads, in its order.
+    found = [(c, n, i) for c, n, i in _CLUSTER_VARIABLES if n in os.environ and i in os.environ]
+    if not found:
         return
+    cluster, count_var, id_var = found[0]
+    theirs = {"num_processes": _env_int(count_var), "process_id": _env_int(id_var)}
     ours = {"num_processes": num_processes, "process_id": process_id}
     for name, value in ours.items():
         if value is not None and theirs[name] is not None and value != theirs[name]:
-            cluster = env.__name__.removesuffix("Cluster")
             raise ValueError(
                 f"{name}={value} disagrees with the {cluster} cluster's {theirs[name]}: give "
                 "the cluster's own settings, or none (they are detected)."

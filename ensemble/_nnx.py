@@ -172,11 +172,12 @@ class NNXEnsemble(nnx.Module):
         works closed over by ``jax.jit`` or ``jax.grad``.
         """
         args, kwargs = _take_rngs((args, kwargs))
-        if not _tracing(args, kwargs, nnx.state(self.members)):
+        state = nnx.state(self.members)
+        if not _tracing(args, kwargs, state):
             split = _split_static(args, kwargs)
             if split is not None:
                 self._check_inputs(args, self.in_axes, kwargs)
-                check_live(nnx.state(self.members), "ensemble state ", _KEEP_A_COPY)
+                check_live(state, "ensemble state ", _KEEP_A_COPY)
                 dynamic, static = split
                 # Its own mesh before the jit: a caller's of another size refused the member
                 # program inside the trace.

@@ -174,7 +174,8 @@ def train(
         raise ValueError("out must name a directory (an empty path would be the current one).")
     if learner is not None and learner.config != config:
         raise ValueError("learner= was built for a different config than config=.")
-    _check_same_config(config)
+    if not _FOR_CLI.get():  # (the CLI compared them already, before making --out)
+        _check_same_config(config)
     warn = warn or (lambda line: print(line, file=sys.stderr))
     run, learner_given = None, learner
     try:
@@ -1222,7 +1223,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         # Compared first: a setting one process's own checks below refuse would leave the
         # others waiting in this comparison's collective. Before any process makes --out: a
         # process the launcher stops once another is refused would leave it behind.
-        _check_same_config(config)  # (train checks it too, for the Python API)
+        _check_same_config(config)  # (train() checks it for the Python API)
         made = missing_dirs(args.out)  # what check_writable makes
         ckpt.check_writable(args.out)
         signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
