@@ -419,6 +419,17 @@ def _on_main_then_all(fn: Callable[[], Any]) -> None:
     multihost_utils.sync_global_devices("rollout.ppo run dir: written")
 
 
+def _emit(new_rows, sps, run, on_update) -> None:
+    """New metric rows, stamped with the run's throughput (all members together, compile
+    excluded), to ``on_update`` and then the run folder (which so holds only rows it took)."""
+    for row in new_rows:
+        row["env_steps_per_s"] = sps
+        if on_update is not None:
+            on_update(row)
+    if run is not None:
+        run.append(new_rows)
+
+
 def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop):
     """The training loop of :func:`train` from ``state`` (whose metric rows are ``rows``)."""
     import jax
@@ -449,13 +460,7 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
                 new_rows = new_rows[: diverged.rows]
                 if cfg.pbt:  # what the members ran with: after a PBT step, the likely cause
                     _pbt.record_hparams(state, new_rows)
-                for row in new_rows:
-                    row["env_steps_per_s"] = sps
-                if run is not None:
-                    run.append(new_rows)
-                for row in new_rows:  # the loggers too: the error points at these rows
-                    if on_update is not None:
-                        on_update(row)
+                _emit(new_rows, sps, run, on_update)  # the error points at these rows
                 raise diverged
             done += k
             if cfg.pbt:  # lineage into the rows; every pbt_interval updates, exploit/explore
@@ -466,15 +471,10 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             else:
                 elapsed = time.perf_counter() - start
                 sps = (done - steps_at_start) * cfg.batch_size * cfg.members / max(elapsed, 1e-9)
-            for row in new_rows:
-                row["env_steps_per_s"] = sps  # all members together, compile excluded
-                if on_update is not None:
-                    on_update(row)
+            _emit(new_rows, sps, run, on_update)
             rows.extend(new_rows)
-            if run is not None:
-                run.append(new_rows)
-                if calls % checkpoint_every == 0 or done >= cfg.num_updates:
-                    run.save(state, len(rows))  # collective: every process calls it
+            if run is not None and (calls % checkpoint_every == 0 or done >= cfg.num_updates):
+                run.save(state, len(rows))  # collective: every process calls it
             if bar is not None:
                 bar.update(k * cfg.batch_size)
                 bar.set_postfix_str(_postfix(latest_returns(rows), sps), refresh=False)
