@@ -12,7 +12,7 @@ Per device, the largest over the D devices used, it measures:
 
 - ``state``: live bytes of parameters + Adam state (``ensemble.live_memory``: addressable shards);
 - ``init``: peak of the compiled init program (``ensemble.compiled_memory``);
-- ``step``: peak of the compiled, donated train step (argument + output + temp - alias), with
+- ``step``: peak of the compiled, donated train step (argument + output + temp - alias + constants), with
   its ``alias`` (donated bytes reused), ``temp`` (activations, gradients) and its collectives
   (``ensemble.debug.collectives``);
 - ``old_step``: the same for the step the library built before its member core,

@@ -5,8 +5,9 @@ Two sources, both per device:
 - :func:`live_memory`: what arrays *hold now*, summed from their ``addressable_shards``.
 - :func:`compiled_memory`: what a jitted function *needs* on each device, from XLA's buffer
   assignment (``jax.jit(f).lower(*args).compile().memory_analysis()``): argument, output, temp
-  and alias (donated) bytes, with ``peak = argument + output + temp - alias``. It needs no run,
-  so it also works on ``jax.ShapeDtypeStruct`` arguments for models that would not fit.
+  and alias (donated) bytes, and the arrays compiled into the program as constants, with
+  ``peak = argument + output + temp - alias + constants``. It needs no run, so it also works on
+  ``jax.ShapeDtypeStruct`` arguments for models that would not fit.
 
 ``Device.memory_stats()`` (``bytes_in_use``, ``peak_bytes_in_use``) is added when the backend
 gives it (GPU, TPU); it is ``None`` on CPU.
@@ -28,12 +29,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import jax
 import numpy as np
+
+from ensemble._warn import warn_user
 
 MB = 1e6  # tables use decimal megabytes: 1 MB = 10**6 bytes
 
@@ -57,6 +61,9 @@ class CompiledMemory:
       output: outputs it writes.
       temp: scratch buffers (activations, gradients, fusion temporaries).
       alias: output bytes that reuse donated input buffers.
+      constants: arrays compiled into the program (values a jitted function closes over, such
+        as ``lambda x: ens.apply(variables, x)``), which every device holds whole: neither
+        sharded nor donated. Pass such values as arguments instead.
       generated_code: compiled code size.
       xla_peak: XLA's own liveness-based peak estimate when the backend reports it, else 0.
         All sizes are XLA's: it counts sub-byte dtypes (int4, float4) packed, as GPUs and TPUs
@@ -78,6 +85,7 @@ class CompiledMemory:
     output: int
     temp: int
     alias: int
+    constants: int = 0
     generated_code: int = 0
     xla_peak: int = 0
     devices: tuple[jax.Device, ...] = ()
@@ -85,8 +93,9 @@ class CompiledMemory:
 
     @property
     def peak(self) -> int:
-        """Peak estimate per device: argument + output + temp - alias (donated inputs reused)."""
-        return self.argument + self.output + self.temp - self.alias
+        """Peak estimate per device: argument + output + temp - alias (donated inputs reused)
+        + constants."""
+        return self.argument + self.output + self.temp - self.alias + self.constants
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (devices as strings)."""
@@ -95,6 +104,7 @@ class CompiledMemory:
             "output": self.output,
             "temp": self.temp,
             "alias": self.alias,
+            "constants": self.constants,
             "peak": self.peak,
             "generated_code": self.generated_code,
             "xla_peak": self.xla_peak,
@@ -242,16 +252,42 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
             "live_memory() on the arrays instead."
         )
     devices = _compiled_devices(compiled)
+    constants = _constant_bytes(compiled.as_text())
+    if constants >= _CONSTANTS_WARN:
+        warn_user(
+            f"compiled_memory: the program holds {constants / MB:.1f} MB of constants on every "
+            "device, arrays the jitted function closes over (such as every member's weights in "
+            "lambda x: ens.apply(variables, x)), neither sharded nor donated; pass them as "
+            "arguments: compiled_memory(jax.jit(lambda v, x: ens.apply(v, x)), variables, x)."
+        )
     return CompiledMemory(
         argument=int(stats.argument_size_in_bytes),
         output=int(stats.output_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),
         alias=int(stats.alias_size_in_bytes),
+        constants=constants,
         generated_code=int(stats.generated_code_size_in_bytes),
         xla_peak=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
         devices=devices,
         device_stats=_device_stats(devices),
     )
+
+
+# An array constant of the compiled (per-device) HLO: `%c = f32[8,512]{1,0} constant({...})`;
+# not scalars, which the compiled code holds as immediates.
+_HLO_CONSTANT = re.compile(r"= ([a-z]+[0-9a-z]*)\[([0-9,]+)\]\S* constant\(")
+_CONSTANTS_WARN = 1_000_000  # bytes: a closed-over array, not XLA's own small tables
+
+
+def _constant_bytes(hlo: str) -> int:
+    """Bytes of the array constants in a compiled program's HLO text (XLA's sizes: sub-byte
+    dtypes packed). Memory analysis leaves them out, and a closure over sharded arrays puts
+    every shard in each device's program."""
+    total = 0
+    for dtype, dims in _HLO_CONSTANT.findall(hlo):
+        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+        total += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * bits / 8)
+    return total
 
 
 def _compiled_devices(compiled: Any) -> tuple[jax.Device, ...]:
@@ -286,18 +322,19 @@ def _format_live(mem: Mapping[jax.Device, int], title: str) -> str:
 
 
 def _format_compiled(stats: CompiledMemory, title: str) -> str:
-    cols = ["device", "argument", "output", "temp", "alias", "peak", "code"]
+    cols = ["device", "argument", "output", "temp", "alias", "const", "peak", "code"]
     present = {k for s in stats.device_stats.values() for k in s}
     gpu_keys = [k for k in _GPU_STAT_KEYS if k in present]
     cols += [_GPU_STAT_KEYS[k] for k in gpu_keys]  # what the device holds now, not this program
     rows = []
     for d in stats.devices:
-        values = [stats.argument, stats.output, stats.temp, stats.alias, stats.peak]
+        values = [stats.argument, stats.output, stats.temp, stats.alias, stats.constants]
+        values.append(stats.peak)
         values.append(stats.generated_code)
         values += [stats.device_stats.get(d, {}).get(k, 0) for k in gpu_keys]
         rows.append((str(d), *(f"{v / MB:10.3f}" for v in values)))
     note = "; in_use/peak_in_use: device memory_stats() now" if gpu_keys else ""
-    title += f" (MB per device; peak = argument + output + temp - alias{note})"
+    title += f" (MB per device; peak = argument + output + temp - alias + const{note})"
     return _table(title, cols, rows)
 
 
@@ -320,7 +357,7 @@ def print_memory(
     ``what`` may be:
 
     - a :class:`CompiledMemory` (from :func:`compiled_memory`): argument / output / temp /
-      alias / peak / code per device, plus GPU ``memory_stats`` columns when present;
+      alias / const / peak / code per device, plus GPU ``memory_stats`` columns when present;
     - a lowered or compiled program (``ens.lower_init(key, x)``, ``jax.jit(f).lower(x)``);
     - a jitted function followed by its arguments: ``print_memory(step, params, opt, batch)``
       compiles it (without running) and prints the same table;

@@ -23,7 +23,7 @@ Per D it measures, per device (the largest over the D devices used):
 - ``state``: live bytes of parameters + optimizer state after initialisation, from
   ``addressable_shards`` (``replicated``: ``ensemble.assert_no_replicated_members`` fails on
   that state);
-- ``init``: the compiled init program's peak (argument + output + temp - alias);
+- ``init``: the compiled init program's peak (argument + output + temp - alias + constants);
 - ``step``: the compiled train step's peak, the same formula (donation makes alias > 0).
 
 The total ensemble is fixed (``--members``; at D = 8 it is one member per device), so the ideal
