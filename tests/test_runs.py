@@ -639,6 +639,37 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     assert (
         json.loads((out / "run.json").read_text())["config"]["learning_rate"] == cfg.learning_rate
     )
+    # So is a setting the run left to the env (None), given as what it resolved to: CartPole
+    # normalises neither observations nor rewards ("normalize_obs None -> False" before).
+    flags = ["--no-normalize-obs", "--no-normalize-reward", "--no-progress"]
+    assert main(["--out", str(out), "--resume", *flags]) == 0, capsys.readouterr().err
+    assert json.loads((out / "run.json").read_text())["resolved"] == {
+        "normalize_obs": False,
+        "normalize_reward": False,
+    }
+    assert json.loads((out / "run.json").read_text())["config"]["normalize_obs"] is None
+    capsys.readouterr()
+    line = _cli_error(["--out", str(out), "--resume", "--normalize-obs"], capsys)
+    assert "(normalize_obs None -> True)" in line
+
+
+def test_a_resume_may_give_what_the_envs_defaults_resolved_to_and_resumes_again(tmp_path):
+    """``normalize_obs=False`` on a CartPole run of ``None``: the same run. Its checkpoints
+    keep run.json's config, so the next resume, in either spelling, takes them."""
+    import dataclasses
+
+    out = tmp_path / "run"
+    cfg = _tiny()
+    _run(cfg, out)
+    explicit = dataclasses.replace(cfg, normalize_obs=False, total_steps=8 * 32)
+    state, rows = train(explicit, out, resume=True, progress=False, checkpoint_every=1)
+    assert len(rows) == 8 and int(state.update) == 8
+    assert json.loads((out / "run.json").read_text())["config"]["normalize_obs"] is None
+    longer = dataclasses.replace(cfg, total_steps=9 * 32)
+    _, rows = train(longer, out, resume=True, progress=False, learner=_learner(longer))
+    assert len(rows) == 9
+    with pytest.raises(ckpt.RunDirError, match=r"normalize_obs None -> True"):
+        train(dataclasses.replace(longer, normalize_obs=True), out, resume=True, progress=False)
 
 
 def test_a_resumed_cpu_run_keeps_its_devices_and_says_when_they_change(tmp_path, capsys):

@@ -264,6 +264,7 @@ def check_resume(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
             "fresh run."
         )
     saved = run.record["config"]
+    config = as_saved(saved, config, run.record)
     diffs = config_differences(saved, config)
     if diffs:
         refuse_changed(run.path, diffs)
@@ -282,6 +283,15 @@ def refuse_changed(path: Any, diffs: str) -> None:
         "--total-steps may grow. Leave those flags out to use the saved values, or start a new "
         "run in another --out."
     )
+
+
+def as_saved(saved: dict[str, Any], now: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``now`` with each setting the run left to the env (``None`` in ``saved``) and that is
+    given as what it resolved to (``run.json``'s ``resolved``: ``--no-normalize-obs`` on
+    CartPole) put back as ``None``: the same run, not a change."""
+    resolved = record.get("resolved") or {}
+    same = lambda k, v: saved.get(k) is None and k in resolved and v is resolved[k]
+    return {k: None if same(k, v) else v for k, v in now.items()}
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from rollout._devices import available_cores, with_thread_flag
 from rollout._relay import worker_errors
-from rollout.ppo._checkpoint import RunDirError, config_differences, refuse_changed
+from rollout.ppo._checkpoint import RunDirError, as_saved, config_differences, refuse_changed
 from rollout.ppo._config import _ENV_DEFAULTS, canonical_env, canonical_env_kwargs
 from rollout.ppo._parser import OneLineParser, missing_dirs, remove_empty
 
@@ -298,7 +298,13 @@ class _Run:
 
         layout = _device_layout(learner)
         if not self.resume:
-            self.record = {**self.record, **layout, "env_from_config": learner.env_from_config}
+            # What the settings left to the env resolved to: a resume may give them explicitly.
+            resolved = {
+                "normalize_obs": learner.normalize_obs,
+                "normalize_reward": learner.normalize_reward,
+            }
+            record = {**layout, "env_from_config": learner.env_from_config, "resolved": resolved}
+            self.record = {**self.record, **record}
             _on_main_then_all(lambda: ckpt.start(self.out, self.record, overwrite=self.overwrite))
             # Every process takes process 0's run id.
             if not (self.out / ckpt.RUN_FILE).is_file():
@@ -341,7 +347,7 @@ class _Run:
         if update != self.saved_at:
             ckpt.save(
                 self.out, state, run_id=self.record["run_id"], rows=rows,
-                config=self.config.to_dict(),
+                config=self.record["config"],  # as run.json has it (see as_saved)
             )  # fmt: skip
             self.saved_at = update
         return path
@@ -1342,6 +1348,7 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
             # A per-member list of the saved value (--lr 2.5e-4,2.5e-4 for 2.5e-4) is that value.
             same = lambda k, v: isinstance(v, tuple) and all(x == getattr(saved, k) for x in v)
             given = {k: getattr(saved, k) if same(k, v) else v for k, v in given.items()}
+            given = as_saved(found.record["config"], given, found.record)
             config = dataclasses.replace(saved, **given)
             # A change is refused as one, before what it breaks is judged (--members 4 on a run
             # of two per-member learning rates: "learning_rate has 2 values").
