@@ -271,7 +271,7 @@ def check_resume(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
     if not checkpoints(run.path):
         raise RunDirError(
             f"--resume: {run.path} holds run {run.record['run_id'][:8]} but no checkpoint (it "
-            "stopped before its first one); start over with --overwrite."
+            "stopped before its first one, or they were removed); start over with --overwrite."
         )
     return {**run.record, "config": config}
 
