@@ -41,6 +41,28 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def available_memory() -> int | None:
+    """Bytes of host memory this process may still take: the kernel's ``MemAvailable``, or the
+    cgroup's limit less its use where that is smaller; ``None`` where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            if limit != "max":
+                found.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def configure_cpu_devices(n: int | None = None) -> int:
     """Give this process ``n`` JAX CPU devices (default: its CPU cores), one thread each.
 

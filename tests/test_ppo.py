@@ -405,6 +405,34 @@ def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
     assert any(p.name.startswith("ckpt_") for p in out.iterdir())
 
 
+def test_a_state_that_cannot_fit_in_memory_is_refused_before_anything_is_made(
+    tmp_path, monkeypatch, capsys
+):
+    """--hidden 100000000 was killed by the OS for memory, with no word (exit 137)."""
+    import rollout._devices
+    from rollout.ppo import main
+    from rollout.ppo._learner import StateTooLarge
+
+    cfg = PPOConfig.for_env("cartpole", members=2, hidden=(1000, 1000))
+    network = Learner(cfg, devices=jax.devices()[:2]).network  # actor and critic MLPs
+    shapes = jax.eval_shape(network.init, jax.random.key(0), jnp.zeros((1, 4)))
+    params = sum(leaf.size for leaf in jax.tree.leaves(shapes))
+    assert params > 2 * 1000 * 1000
+    need = 2 * 4 * 4 * params  # 2 members, 4 bytes, params + gradients + 2 Adam moments
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: need)
+    Learner(cfg, devices=jax.devices()[:2])  # exactly fits
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: need - 1)
+    with pytest.raises(StateTooLarge, match=r"hidden=\(1000, 1000\) needs at least 0.1 GB for 2"):
+        Learner(cfg, devices=jax.devices()[:2])
+    out = tmp_path / "run"
+    argv = ["--hidden", "1000,1000", "--members", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 2
+    assert (
+        "more than the 0.1 GB of this host's free memory; give narrower" in capsys.readouterr().err
+    )
+    assert not (out / "run.json").exists()
+
+
 def test_a_misspelt_library_prefix_is_named_with_the_right_one():
     from rollout.ppo._env import known_envs
 
@@ -425,6 +453,12 @@ def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):
     # A typo's member count: one line, not a MemoryError building 10^12 per-member values.
     assert main(["--members", "1000000000000", "--out", str(new), "--no-progress"]) == 2
     assert "members=1000000000000 is more than 1,048,576" in capsys.readouterr().err
+    # Counts past int32 (the update counter, the epoch loop): one line before anything compiles,
+    # where JAX's OverflowError named argument 'x2' after run.json was written.
+    for flag, value in (("--total-steps", str(512 * 2**31)), ("--update-epochs", str(2**31))):
+        assert main([flag, value, "--out", str(new), "--no-progress"]) == 2
+        assert "2,147,483,648 is more than the 2,147,483,647" in capsys.readouterr().err
+        assert not (tmp_path / "new").exists()
     from rollout.ppo._cli import UsageError, _check_fits
 
     for members, n_dev in ((8, 4), (2, 4), (4, 4)):

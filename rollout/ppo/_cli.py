@@ -160,8 +160,6 @@ def train(
       >>> sorted(rows[-1])[:3], rows[-1]["env_steps"]
       (['approx_kl', 'clipfrac', 'entropy'], 1024)
     """
-    from rollout.ppo._learner import Learner
-
     if resume and out is None:
         raise ValueError("resume=True needs out= (the run directory with the checkpoints).")
     if resume and overwrite:
@@ -181,7 +179,7 @@ def train(
     try:
         run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
         if learner is None:
-            learner = Learner(config, devices=devices)
+            learner = _learner_for(config, devices)
         with worker_errors():
             state, rows = run.open(learner) if run is not None else (learner.init(), [])
             if resume and on_resume is not None:
@@ -229,6 +227,17 @@ def _device_layout(learner: Any) -> dict[str, Any]:
     """The devices a run's members are split over, as ``run.json`` records them."""
     devices = learner.mesh.devices
     return {"devices": int(devices.size), "platform": str(devices.flat[0].platform)}
+
+
+def _learner_for(config: Any, devices: Any) -> Any:
+    from rollout.ppo._learner import Learner, StateTooLarge
+
+    try:
+        return Learner(config, devices=devices)
+    except StateTooLarge as e:  # a mistake in --hidden or --members: exit 2
+        if _FOR_CLI.get():
+            raise UsageError(str(e)) from None
+        raise
 
 
 class _Run:

@@ -284,6 +284,14 @@ class PPOConfig:
                 f"total_steps={self.total_steps} is less than one update's batch "
                 f"(num_envs*num_steps={self.batch_size}); raise total_steps or shrink the batch."
             )
+        # Counted in int32 inside the update (its counter, the lr schedule, the epoch loop).
+        for name, value in (("updates", self.num_updates), ("update_epochs", self.update_epochs)):
+            if value > _INT32_MAX:
+                what = "total_steps / (num_envs*num_steps)" if name == "updates" else name
+                raise ValueError(
+                    f"{what} = {value:,} is more than the {_INT32_MAX:,} the update counts in "
+                    f"int32; give a smaller {'total_steps' if name == 'updates' else name}."
+                )
         _check_ranges(self)
         if self.pbt:
             _validate_pbt(self)
@@ -396,6 +404,7 @@ def _unknown_env(env: str, known_envs: Sequence[str]) -> ValueError:
 
 #: The most members a config takes (far more than any run: beyond it, a typo).
 MAX_MEMBERS = 2**20
+_INT32_MAX = 2**31 - 1
 
 
 def _positive_int(cfg: PPOConfig, name: str) -> None:

@@ -224,6 +224,7 @@ class Learner:
         n = config.members
         self.mesh = mesh if mesh is not None else ensemble.make_mesh(n, devices=devices)
         self.network = nets.make_network(self.spec, config.hidden)
+        _refuse_a_state_too_big(self.network, self.spec, self.mesh, config)
         self.ensemble = ensemble.build(self.network, n, mesh=self.mesh)
         self.normalize_obs = envlib.normalize_obs(config, self.spec)
         self.obs_dtype = envlib.obs_dtype(config, self.spec)
@@ -757,6 +758,35 @@ def _refuse_donated(state: Any) -> None:
                     "the state that call returned (state, metrics = learner.update(state)); to "
                     "keep an old one, copy it first: jax.tree.map(jnp.copy, state)."
                 )
+
+
+class StateTooLarge(ValueError):
+    """The members' state cannot fit in memory (a mistake in ``hidden`` or ``members``)."""
+
+
+def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConfig) -> None:
+    """Refuses widths whose parameters, gradients and Adam moments cannot fit: on CPU, the OS
+    killed the process for memory with no word (``--hidden 100000000``)."""
+    from rollout._devices import available_memory
+
+    obs = jax.ShapeDtypeStruct((1, *spec.obs_shape), jnp.float32)
+    shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
+    per_member = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    devices = list(mesh.devices.flat)
+    if all(d.platform == "cpu" for d in devices):  # this host's members share its memory
+        here = config.members * len(mesh.local_devices) // len(devices)
+        have, where = available_memory(), "this host's free memory"
+    else:  # one device's members
+        here = max(1, config.members // mesh.shape["ensemble"])
+        have = (devices[0].memory_stats() or {}).get("bytes_limit")
+        where = f"the memory of one {devices[0].device_kind}"
+    need = 4 * per_member * here  # the parameters, their gradients, Adam's two moments
+    if have is not None and need > have:
+        raise StateTooLarge(
+            f"hidden={tuple(config.hidden)} needs at least {need / 1e9:,.1f} GB for {here} "
+            f"member(s)' parameters, gradients and Adam moments, more than the "
+            f"{have / 1e9:,.1f} GB of {where}; give narrower hidden layers or fewer members."
+        )
 
 
 def _refuse_debug_nans() -> None:
