@@ -995,6 +995,66 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
     assert not alive_after(children, 5)  # SIGKILL is delivered, not awaited
 
 
+@pytest.mark.timeout(90)
+def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twice(step_path):
+    """A KeyboardInterrupt while the Python step waited for answers (Ctrl-C where the step runs
+    in the main thread: one device) left the group running with an answer owed: every later
+    step read the one before's answer, and the retried step stepped the envs twice."""
+    n, e, T, kw = 1, 2, 4, {"step_sleep": 0.3}  # > the handler's 0.2 s: Python waits too
+    host, mesh = bound(WALK_ID, n, e, devices=1, workers_per_device=1, **kw)
+    step = _step_fn(host, mesh)
+    keys = jax.random.split(jax.random.key(5), (n, e))
+    actions = jnp.asarray(actions_for(WALK_ID, T, n, e, seed=4))
+    try:
+        with jax.set_mesh(mesh):
+            state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
+        state = step(state, actions[0], keys)[0]
+        group = host.groups[0]
+        worker, wire = group._workers[0], group._workers[0].wire
+        real = wire.recv
+
+        def interrupted(*args):  # once, before the answer is read
+            wire.recv = real
+            raise KeyboardInterrupt
+
+        wire.recv = interrupted
+        with pytest.raises(BaseException, match="KeyboardInterrupt"):
+            jax.block_until_ready(step(state, actions[1], keys))
+        assert not group.running and "interrupted (KeyboardInterrupt)" in group.failed
+        assert worker.proc.wait(timeout=10) is not None  # its answer can reach no one
+        with pytest.warns(RuntimeWarning, match=r"restarting .*a step was interrupted"):
+            out = jax.tree.map(np.asarray, step(state, actions[1], keys))  # the retry
+        assert out[5]["restarted"].all() and out[4].all()  # truncated: a new episode
+        # From the restart on, the envs follow a fresh reset of the same seeds, step by step.
+        got = []
+        for action in actions[2:]:
+            out = jax.tree.map(np.asarray, step(out[0], action, keys))
+            got.append(out)
+        _, ref = reference(WALK_ID, seeds_of(keys), np.asarray(actions[2:]))  # (no sleeps)
+        np.testing.assert_allclose([g[1] for g in got], ref[0], rtol=1e-6)  # observations
+        np.testing.assert_allclose([g[2] for g in got], ref[1], rtol=1e-6)  # rewards
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_to_another_request_is_an_error_not_taken():
+    from rollout.hostenv._group import HostEnvError, WorkerGroup
+    from rollout.hostenv._worker import STEP
+
+    group = WorkerGroup("gymnasium", WALK_ID, {}, [2], "t", (4,), np.float64, (), np.int32)
+    group.start()
+    try:
+        group.reset(np.arange(2))  # request 0
+        group._send(group._workers[0], STEP, 1)  # request 1, its answer never collected
+        group.control[_fast.C_SEQ] = 2
+        with pytest.raises(HostEnvError, match="answered request 1 where request 2 was due"):
+            group.step(np.ones(2, np.int32))  # request 2 read request 1's answer as its own
+        assert not group.running
+    finally:
+        group.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_refuses_a_request_out_of_sequence():
     from rollout.hostenv._group import HostEnvError, WorkerGroup

@@ -219,7 +219,8 @@ class WorkerGroup:
         self._check()
         mask = self.control[_fast.C_PENDING]
         pending = [w for w in self._workers if mask >> w.index & 1]
-        self._collect(pending, self.timeout, "step", since=self.control[_fast.C_START_NS] / 1e9)
+        since, seq = self.control[_fast.C_START_NS] / 1e9, self.control[_fast.C_SEQ] - 1
+        self._collect(pending, self.timeout, "step", since=since, seq=seq)
         return self._results()
 
     def _results(self) -> tuple[np.ndarray, ...]:
@@ -235,10 +236,15 @@ class WorkerGroup:
         self._check()
         seq = self.control[_fast.C_SEQ]
         self.control[_fast.C_SEQ] = seq + 1
-        for w in self._workers:
-            part = None if rows is None else rows[w.rows.start : w.rows.stop]
-            self._send(w, kind, seq, part)
-        answers = self._collect(self._workers, self.timeout, "reset" if kind == RESET else "step")
+        what = "reset" if kind == RESET else "step"
+        try:
+            for w in self._workers:
+                part = None if rows is None else rows[w.rows.start : w.rows.stop]
+                self._send(w, kind, seq, part)
+        except BaseException as e:  # some were sent: their answers must not reach another
+            self._interrupted(list(self._workers), what, e)
+            raise
+        answers = self._collect(self._workers, self.timeout, what, seq=seq)
         if rows is None:
             return None
         return np.concatenate([answers[w.index] for w in self._workers])
@@ -257,10 +263,20 @@ class WorkerGroup:
         )
 
     def _collect(
-        self, workers: list[_Worker], timeout: float | None, what: str, since: float | None = None
+        self,
+        workers: list[_Worker],
+        timeout: float | None,
+        what: str,
+        since: float | None = None,
+        seq: int | None = None,
     ) -> dict[int, Any]:
         """Every worker's answer to a request (``what``: 'start', 'reset' or 'step'), in order;
-        ``since``: when the request was sent (``time.monotonic()``; default now).
+        ``since``: when the request was sent (``time.monotonic()``; default now); ``seq``: its
+        sequence number, which each answer must carry.
+
+        An exception that ends the wait early (a ``KeyboardInterrupt`` in a ``recv``) stops
+        the group: the answers still owed would otherwise be read by the next request as its
+        own, and a retried step would step the envs twice.
 
         Each ``recv`` waits at most 0.2 s; then every worker still owing an answer is checked
         for life (a dead worker's socket usually closes at once, but not if a process it
@@ -272,6 +288,29 @@ class WorkerGroup:
         answers: dict[int, Any] = {}
         errors: list[str] = []
         pending = list(workers)
+        try:
+            self._gather(pending, start, deadline, what, seq, answers, errors)
+        except BaseException as e:
+            if pending and not errors:
+                self._interrupted(pending, what, e)
+            raise
+        if errors:
+            # The envs' states are now unknown: stop the group; the learner must start over.
+            self.failed = errors[0].split("\n")[0]
+            self.close()
+            raise HostEnvError("\n".join(errors))
+        return answers
+
+    def _interrupted(self, owing: list[_Worker], what: str, e: BaseException) -> None:
+        """Stops the group after ``e`` cut a request short while ``owing`` owed answers."""
+        self.failed = f"a {what} was interrupted ({type(e).__name__}) before every answer"
+        for w in owing:
+            w.proc.kill()  # mid-request: their envs' states are lost with the group
+        self.close()
+
+    def _gather(self, pending, start, deadline, what, seq, answers, errors) -> None:
+        """``_collect``'s loop: takes answers from ``pending`` into ``answers`` until none is
+        owed or the first failure is in ``errors``."""
         halted: dict[int, float] = {}  # worker index -> since when it has been seen stopped
 
         def waiting() -> None:  # between the pieces of an answer that has begun
@@ -292,7 +331,7 @@ class WorkerGroup:
             if msg is None:
                 self._sweep(pending, start, deadline, what, errors, halted)
                 continue
-            kind, _, payload = msg
+            kind, got, payload = msg
             if kind != ERR and deadline is not None and time.monotonic() > deadline:
                 self._sweep(pending, start, deadline, what, errors, halted)  # too late
                 continue
@@ -301,14 +340,13 @@ class WorkerGroup:
                 name, text, tb = payload
                 where = f"{self._where(w)} raised {name}: {text}"
                 errors.append(f"{where}\n--- worker traceback ---\n{tb}")
+            elif seq is not None and got != seq:
+                errors.append(
+                    f"{self._where(w)} answered request {got} where request {seq} was due (a "
+                    "step was duplicated, dropped or reordered)"
+                )
             else:
                 answers[w.index] = payload
-        if errors:
-            # The envs' states are now unknown: stop the group; the learner must start over.
-            self.failed = errors[0].split("\n")[0]
-            self.close()
-            raise HostEnvError("\n".join(errors))
-        return answers
 
     def _sweep(
         self,

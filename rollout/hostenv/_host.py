@@ -783,11 +783,12 @@ class HostEnvs:
         each of them restarts at a retry with an older state, instead of refusing it."""
         try:
             return step()
-        except HostEnvError:
-            failed = f"{self.groups[g].label} had stopped after an error: {self.groups[g].failed}"
-            for h in range(self.num_groups):
-                if h != g:
-                    self._behind.setdefault(h, failed)
+        except BaseException:  # also an interrupt that stopped the group (KeyboardInterrupt)
+            if self.groups[g].failed is not None:
+                failed = f"{self.groups[g].label} had stopped after an error: "
+                for h in range(self.num_groups):
+                    if h != g:
+                        self._behind.setdefault(h, failed + self.groups[g].failed)
             raise
 
     def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
