@@ -61,9 +61,6 @@ class CompiledMemory:
       output: outputs it writes.
       temp: scratch buffers (activations, gradients, fusion temporaries).
       alias: output bytes that reuse donated input buffers.
-      constants: arrays compiled into the program (values a jitted function closes over, such
-        as ``lambda x: ens.apply(variables, x)``), which every device holds whole: neither
-        sharded nor donated. Pass such values as arguments instead.
       generated_code: compiled code size.
       xla_peak: XLA's own liveness-based peak estimate when the backend reports it, else 0.
         All sizes are XLA's: it counts sub-byte dtypes (int4, float4) packed, as GPUs and TPUs
@@ -71,6 +68,11 @@ class CompiledMemory:
         reports what is stored).
       devices: devices the program runs on.
       device_stats: ``Device.memory_stats()`` subset (GPU/TPU) per device; empty on CPU.
+      constants: arrays compiled into the program (values a jitted function closes over, such
+        as ``lambda x: ens.apply(variables, x)``, and any copies XLA makes of them, such as a
+        transpose for a gradient), which every device holds whole: neither sharded nor
+        donated. Pass such values as arguments instead. Arrays XLA rebuilds in the program
+        (zeros, ``arange``) cost none; from 1 MB on, :func:`compiled_memory` warns.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -85,11 +87,11 @@ class CompiledMemory:
     output: int
     temp: int
     alias: int
-    constants: int = 0
     generated_code: int = 0
     xla_peak: int = 0
     devices: tuple[jax.Device, ...] = ()
     device_stats: Mapping[jax.Device, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    constants: int = 0  # last: the fields before keep their positions
 
     @property
     def peak(self) -> int:
@@ -252,13 +254,14 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
             "live_memory() on the arrays instead."
         )
     devices = _compiled_devices(compiled)
-    constants = _constant_bytes(compiled.as_text())
+    constants = _constant_bytes(compiled.as_text() or "")  # None where a backend has no text
     if constants >= _CONSTANTS_WARN:
         warn_user(
             f"compiled_memory: the program holds {constants / MB:.1f} MB of constants on every "
-            "device, arrays the jitted function closes over (such as every member's weights in "
-            "lambda x: ens.apply(variables, x)), neither sharded nor donated; pass them as "
-            "arguments: compiled_memory(jax.jit(lambda v, x: ens.apply(v, x)), variables, x)."
+            "device, from arrays the jitted function closes over (such as every member's "
+            "weights in lambda x: ens.apply(variables, x)), neither sharded nor donated; pass "
+            "them as arguments: compiled_memory(jax.jit(lambda v, x: ens.apply(v, x)), "
+            "variables, x)."
         )
     return CompiledMemory(
         argument=int(stats.argument_size_in_bytes),
