@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,25 @@ def test_gymnax_params_fields_are_make_kwargs():
     for what, a, b in zip(("obs", "reward", "term", "trunc"), mine, theirs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
     assert np.asarray(mine[3]).any()  # episodes cut at the new limit
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        # gymnax took it: every episode ended after one step, and the run trained on that.
+        ({"max_steps_in_episode": -5}, "an episode needs at least one step"),
+        ({"max_steps_in_episode": 2.5}, "give a whole number (the default is 500)"),
+        ({"gravity": "high"}, "give a finite number (the default is 9.8)"),
+        ({"gravity": float("nan")}, "give a finite number"),
+    ],
+)
+def test_gymnax_params_fields_take_values_the_env_can_run_with(kwargs, message):
+    with pytest.raises(
+        ValueError, match=re.escape(f"gymnax:CartPole-v1: env kwarg {next(iter(kwargs))}")
+    ) as e:
+        envs.make("gymnax:CartPole-v1", **kwargs)
+    assert message in str(e.value)
+    assert envs.make("gymnax:CartPole-v1", gravity=9).max_episode_steps == 500  # ints are floats
 
 
 def test_gymnax_observations_come_in_their_spaces_dtype():

@@ -63,6 +63,27 @@ def _flat_space(space: Box) -> Box:
     return Box((size,), tuple(space.low), tuple(space.high), space.dtype)
 
 
+def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
+    """A value for a field of gymnax's ``EnvParams`` that the env can run with: a finite
+    number of the default's kind (gymnax takes any value silently: a negative
+    ``max_steps_in_episode`` ended every episode after one step)."""
+    where = f"gymnax:{env_id}: env kwarg {name}={value!r}"
+    kind = np.asarray(default).dtype.kind
+    if np.ndim(default) or kind not in "biuf":
+        return  # an array or a structure: gymnax's to judge
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "b":
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: give true or false (the default is {default}).")
+        return
+    if not number or not np.isfinite(value):
+        raise ValueError(f"{where}: give a finite number (the default is {default}).")
+    if kind in "iu" and value != int(value):
+        raise ValueError(f"{where}: give a whole number (the default is {default}).")
+    if name == "max_steps_in_episode" and value < 1:
+        raise ValueError(f"{where}: an episode needs at least one step.")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GymnaxEnv(Env):
     """A gymnax environment (``gymnax.make(env_id, **kwargs)``) as a ``rollout.envs.Env``.
@@ -116,7 +137,10 @@ class GymnaxEnv(Env):
                 f"gymnax:{self.env_id}: {e}; kwargs go to gymnax.make, or set a field of its "
                 f"params ({', '.join(sorted(fields))})."
             ) from None
-        return env, params.replace(**{k: v for k, v in kwargs.items() if k in fields})
+        given = {k: v for k, v in kwargs.items() if k in fields}
+        for name, value in given.items():
+            _check_param(self.env_id, name, value, getattr(params, name))
+        return env, params.replace(**given)
 
     def _obs(self, obs: jax.Array) -> jax.Array:
         """gymnax's observation as :attr:`observation_space` describes it: a Discrete one
