@@ -528,6 +528,9 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
         ["--out", out, "--resume", "--overwrite"], capsys
     )
     assert "'abc' is not a number" in _cli_error(["--out", out, "--lr", "abc"], capsys)
+    # argparse reads a value that starts with '-' as a flag: the line says how to give it.
+    line = _cli_error(["--out", out, "--pbt", "--pbt-factors", "-1,2"], capsys)
+    assert "expected one argument (if its value starts with '-', write --pbt-factors=" in line
     assert "--checkpoint-every must be >= 1, got 0" in _cli_error(
         ["--out", out, "--checkpoint-every", "0"], capsys
     )

@@ -18,6 +18,9 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         _remove_made_dirs()  # a refused command leaves no folders behind
+        if message.endswith("expected one argument"):  # argparse read "-1,2" as a flag
+            flag = message.split(":")[0].removeprefix("argument ").split("/")[-1]
+            message += f" (if its value starts with '-', write {flag}=VALUE)"
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
     def results_dir(self, path: str | os.PathLike[str]) -> Path:
