@@ -12,9 +12,9 @@ Per device, the largest over the D devices used, it measures:
 
 - ``state``: live bytes of parameters + Adam state (``ensemble.live_memory``: addressable shards);
 - ``init``: peak of the compiled init program (``ensemble.compiled_memory``);
-- ``step``: peak of the compiled, donated train step (argument + output + temp - alias + constants), with
-  its ``alias`` (donated bytes reused), ``temp`` (activations, gradients) and its collectives
-  (``ensemble.debug.collectives``);
+- ``step``: peak of the compiled, donated train step (argument + output + temp - alias +
+  constants), with its ``alias`` (donated bytes reused), ``temp`` (activations, gradients)
+  and its collectives (``ensemble.debug.collectives``);
 - ``old_step``: the same for the step the library built before its member core,
   ``jax.jit(vmap(value_and_grad(loss) + per-member Adam, spmd_axis_name='ensemble'))`` on the
   same member-sharded, donated params (:func:`old_train_step`), where the member axis is left to

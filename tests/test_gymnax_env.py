@@ -139,6 +139,8 @@ def test_gymnax_params_fields_take_values_the_env_can_run_with(kwargs, message):
         envs.make("gymnax:CartPole-v1", **kwargs)
     assert message in str(e.value)
     assert envs.make("gymnax:CartPole-v1", gravity=9).max_episode_steps == 500  # ints are floats
+    for steps in (np.int64(7), jnp.asarray(7), 7.0):  # NumPy and JAX scalars are numbers
+        assert envs.make("gymnax:CartPole-v1", max_steps_in_episode=steps).max_episode_steps == 7
 
 
 def test_gymnax_observations_come_in_their_spaces_dtype():

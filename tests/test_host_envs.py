@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import chex
@@ -995,13 +996,48 @@ def test_killed_worker_is_an_error_within_seconds(child_holds_socket, tmp_path, 
     assert not alive_after(children, 5)  # SIGKILL is delivered, not awaited
 
 
+def _interrupt_once(monkeypatch, host, where) -> Callable[[], None]:
+    """Arms a KeyboardInterrupt (a Ctrl-C where the step runs in the main thread: one device)
+    at ``where`` in a later step: in the wait for an answer ('recv'), once the answers are in
+    but before the step is counted ('counter'), or after the compiled step handed the wait to
+    Python but before Python took it ('handover'). Returns the function that arms it."""
+    armed = [False]
+
+    def once():
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def arm():
+        armed[0] = True
+        if where == "recv":  # the workers start with the first reset
+            wire = host.groups[0]._workers[0].wire
+            monkeypatch.setattr(wire, "recv", lambda *a, real=wire.recv: once() or real(*a))
+
+    if where == "counter":
+        real = _fast.Control.__setitem__
+        hook = lambda c, k, v: (once() if k == _fast.C_T else None) or real(c, k, v)
+        monkeypatch.setattr(_fast.Control, "__setitem__", hook)
+    elif where == "handover":  # before the step is traced: it calls the method it finds then
+        real = type(host)._host_finish
+        monkeypatch.setattr(type(host), "_host_finish", lambda s, *a: once() or real(s, *a))
+    return arm
+
+
 @pytest.mark.timeout(90)
-def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twice(step_path):
-    """A KeyboardInterrupt while the Python step waited for answers (Ctrl-C where the step runs
-    in the main thread: one device) left the group running with an answer owed: every later
-    step read the one before's answer, and the retried step stepped the envs twice."""
+@pytest.mark.parametrize("where", ["recv", "counter", "handover"])
+def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twice(
+    where, step_path, monkeypatch
+):
+    """An interrupt in a step left the group running: with an answer owed, every later step
+    read the one before's; with the answers in but the step not counted, or the compiled
+    step's wait never taken up, the retry stepped the envs twice or was refused. Each now
+    stops the group, and the retry restarts its envs."""
+    if where == "handover" and step_path == "python":
+        pytest.skip("only the compiled step hands its wait over")
     n, e, T, kw = 1, 2, 4, {"step_sleep": 0.3}  # > the handler's 0.2 s: Python waits too
     host, mesh = bound(WALK_ID, n, e, devices=1, workers_per_device=1, **kw)
+    arm = _interrupt_once(monkeypatch, host, where)
     step = _step_fn(host, mesh)
     keys = jax.random.split(jax.random.key(5), (n, e))
     actions = jnp.asarray(actions_for(WALK_ID, T, n, e, seed=4))
@@ -1009,20 +1045,14 @@ def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twic
         with jax.set_mesh(mesh):
             state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
         state = step(state, actions[0], keys)[0]
-        group = host.groups[0]
-        worker, wire = group._workers[0], group._workers[0].wire
-        real = wire.recv
-
-        def interrupted(*args):  # once, before the answer is read
-            wire.recv = real
-            raise KeyboardInterrupt
-
-        wire.recv = interrupted
+        group, worker = host.groups[0], host.groups[0]._workers[0]
+        arm()
         with pytest.raises(BaseException, match="KeyboardInterrupt"):
             jax.block_until_ready(step(state, actions[1], keys))
-        assert not group.running and "interrupted (KeyboardInterrupt)" in group.failed
-        assert worker.proc.wait(timeout=10) is not None  # its answer can reach no one
-        with pytest.warns(RuntimeWarning, match=r"restarting .*a step was interrupted"):
+        if where != "handover":  # (there, the next step finds the answers owed)
+            assert not group.running and "KeyboardInterrupt" in group.failed
+            assert worker.proc.wait(timeout=10) is not None  # its answer can reach no one
+        with pytest.warns(RuntimeWarning, match=r"restarting .*a step was (interrupted|cut)"):
             out = jax.tree.map(np.asarray, step(state, actions[1], keys))  # the retry
         assert out[5]["restarted"].all() and out[4].all()  # truncated: a new episode
         # From the restart on, the envs follow a fresh reset of the same seeds, step by step.

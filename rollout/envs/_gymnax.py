@@ -71,16 +71,20 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
     kind = np.asarray(default).dtype.kind
     if np.ndim(default) or kind not in "biuf":
         return  # an array or a structure: gymnax's to judge
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:  # Python, NumPy or JAX scalars alike
+        given = np.asarray(value) if np.ndim(value) == 0 else None
+    except Exception:
+        given = None
+    got = given.dtype.kind if given is not None else "?"
     if kind == "b":
-        if not isinstance(value, bool):
+        if got != "b":
             raise ValueError(f"{where}: give true or false (the default is {default}).")
         return
-    if not number or not np.isfinite(value):
+    if got not in "iuf" or not np.isfinite(given):
         raise ValueError(f"{where}: give a finite number (the default is {default}).")
-    if kind in "iu" and value != int(value):
+    if kind in "iu" and given != int(given):
         raise ValueError(f"{where}: give a whole number (the default is {default}).")
-    if name == "max_steps_in_episode" and value < 1:
+    if name == "max_steps_in_episode" and given < 1:
         raise ValueError(f"{where}: an episode needs at least one step.")
 
 

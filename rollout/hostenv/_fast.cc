@@ -9,7 +9,8 @@
 // and otherwise returns a status saying where it stopped:
 //   OK        the step is done, the outputs are written;
 //   NOT_SENT  nothing was sent (the group is not armed, the state is not the live session or
-//             not the step due, a forked process): Python makes the whole step;
+//             not the step due, a forked process, or answers to a step handed to Python are
+//             still owed: an interrupt cut it short): Python makes the whole step;
 //   PENDING   the step went out but not every worker answered it with a plain OK (it raised,
 //             died, or took longer than ctl[WAIT_NS]): Python collects the answers still owed
 //             by the workers in ctl[PENDING] (a bit per worker) and finishes the step.
@@ -168,7 +169,8 @@ int32_t step_locked(int64_t* ctl, const uint32_t* session, const int32_t* t, siz
   if (!ctl[ARMED] || ctl[OWNER] != getpid() || size_t(ctl[ROWS]) != rows ||
       size_t(ctl[ACTION_BYTES]) != action.size_bytes() || !all_equal(session, rows) ||
       !all_equal(t, rows) || int64_t(session[0]) != ctl[SESSION] ||
-      t[0] != int32_t(uint32_t(ctl[T]))) {  // the device's int32 counter wraps; ctl[T] does not
+      t[0] != int32_t(uint32_t(ctl[T])) ||  // the device's int32 counter wraps; ctl[T] does not
+      ctl[PENDING] != 0) {  // Python clears it once it has the answers it was handed
     return NOT_SENT;
   }
   std::memcpy(reinterpret_cast<void*>(ctl[ACTION]), action.untyped_data(), action.size_bytes());

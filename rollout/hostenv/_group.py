@@ -139,7 +139,7 @@ class WorkerGroup:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker (MuJoCo, NumPy BLAS)
         self._owner = os.getpid()
-        self.control[_fast.C_SEQ] = 0
+        self.control[_fast.C_SEQ] = self.control[_fast.C_PENDING] = 0
         starts = np.cumsum([0, *self.counts])
         # Forked workers share one import of the env library (EnvPool's takes 3 s).
         start = (("numpy", self.backend), self.startup_timeout)
@@ -187,7 +187,7 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stops the workers (they are restarted by the next ``start``)."""
-        self.control[_fast.C_ARMED] = 0
+        self.control[_fast.C_ARMED] = self.control[_fast.C_PENDING] = 0
         workers, self._workers = self._workers, []
         if not workers or os.getpid() != self._owner:
             return  # nothing running, or a forked child: the workers belong to the parent
@@ -221,6 +221,7 @@ class WorkerGroup:
         pending = [w for w in self._workers if mask >> w.index & 1]
         since, seq = self.control[_fast.C_START_NS] / 1e9, self.control[_fast.C_SEQ] - 1
         self._collect(pending, self.timeout, "step", since=since, seq=seq)
+        self.control[_fast.C_PENDING] = 0  # answered: the compiled step may send again
         return self._results()
 
     def _results(self) -> tuple[np.ndarray, ...]:
@@ -242,7 +243,7 @@ class WorkerGroup:
                 part = None if rows is None else rows[w.rows.start : w.rows.stop]
                 self._send(w, kind, seq, part)
         except BaseException as e:  # some were sent: their answers must not reach another
-            self._interrupted(list(self._workers), what, e)
+            self.stop(f"a {what} was interrupted ({type(e).__name__}) while it was sent")
             raise
         answers = self._collect(self._workers, self.timeout, what, seq=seq)
         if rows is None:
@@ -292,7 +293,8 @@ class WorkerGroup:
             self._gather(pending, start, deadline, what, seq, answers, errors)
         except BaseException as e:
             if pending and not errors:
-                self._interrupted(pending, what, e)
+                why = f"a {what} was interrupted ({type(e).__name__}) before every answer"
+                self.stop(why, pending)
             raise
         if errors:
             # The envs' states are now unknown: stop the group; the learner must start over.
@@ -301,11 +303,13 @@ class WorkerGroup:
             raise HostEnvError("\n".join(errors))
         return answers
 
-    def _interrupted(self, owing: list[_Worker], what: str, e: BaseException) -> None:
-        """Stops the group after ``e`` cut a request short while ``owing`` owed answers."""
-        self.failed = f"a {what} was interrupted ({type(e).__name__}) before every answer"
-        for w in owing:
-            w.proc.kill()  # mid-request: their envs' states are lost with the group
+    def stop(self, why: str, owing: list[_Worker] | None = None) -> None:
+        """Stops the group after a request was cut short (``why``), killing the workers that
+        may still be in it (``owing``; default all): their envs' states are lost with it, and
+        their answers must reach no later request. The next session starts it again."""
+        self.failed = why
+        for w in self._workers if owing is None else owing:
+            w.proc.kill()
         self.close()
 
     def _gather(self, pending, start, deadline, what, seq, answers, errors) -> None:

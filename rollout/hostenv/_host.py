@@ -735,7 +735,6 @@ class HostEnvs:
             # another thread) its answers are gone, and the Python step restarts the envs.
             if int(status) == _fast.PENDING and _live(group, session):
                 new_obs, reward, term, trunc, final = self._failing(int(g), group.finish_step)
-                group.control[C_T] += 1
                 return self._step_results(session, new_obs, reward, term, trunc, final)
             return self._step_locked(int(g), session, t, obs, action, seeds)
 
@@ -764,31 +763,42 @@ class HostEnvs:
         group = self.groups[g]
         step = _one(t, "step counter")
         due = group.control[C_T]
+        if group.running and group.control[_fast.C_PENDING]:  # handed over, never finished
+            group.stop("a step was cut short (an interrupt) before its answers were read")
         if _live(group, session) and not (g in self._behind and _int32(due) != step):
             if _int32(due) != step:  # the device's int32 counter wraps after 2**31 steps
                 raise HostEnvError(
                     f"host env {self.env.name}, {group.label}: step {step} arrived where "
-                    f"step {_int32(due)} was due (a step was duplicated, dropped or reordered)"
+                    f"step {_int32(due)} was due (a step was duplicated, dropped or reordered; "
+                    "or a call retried after an interrupt that came once its step was made: the "
+                    "envs cannot step back, and close() on them restarts them at the next step)"
                 )
             m, e = session.shape
             outs = self._failing(g, lambda: group.step(action.reshape(m * e, *action.shape[2:])))
-            group.control[C_T] = due + 1
             return self._step_results(session, *outs)
         # Not the live session: a restored checkpoint, a state from before close(), or an
         # older state of this run. The envs cannot go back to it: restart them.
         return self._restart(g, t, obs, seeds)
 
     def _failing(self, g: int, step: Any) -> Any:
-        """``step()``; if it raises, the other groups' envs have gone on without this one's:
-        each of them restarts at a retry with an older state, instead of refusing it."""
+        """``step()`` of group ``g``, then its step counter advanced. If anything raises in
+        between (an env error, or an interrupt, which may come even once the answers are in)
+        the group stops, so that a retry restarts its envs rather than step them twice; and
+        the other groups' envs have gone on without this one's: each of them restarts at a
+        retry with an older state, instead of refusing it."""
+        group = self.groups[g]
         try:
-            return step()
-        except BaseException:  # also an interrupt that stopped the group (KeyboardInterrupt)
-            if self.groups[g].failed is not None:
-                failed = f"{self.groups[g].label} had stopped after an error: "
+            outs = step()
+            group.control[C_T] += 1
+            return outs
+        except BaseException as e:
+            if group.failed is None and group.running:
+                group.stop(f"a step was cut short ({type(e).__name__}) before it was counted")
+            if group.failed is not None:
+                failed = f"{group.label} had stopped after an error: {group.failed}"
                 for h in range(self.num_groups):
                     if h != g:
-                        self._behind.setdefault(h, failed + self.groups[g].failed)
+                        self._behind.setdefault(h, failed)
             raise
 
     def _restart(self, g, t, obs, seeds) -> tuple[np.ndarray, ...]:
