@@ -43,7 +43,8 @@ def available_cores() -> int:
 
 def available_memory() -> int | None:
     """Bytes of host memory this process may still take: the kernel's ``MemAvailable``, or the
-    cgroup's limit less its use where that is smaller; ``None`` where neither can be read."""
+    cgroup's limit less its use (page cache, which the kernel reclaims, not counted) where that
+    is smaller; ``None`` where neither can be read."""
     found = []
     try:
         with open("/proc/meminfo") as f:
@@ -52,12 +53,16 @@ def available_memory() -> int | None:
                     found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
+    cgroup = "/sys/fs/cgroup"
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
+        with open(f"{cgroup}/memory.max") as f:
             limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            if limit != "max":
-                found.append(int(limit) - int(f.read().strip()))
+        if limit != "max":
+            with open(f"{cgroup}/memory.current") as f:
+                used = int(f.read().strip())
+            with open(f"{cgroup}/memory.stat") as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+            found.append(int(limit) - used + int(stat.get("file", 0)))
     except (OSError, ValueError):
         pass
     return min(found) if found else None
