@@ -41,6 +41,9 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_CGROUP = "/sys/fs/cgroup"  # cgroup v2: this process's limits, in a container
+
+
 def available_memory() -> int | None:
     """Bytes of host memory this process may still take: the kernel's ``MemAvailable``, or the
     cgroup's limit less its use (page cache, which the kernel reclaims, not counted) where that
@@ -53,7 +56,7 @@ def available_memory() -> int | None:
                     found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    cgroup = "/sys/fs/cgroup"
+    cgroup = _CGROUP
     try:
         with open(f"{cgroup}/memory.max") as f:
             limit = f.read().strip()

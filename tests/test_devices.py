@@ -53,3 +53,21 @@ def test_fresh_process_gets_n_devices_and_thread_flags(tmp_path):
     assert (n, devices) == ("3", "3")
     assert flags.split() == [f"--xla_dump_to={dump}", "--xla_cpu_multi_thread_eigen=false"]
     assert dump.is_dir() and any(dump.iterdir())  # the user's flag was read by XLA
+
+
+def test_available_memory_takes_the_cgroup_limit_less_its_use_but_not_its_page_cache(
+    tmp_path, monkeypatch
+):
+    import rollout._devices as devices
+
+    (tmp_path / "memory.max").write_text("8000000000\n")
+    (tmp_path / "memory.current").write_text("3000000000\n")
+    (tmp_path / "memory.stat").write_text("anon 1000000000\nfile 2000000000\nshmem 0\n")
+    monkeypatch.setattr(devices, "_CGROUP", str(tmp_path))
+    host = devices.available_memory()
+    assert host is not None and 0 < host <= 7_000_000_000  # MemAvailable, or the cgroup's
+    (tmp_path / "memory.max").write_text("2000000000\n")  # now the cgroup's is the smaller
+    assert devices.available_memory() == 2_000_000_000 - 3_000_000_000 + 2_000_000_000
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the kernel's figure alone
+    kernel = devices.available_memory()
+    assert kernel is not None and kernel > 0
