@@ -117,6 +117,35 @@ def drop_padding(outs: Sequence[Any], pads: Sequence[int]) -> list[Any]:
     return [o.reshape(o.shape[: o.ndim - k]) if k else o for o, k in zip(outs, pads)]
 
 
+# Sub-byte dtypes, and the byte-wide ones that hold each of their values exactly.
+_SUB_BYTE = {
+    "int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8,
+    "float4_e2m1fn": np.float32,
+}  # fmt: skip
+
+
+def widen_sub_byte(xs: Sequence[jax.Array]) -> tuple[list[jax.Array], list[Any]]:
+    """``xs`` with sub-byte arrays (int4, ...) cast to a byte-wide dtype, and the dtypes to
+    give them back on the host (``None``: unchanged). A callback of a program over several
+    CPU devices gets sub-byte inputs as ``jax.Array``s, whose conversion to NumPy is a JAX
+    computation on those devices, which waits forever for the program that called back.
+
+    >>> import jax.numpy as jnp
+    >>> [x.dtype for x in widen_sub_byte([jnp.zeros(2, jnp.int4), jnp.zeros(2)])[0]]
+    [dtype('int8'), dtype('float32')]
+    """
+    back = [np.dtype(x.dtype) if np.dtype(x.dtype).name in _SUB_BYTE else None for x in xs]
+    wide = [x if b is None else x.astype(_SUB_BYTE[b.name]) for x, b in zip(xs, back)]
+    return wide, back
+
+
+def narrow_sub_byte(fn: Callable[..., Any], back: Sequence[Any]) -> Callable[..., Any]:
+    """The host's side of :func:`widen_sub_byte`: ``fn`` given its inputs in their dtypes."""
+    if all(b is None for b in back):
+        return fn
+    return lambda *xs: fn(*(x if b is None else np.asarray(x).astype(b) for x, b in zip(xs, back)))
+
+
 def host_call(fn: Callable[..., Any], result_types: Sequence[Any], *args: jax.Array) -> tuple:
     """Calls ``fn(*numpy_args) -> tuple of arrays`` on the host from traced code, as an IO effect.
 

@@ -40,7 +40,13 @@ from jax.sharding import PartitionSpec as P
 
 from ensemble._warn import warn_user
 from rollout._devices import available_cores
-from rollout._host_call import drop_padding, equal_ranks, pad_results
+from rollout._host_call import (
+    drop_padding,
+    equal_ranks,
+    narrow_sub_byte,
+    pad_results,
+    widen_sub_byte,
+)
 from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
 from rollout._pool import _shared as _shared_pools
 from rollout._relay import remember
@@ -950,8 +956,9 @@ class _Call:
         xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
         result = [jax.ShapeDtypeStruct((xs[0].shape[0], *shape), dt) for shape, dt in self.row_outs]
         result, pads = equal_ranks(result)  # for a TPU caller inside shard_map (see equal_ranks)
-        host = pad_results(self.host, pads)
-        outs = drop_padding(jax.pure_callback(host, result, *xs, vmap_method="expand_dims"), pads)
+        wide, back = widen_sub_byte(xs)
+        host = narrow_sub_byte(pad_results(self.host, pads), back)
+        outs = drop_padding(jax.pure_callback(host, result, *wide, vmap_method="expand_dims"), pads)
         vma = frozenset().union(*(_varying_axes(x) for x in xs))
         if vma:  # inside shard_map: each device got its own rows, so results vary too
             outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]

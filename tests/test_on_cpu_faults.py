@@ -163,6 +163,32 @@ def test_sub_byte_dtypes_round_trip_through_processes_and_are_refused_in_process
         inprocess.close()
 
 
+SUB_BYTE_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from rollout import on_cpu
+mesh = jax.make_mesh((8,), ("b",))
+f = on_cpu(lambda x: x.astype(jnp.int32) + 1, workers=2)
+for name in ("int4", "uint4"):
+    x = jax.device_put(jnp.full((16, 3), 5, name), NamedSharding(mesh, P("b")))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.full((16, 3), 6))
+f.close()
+print("ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sub_byte_inputs_from_a_program_over_several_devices_do_not_hang():
+    """Such a program's callback got its int4 inputs as jax.Arrays, whose conversion to NumPy
+    ran on the devices waiting for that callback: the call never returned."""
+    env = dict(ENV, JAX_NUM_CPU_DEVICES="8")
+    res = subprocess.run(
+        [sys.executable, "-c", SUB_BYTE_SHARDED], capture_output=True, text=True, timeout=90,
+        env=env,
+    )  # fmt: skip
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
 INT64 = """
 import jax, jax.numpy as jnp, numpy as np
 from rollout import on_cpu
