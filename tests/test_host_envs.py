@@ -776,9 +776,11 @@ def test_env_exception_names_env_worker_and_traceback(workers, step_path, monkey
 
 
 @pytest.mark.timeout(60)
-def test_a_step_after_an_env_error_restarts_the_envs_and_says_why(step_path):
-    # The restart's warning said "resumed from a checkpoint, or stepped after close()".
-    host, mesh = bound(WALK_ID, 1, 2, devices=1, fail_at=2, workers_per_device=1)
+@pytest.mark.parametrize("workers", [1, 0])
+def test_a_step_after_an_env_error_restarts_the_envs_and_says_why(workers, step_path):
+    # The restart's warning said "resumed from a checkpoint, or stepped after close()"; envs
+    # in this process (workers_per_device=0) never restarted: "stopped after an error".
+    host, mesh = bound(WALK_ID, 1, 2, devices=1, fail_at=2, workers_per_device=workers)
     step = _step_fn(host, mesh)
     keys = jax.random.split(jax.random.key(0), (1, 2))
     action = jnp.zeros((1, 2), jnp.int32)
@@ -1025,18 +1027,21 @@ def _interrupt_once(monkeypatch, host, where) -> Callable[[], None]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("where", ["recv", "counter", "handover"])
+@pytest.mark.parametrize("where", ["recv", "counter", "handover", "counter, in process"])
 def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twice(
     where, step_path, monkeypatch
 ):
     """An interrupt in a step left the group running: with an answer owed, every later step
     read the one before's; with the answers in but the step not counted, or the compiled
-    step's wait never taken up, the retry stepped the envs twice or was refused. Each now
-    stops the group, and the retry restarts its envs."""
+    step's wait never taken up, the retry stepped the envs twice or was refused (envs in
+    this process: an AttributeError, then the double step). Each now stops the group, and
+    the retry restarts its envs."""
     if where == "handover" and step_path == "python":
         pytest.skip("only the compiled step hands its wait over")
+    workers = 0 if where.endswith("in process") else 1
+    where = where.split(",")[0]
     n, e, T, kw = 1, 2, 4, {"step_sleep": 0.3}  # > the handler's 0.2 s: Python waits too
-    host, mesh = bound(WALK_ID, n, e, devices=1, workers_per_device=1, **kw)
+    host, mesh = bound(WALK_ID, n, e, devices=1, workers_per_device=workers, **kw)
     arm = _interrupt_once(monkeypatch, host, where)
     step = _step_fn(host, mesh)
     keys = jax.random.split(jax.random.key(5), (n, e))
@@ -1045,13 +1050,14 @@ def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twic
         with jax.set_mesh(mesh):
             state, _ = jax.block_until_ready(jax.jit(host.reset)(keys))
         state = step(state, actions[0], keys)[0]
-        group, worker = host.groups[0], host.groups[0]._workers[0]
+        group = host.groups[0]
         arm()
         with pytest.raises(BaseException, match="KeyboardInterrupt"):
             jax.block_until_ready(step(state, actions[1], keys))
         if where != "handover":  # (there, the next step finds the answers owed)
             assert not group.running and "KeyboardInterrupt" in group.failed
-            assert worker.proc.wait(timeout=10) is not None  # its answer can reach no one
+            if workers:  # its answer can reach no one
+                assert all(w.proc.poll() is not None for w in group._workers)
         with pytest.warns(RuntimeWarning, match=r"restarting .*a step was (interrupted|cut)"):
             out = jax.tree.map(np.asarray, step(state, actions[1], keys))  # the retry
         assert out[5]["restarted"].all() and out[4].all()  # truncated: a new episode
@@ -1063,6 +1069,30 @@ def test_an_interrupted_step_stops_its_group_and_a_retry_restarts_not_steps_twic
         _, ref = reference(WALK_ID, seeds_of(keys), np.asarray(actions[2:]))  # (no sleeps)
         np.testing.assert_allclose([g[1] for g in got], ref[0], rtol=1e-6)  # observations
         np.testing.assert_allclose([g[2] for g in got], ref[1], rtol=1e-6)  # rewards
+    finally:
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reset_after_a_step_python_never_took_up_starts_afresh(monkeypatch):
+    """The workers still owed the handed-over step's answers: the reset read one as its own
+    and failed ("answered request 2 where request 3 was due")."""
+    host, mesh = bound(WALK_ID, 1, 2, devices=1, workers_per_device=1, step_sleep=0.3)
+    arm = _interrupt_once(monkeypatch, host, "handover")
+    step = _step_fn(host, mesh)
+    keys = jax.random.split(jax.random.key(2), (1, 2))
+    action = jnp.ones((1, 2), jnp.int32)
+    try:
+        with jax.set_mesh(mesh):
+            reset = jax.jit(host.reset)
+            state, _ = jax.block_until_ready(reset(keys))
+        arm()
+        with pytest.raises(BaseException, match="KeyboardInterrupt"):
+            jax.block_until_ready(step(state, action, keys))
+        with jax.set_mesh(mesh):
+            _, obs = jax.block_until_ready(reset(keys))
+        ref0, _ = reference(WALK_ID, seeds_of(keys), np.zeros((0, 1, 2), np.int32))
+        np.testing.assert_allclose(np.asarray(obs), ref0, rtol=1e-6)
     finally:
         host.close()
 

@@ -468,15 +468,24 @@ class InProcessGroup:
     def start(self) -> None:
         from rollout.hostenv._worker import _BACKENDS
 
+        self.failed = None  # a new session: the envs are made again (a restart after an error)
         self._envs = self._call(
             lambda: _BACKENDS[self.backend](self.env_id, self.kwargs, self.rows, self.threads)
         )
-        self.failed = None
 
     def close(self) -> None:
         envs, self._envs = self._envs, None
         if envs is not None:
             envs.close()
+
+    def stop(self, why: str, owing: Any = None) -> None:
+        """As ``WorkerGroup.stop``: after a step cut short (``why``) the envs' states are
+        unknown, so they go, and the next session makes them again."""
+        self.failed = why
+        try:
+            self.close()
+        except Exception:
+            self._envs = None  # (their own close failed: they are dropped all the same)
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         return self._call(lambda: self._envs.reset(seeds))

@@ -707,6 +707,7 @@ class HostEnvs:
 
     def _new_session(self, g: int, seeds: np.ndarray) -> tuple[int, np.ndarray]:
         group = self.groups[g]
+        _drop_unfinished(group)
         if not group.running:
             group.start()
         obs = group.reset(seeds.reshape(-1))
@@ -763,8 +764,7 @@ class HostEnvs:
         group = self.groups[g]
         step = _one(t, "step counter")
         due = group.control[C_T]
-        if group.running and group.control[_fast.C_PENDING]:  # handed over, never finished
-            group.stop("a step was cut short (an interrupt) before its answers were read")
+        _drop_unfinished(group)
         if _live(group, session) and not (g in self._behind and _int32(due) != step):
             if _int32(due) != step:  # the device's int32 counter wraps after 2**31 steps
                 raise HostEnvError(
@@ -845,6 +845,14 @@ def _int32(x: int) -> int:
 
 def _same(x: np.ndarray) -> bool:
     return bool((x == x.flat[0]).all())
+
+
+def _drop_unfinished(group: Any) -> None:
+    """Stops a group whose last step the compiled handler handed to Python and Python never
+    took up (an interrupt came between): its workers still owe that step's answers, which
+    must reach no later request. The caller then starts it afresh."""
+    if group.running and group.control[_fast.C_PENDING]:
+        group.stop("a step was cut short (an interrupt) before its answers were read")
 
 
 def _live(group: Any, session: np.ndarray) -> bool:
