@@ -1114,9 +1114,10 @@ def on_cpu(
     respect to ``fn``'s inputs), exactly as the rollout-then-train pattern wants.
 
     Values ``fn`` closes over (a global, ``self.w`` of a callable object) are frozen into its
-    output shapes and compiled program at the first call for each batch shape, and later changes
-    to them are not seen, even by a newly traced ``jit`` (a new batch size whose chunks reuse a
-    program compiled before a change that alters an output shape is an error): pass whatever
+    output shapes at the first call for each batch shape, and into the workers' compiled
+    program at the first call for each chunk size; later changes to them are not seen, even by
+    a newly traced ``jit`` (a new batch size whose chunks have an earlier batch's size runs that
+    earlier program; where a change alters an output shape that is an error): pass whatever
     changes (parameters) as arguments.
 
     Random keys pass as typed keys or raw key data. With threefry keys (JAX's default) a row's
