@@ -215,6 +215,36 @@ def test_exploit_explore_copies_exactly_the_parent_rows_on_the_devices(env="pend
     ensemble.debug.assert_member_placement(cont.members, learner.mesh, members)
 
 
+def test_a_copy_is_clipped_to_the_bounds_whatever_factor_it_draws():
+    """A child that drew 1.0 kept its parent's out-of-bounds values (a child that drew 0.8 or
+    1.2 was clipped); a kept member keeps its own. Returns of the wrong length: one line."""
+    cfg = _tiny(
+        "cartpole", 2, learning_rate=0.5, clip_coef=0.9, pbt_fraction=0.5, pbt_factors=(1.0,)
+    )
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    state = learner.init()
+    with pytest.raises(ValueError, match=r"one score per member, shape \(2,\); got shape \(3,\)"):
+        learner.exploit_explore(state, np.zeros(3, np.float32), jax.random.key(0))
+    _, (parent, hparams) = learner.exploit_explore(
+        state, np.array([0.0, -1.0], np.float32), jax.random.key(0)
+    )
+    assert np.asarray(parent).tolist() == [0, 0]
+    for name, start in (("learning_rate", 0.5), ("clip_coef", 0.9)):
+        hi = pbt.BOUNDS[name][1]
+        got = np.asarray(hparams[name])
+        assert got[0] == np.float32(start)  # kept
+        assert got[1] == np.float32(hi)  # the copy, clipped
+
+
+@pytest.mark.parametrize("members", [3, 9, 12])
+def test_a_too_small_pbt_fraction_is_refused_with_a_fraction_that_passes(members):
+    cfg = _tiny("cartpole", members, pbt_fraction=0.05)
+    with pytest.raises(ValueError, match="replaces no member; raise it to at least") as e:
+        cfg.validate()
+    least = float(str(e.value).rstrip(".").split()[-1])
+    _tiny("cartpole", members, pbt_fraction=least).validate()
+
+
 def _check_perturbed_hparams(old_h, new_h, returned, parent, bottom) -> None:
     """Hyperparameters: the parent's times 0.8 or 1.2 (clipped to the bounds); donors unchanged."""
     for name in pbt.HPARAMS:

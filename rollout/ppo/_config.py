@@ -366,7 +366,7 @@ def _validate_pbt(cfg: PPOConfig) -> None:
     if math.floor(f * cfg.members) < 1:
         raise ValueError(
             f"pbt_fraction={f} of members={cfg.members} replaces no member; raise it to at least "
-            f"{1 / cfg.members:.3g}."
+            f"{math.ceil(1000 / cfg.members) / 1000:g}."
         )
     factors = cfg.pbt_factors
     if (

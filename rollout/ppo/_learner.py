@@ -665,6 +665,12 @@ class Learner:
         """
         from rollout.ppo import _pbt
 
+        n = self.config.members
+        if np.shape(recent_returns) != (n,):
+            raise ValueError(
+                f"recent_returns must hold one score per member, shape ({n},); got shape "
+                f"{np.shape(recent_returns)}."
+            )
         if self._pbt_step is None:
             self._pbt_step = _pbt.make_step(self)
         _refuse_donated(state)

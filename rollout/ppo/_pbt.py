@@ -127,10 +127,13 @@ def exploit_explore(members: Any, parent: jax.Array, factor: jax.Array, mesh: Me
     new = gather_members({f: getattr(members, f) for f in COPIED}, parent, mesh)
     old_lr = new["hparams"]["learning_rate"]
     hparams = {}
+    # A copy is clipped to the bounds whatever factor it drew (1.0 too); a kept member keeps
+    # its values, even where it started outside them.
+    copied = parent != jnp.arange(parent.shape[0])
     for j, name in enumerate(HPARAMS):
         lo, hi = BOUNDS[name]
         value = new["hparams"][name]
-        changed = factor[:, j] != 1.0
+        changed = copied | (factor[:, j] != 1.0)
         hparams[name] = jnp.where(changed, jnp.clip(value * factor[:, j], lo, hi), value)
     injected = optax.tree_utils.tree_get(new["opt_state"], "learning_rate")
     ratio = injected / jnp.where(old_lr > 0, old_lr, 1.0)
