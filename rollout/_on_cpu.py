@@ -1022,6 +1022,16 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
     # NamedShardings, not bare specs: the caller need not be inside `jax.set_mesh`.
     place = functools.partial(NamedSharding, mesh)
+    # Sub-byte values (int2, int4) move between devices byte-wide: XLA's CPU reshard of 2-bit
+    # arrays gave wrong values, or corrupted the heap.
+    (batched, back), (shared, back_shared) = widen_sub_byte(batched), widen_sub_byte(shared)
+    back_out: list[Any] = []
+
+    def body(*xs: Any) -> list[Any]:
+        xs = [x if b is None else x.astype(b) for x, b in zip(xs, [*back, *back_shared])]
+        outs, back_out[:] = widen_sub_byte(call.callback(*xs))
+        return outs
+
     if explicit and padded > n:  # explicit types cannot pad rows sharded over some axes
         batched = [jax.reshard(x, place(P())) for x in batched]
     bb = [
@@ -1032,12 +1042,12 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     args = [*bb, *shared]
     if explicit:  # Explicit axes: shard_map wants inputs that already carry its in_specs
         args = [jax.reshard(x, place(s)) for x, s in zip(args, specs)]
-    outs = jax.shard_map(
-        call.callback, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False
-    )(*args)
+    outs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False)(
+        *args
+    )
     if explicit:  # replicated whatever the batch size (13 rows cannot sit on 8 shards), so
         outs = [jax.reshard(o, place(P())) for o in outs]  # the caller's types never depend on it
-    return [o[:n] for o in outs]
+    return [(o if b is None else o.astype(b))[:n] for o, b in zip(outs, back_out)]
 
 
 def on_cpu(

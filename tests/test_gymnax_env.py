@@ -130,6 +130,10 @@ def test_gymnax_params_fields_are_make_kwargs():
         ({"max_steps_in_episode": 2.5}, "give a whole number (the default is 500)"),
         ({"gravity": "high"}, "give a finite number (the default is 9.8)"),
         ({"gravity": float("nan")}, "give a finite number"),
+        # Past int32: a NumPy int64 wrapped (episodes of one step), a Python int overflowed
+        # at the first step with an error that did not name the kwarg.
+        ({"max_steps_in_episode": np.int64(2**31)}, "in [-2147483648, 2147483647]"),
+        ({"max_steps_in_episode": 2**40}, "in [-2147483648, 2147483647]"),
     ],
 )
 def test_gymnax_params_fields_take_values_the_env_can_run_with(kwargs, message):

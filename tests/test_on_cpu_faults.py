@@ -167,12 +167,24 @@ SUB_BYTE_SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from rollout import on_cpu
-mesh = jax.make_mesh((8,), ("b",))
+mesh = jax.make_mesh((8,), ("b",))  # Explicit axes: on_cpu reshards its inputs and outputs
 f = on_cpu(lambda x: x.astype(jnp.int32) + 1, workers=2)
 for name in ("int4", "uint4"):
     x = jax.device_put(jnp.full((16, 3), 5, name), NamedSharding(mesh, P("b")))
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.full((16, 3), 6))
 f.close()
+# 2-bit outputs (XLA's CPU reshard of them gave wrong values or a heap corruption), and rows
+# padded to the devices (4 rows over a 4 x 2 mesh), every value of each dtype.
+same = on_cpu(lambda x, s: (x, x.astype(jnp.int32) + s), in_axes=(0, None), workers=2)
+for name, vals in (("int2", [-2, -1, 0, 1]), ("uint2", [0, 1, 2, 3]), ("int4", [-8, 7, 0, 3])):
+    for m, spec, rows in ((mesh, P("b"), 64), (jax.make_mesh((4, 2), ("a", "c")), P("a"), 4)):
+        v = np.resize(vals, (rows, 1))
+        x = jax.device_put(jnp.asarray(v).astype(name), NamedSharding(m, spec))
+        y, z = jax.jit(same)(x, 1)
+        assert y.dtype == name, y.dtype
+        np.testing.assert_array_equal(np.asarray(y).astype(int), v)
+        np.testing.assert_array_equal(np.asarray(z), v + 1)
+same.close()
 print("ok")
 """
 
