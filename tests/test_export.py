@@ -861,6 +861,27 @@ def test_a_run_on_an_env_object_its_config_cannot_make_is_not_resumed_or_evaluat
     learner.close()
 
 
+def test_only_unawaited_orbax_failures_leave_asyncios_log():
+    """The CLIs drop asyncio's "Task exception was never retrieved" for a failed read that
+    orbax left unawaited (a damaged checkpoint: one printed before the warning line, in CI),
+    and keep every other record."""
+    import logging
+
+    from rollout.ppo._checkpoint import _unawaited_orbax_failures
+
+    def record(msg: str, where: str) -> logging.LogRecord:
+        try:
+            exec(compile("raise ValueError('OUT_OF_RANGE')", where, "exec"))
+        except ValueError:
+            info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, info)
+
+    unawaited = "Task exception was never retrieved\nfuture: <Task finished>"
+    assert not _unawaited_orbax_failures(record(unawaited, "/site/orbax/checkpoint/io.py"))
+    assert _unawaited_orbax_failures(record(unawaited, "/home/me/my_code.py"))
+    assert _unawaited_orbax_failures(record("Exception in callback", "/site/orbax/io.py"))
+
+
 @pytest.mark.timeout(300)
 def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp_path):
     """Orbax's reads still in flight when the damaged checkpoint's restore failed complete into

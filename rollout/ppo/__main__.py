@@ -10,14 +10,14 @@ import sys
 from typing import NoReturn
 
 from ensemble._exit import exit_process
-from rollout.ppo._checkpoint import without_closed_loop_noise
+from rollout.ppo._checkpoint import quiet_failed_checkpoint_io
 from rollout.ppo._cli import main
 
 
 def run() -> NoReturn:
     """The ``ensemble-ppo`` console script: :func:`main`, then the process ends."""
     if "--debug" not in sys.argv:
-        sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
+        quiet_failed_checkpoint_io()
     exit_process(main())
 
 

@@ -25,6 +25,8 @@ import logging
 import os
 import re
 import shutil
+import sys
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +101,25 @@ class RunDir:
 
 
 # ---------------------------------------------------------------------- run directory
+
+
+def quiet_failed_checkpoint_io() -> None:
+    """For a command line: when a checkpoint read or write fails (a damaged checkpoint, a full
+    disk), the one line that says so, not the tracebacks of TensorStore operations still in
+    flight (up to hundreds): those that complete into orbax's closed event loop, and the
+    failed reads whose task nobody awaits, which asyncio logs when it collects them."""
+    sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
+    logging.getLogger("asyncio").addFilter(_unawaited_orbax_failures)
+
+
+def _unawaited_orbax_failures(record: Any) -> bool:
+    """A ``logging`` filter: False for asyncio's "Task exception was never retrieved" about an
+    exception raised in orbax's code, True (kept) for everything else."""
+    if not record.getMessage().startswith("Task exception was never retrieved"):
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(exc.__traceback__) if exc is not None else []
+    return not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
 
 
 def without_closed_loop_noise(hook: Any) -> Any:

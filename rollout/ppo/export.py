@@ -1009,9 +1009,9 @@ def _devices_for_run(run_dir: str) -> list[jax.Device] | None:
 
 if __name__ == "__main__":
     from ensemble._exit import exit_process
-    from rollout.ppo._checkpoint import without_closed_loop_noise
+    from rollout.ppo._checkpoint import quiet_failed_checkpoint_io
 
     # A damaged newest checkpoint (export falls back to the one before) or one a run still
     # training removes while it is read: one warning line, not hundreds of tracebacks.
-    sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
+    quiet_failed_checkpoint_io()
     exit_process(main())
