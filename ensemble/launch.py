@@ -19,11 +19,13 @@ with gloo collectives:
 Output lines come back prefixed ``[rank k]``. If any process fails (non-zero exit or a signal),
 the launcher stops the others (SIGTERM, SIGKILL after ``--grace`` seconds) and exits with that
 process's code, so a crash never leaves the rest hanging in a collective. SIGINT / SIGTERM sent to
-the launcher are forwarded to every process, followed by SIGKILL ``--grace`` seconds later for any
-that is still running: JAX's preemption service catches SIGTERM in a distributed run and only
-records it, so a process blocked in a collective would otherwise keep running. ``--timeout``
-bounds the whole run (exit 124). Only 127.0.0.1 is used: the coordinator binds loopback
-(``JAX_COORDINATOR_BIND_ADDRESS``) and ``ensemble.distributed.initialize`` makes gloo bind it too.
+the launcher are forwarded to every process, followed by SIGKILL ``--signal-grace`` seconds later
+(default 60: a training step and a checkpoint write) for any that is still running, which the
+launcher then says, exiting 137: JAX's preemption service catches SIGTERM in a distributed run
+and only records it, so a process blocked in a collective would otherwise keep running.
+``--timeout`` bounds the whole run (exit 124). Only 127.0.0.1 is used: the coordinator binds
+loopback (``JAX_COORDINATOR_BIND_ADDRESS``) and ``ensemble.distributed.initialize`` makes gloo bind
+it too.
 
 This is for trying a multi-host program on one machine and for tests. Across real hosts, start
 one process per host with your cluster's tools (SLURM, Kubernetes, or by hand with the variables
@@ -140,6 +142,7 @@ def launch(
     port: int | None = None,
     timeout: float | None = None,
     grace: float = 5.0,
+    signal_grace: float = 60.0,
     env: Mapping[str, str] | None = None,
     stdout: IO[bytes] | IO[str] | None = None,
     stderr: IO[bytes] | IO[str] | None = None,
@@ -148,7 +151,10 @@ def launch(
 
     0 when every process exits 0. Otherwise the code of the first process that failed (128 + the
     signal number when it was killed by a signal), after the others were stopped; 124 when
-    ``timeout`` seconds passed; 128 + signum when the launcher itself got SIGINT / SIGTERM.
+    ``timeout`` seconds passed; 128 + signum when the launcher itself got SIGINT / SIGTERM,
+    which it forwards to every process, then SIGKILLs what still runs ``signal_grace`` seconds
+    later (saying so, exit code 137: a checkpoint being written then is lost); ``grace``: the
+    seconds between SIGTERM and SIGKILL when it stops the others after a failure or timeout.
     "First" is the order in which the processes ended (a waiting thread per process notes it),
     so a rank that exits because another one failed is not blamed for it. A ``port`` that is
     already in use (another run's coordinator) is refused with ``OSError`` before anything
@@ -166,9 +172,10 @@ def launch(
     command = _checked(command, num_processes, devices_per_process, port)
     if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}.")
-    if not (grace >= 0 and math.isfinite(grace)):
-        raise ValueError(f"grace must be a number of seconds >= 0, got {grace}.")
-    run = _Run(_binary(stdout or sys.stdout), _binary(stderr or sys.stderr), grace)
+    for name, value in (("grace", grace), ("signal_grace", signal_grace)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value}.")
+    run = _Run(_binary(stdout or sys.stdout), _binary(stderr or sys.stderr), grace, signal_grace)
     # Signals are ours to forward from before the first process starts: one that came between
     # the start and the handlers used to end the launcher itself (exit -15, not 143).
     with run.forwarding_signals():
@@ -210,8 +217,9 @@ def _checked(
 class _Run:
     """The processes of one ``launch``: their output pumps, reapers, signals and exit code."""
 
-    def __init__(self, out: Any, err: Any, grace: float):
-        self.out, self.err, self.grace = out, err, grace
+    def __init__(self, out: Any, err: Any, grace: float, signal_grace: float):
+        self.out, self.err, self.grace, self.signal_grace = out, err, grace, signal_grace
+        self.killed_late: list[int] = []  # ranks still running signal_grace after a signal
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.threads: list[threading.Thread] = []
@@ -273,8 +281,9 @@ class _Run:
         for p in self.procs:
             _signal_group(p, sig)
         # JAX's preemption service catches SIGTERM in a distributed run (it only records a
-        # preemption notice), so a process may well survive it: SIGKILL after the grace period.
-        self.kill_at.append(time.monotonic() + self.grace)
+        # preemption notice), so a process may well survive it: SIGKILL after the grace period,
+        # long enough by default for a training step and a checkpoint write.
+        self.kill_at.append(time.monotonic() + self.signal_grace)
 
     def supervise(self, timeout: float | None) -> int:
         """Waits for every process; stops them all at the first failure, a signal or timeout."""
@@ -290,7 +299,7 @@ class _Run:
             for t in self.threads:
                 t.join(timeout=5)
         if self.received and code == 0:
-            code = 128 + self.received[0]
+            code = 128 + (signal.SIGKILL if self.killed_late else self.received[0])
         if first is not None:
             self.note(f"exit code {code}: rank {first[0]} failed first ({_describe(first[1])}).")
         return code
@@ -319,14 +328,26 @@ class _Run:
             if len(done) == len(self.procs):
                 return code, first
             if self.kill_at and time.monotonic() > self.kill_at[0]:
-                for p in self.procs:
-                    if p.poll() is None:
-                        _signal_group(p, signal.SIGKILL)
+                self._kill_late()
             if deadline is not None and time.monotonic() > deadline and code == 0:
                 self.note(f"--timeout {timeout:g} s reached; stopping all processes.")
                 code = 124
                 _stop(self.procs, self.grace)
             time.sleep(0.05)
+
+    def _kill_late(self) -> None:
+        """SIGKILLs the processes still running ``signal_grace`` after a forwarded signal,
+        saying so once: whatever they were writing (a checkpoint) is lost."""
+        late = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        for r in late:
+            _signal_group(self.procs[r], signal.SIGKILL)
+        if late and not self.killed_late and self.received.count(signal.SIGINT) < 2:
+            self.note(
+                f"ranks {late} still ran {self.signal_grace:g} s after the signal: killed "
+                "(SIGKILL), so what they were writing (a checkpoint) is lost; give "
+                "--signal-grace more than a training step plus a checkpoint write."
+            )
+        self.killed_late = self.killed_late or late
 
     def _stop_after(self, first: tuple[int, int], done: list[tuple[int, int]]) -> int:
         """Stops the processes still running after ``first`` failed; its exit code."""
@@ -379,7 +400,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop everything after SECONDS (exit 124; default: no limit)",
     )
     parser.add_argument(
-        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when a failure stops the others (default 5)",
+    )
+    parser.add_argument(
+        "--signal-grace",
+        type=float,
+        default=60.0,
+        help="seconds the processes get to stop after a forwarded Ctrl-C / SIGTERM (a training "
+        "step and a checkpoint write) before SIGKILL (default 60)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and its arguments")
     args = parser.parse_args(argv)
@@ -394,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port,
             timeout=args.timeout,
             grace=args.grace,
+            signal_grace=args.signal_grace,
         )
     except FileNotFoundError as e:  # the command itself
         print(f"error: cannot run {command[0]!r}: no such program ({e.strerror})", file=sys.stderr)

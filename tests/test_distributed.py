@@ -120,7 +120,7 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
         f"open({str(pids)!r} + os.environ['ENSEMBLE_PROCESS_ID'], 'w').write(str(os.getpid()))\n"
         "time.sleep(600)\n"
     )
-    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--signal-grace", "1", "--"]
     proc = subprocess.Popen(
         [*cmd, sys.executable, "-c", script],
         cwd=ROOT,
@@ -136,7 +136,11 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
             time.sleep(0.1)
         children = [int(f.read_text()) for f in files]
         proc.send_signal(sig)
-        assert proc.wait(timeout=30) == 128 + sig
+        # They ignored it: killed once --signal-grace passed, which the launcher says (what
+        # they were writing is lost: it exited 143, as after a clean stop, without a word).
+        assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+        err = proc.stderr.read().decode()
+        assert "[launch] ranks [0, 1] still ran 1 s after the signal: killed (SIGKILL)" in err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -146,10 +150,43 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
             os.kill(pid, 0)
 
 
+@pytest.mark.timeout(90)
+def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_path):
+    """A run that takes a few seconds to stop (its step, then a checkpoint write) was SIGKILLed
+    after --grace (5 s), its checkpoint lost, and the launcher exited 143 as after a clean
+    stop; a forwarded signal now has --signal-grace (60 s), apart from --grace."""
+    script = (
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(3)  # the step, then the checkpoint\n"
+        f"    open({str(tmp_path)!r} + '/ckpt' + os.environ['ENSEMBLE_PROCESS_ID'], 'w')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"open({str(tmp_path)!r} + '/up' + os.environ['ENSEMBLE_PROCESS_ID'], 'w')\n"
+        "time.sleep(600)\n"
+    )
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the launched processes never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all((tmp_path / f"ckpt{r}").exists() for r in range(2))
+    assert b"[launch]" not in proc.stderr.read()
+
+
 def test_a_signal_while_the_launcher_starts_its_processes_is_forwarded_not_fatal():
     """The launcher takes SIGINT / SIGTERM before its first process starts (one that came
     between the start and the handlers ended it with -15), and starts none after one."""
-    run = launcher._Run(io.BytesIO(), io.BytesIO(), grace=1.0)
+    run = launcher._Run(io.BytesIO(), io.BytesIO(), grace=1.0, signal_grace=1.0)
     with run.forwarding_signals():
         os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread
         run.start([sys.executable, "-c", "import time; time.sleep(60)"], 2, 0, None, None)

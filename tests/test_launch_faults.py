@@ -88,6 +88,7 @@ def test_port_in_use_and_bad_port_in_the_api():
         ({"timeout": float("nan")}, "timeout must be a positive number"),
         ({"grace": -1.0}, "grace must be a number of seconds >= 0"),
         ({"grace": float("nan")}, "grace must be a number of seconds >= 0"),
+        ({"signal_grace": -1.0}, "signal_grace must be a number of seconds >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):  # before any process starts
             launcher.launch([sys.executable, "-c", "pass"], 1, **kw)
