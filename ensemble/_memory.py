@@ -72,7 +72,8 @@ class CompiledMemory:
         as ``lambda x: ens.apply(variables, x)``, and any copies XLA makes of them, such as a
         transpose for a gradient), which every device holds whole: neither sharded nor
         donated. Pass such values as arguments instead. Arrays XLA rebuilds in the program
-        (zeros, ``arange``) cost none; from 1 MB on, :func:`compiled_memory` warns.
+        (zeros, ``arange``) cost none; from 1 MB on, :func:`compiled_memory` warns. On TPU,
+        ``generated_code`` includes them too (the peak counts them once).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -284,8 +285,9 @@ _CONSTANTS_WARN = 1_000_000  # bytes: a closed-over array, not XLA's own small t
 
 def _constant_bytes(hlo: str) -> int:
     """Bytes of the array constants in a compiled program's HLO text (XLA's sizes: sub-byte
-    dtypes packed). Memory analysis leaves them out, and a closure over sharded arrays puts
-    every shard in each device's program."""
+    dtypes packed). Memory analysis leaves them out of its argument / output / temp figures
+    (on TPU its code size has them), and a closure over sharded arrays puts every shard in
+    each device's program."""
     total = 0
     for dtype, dims in _HLO_CONSTANT.findall(hlo):
         bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())

@@ -134,6 +134,7 @@ def test_gymnax_params_fields_are_make_kwargs():
         # at the first step with an error that did not name the kwarg.
         ({"max_steps_in_episode": np.int64(2**31)}, "in [-2147483648, 2147483647]"),
         ({"max_steps_in_episode": 2**40}, "in [-2147483648, 2147483647]"),
+        ({"gravity": 1e39}, "give a number in [-3.40282e+38, 3.40282e+38]"),  # (was inf)
     ],
 )
 def test_gymnax_params_fields_take_values_the_env_can_run_with(kwargs, message):

@@ -433,6 +433,34 @@ def test_a_state_that_cannot_fit_in_memory_is_refused_before_anything_is_made(
     assert not (out / "run.json").exists()
 
 
+def test_the_accelerator_memory_check_reads_a_device_of_this_process():
+    """On accelerators the check reads one device's bytes_limit. It read the mesh's first
+    device, which in a multi-process run is process 0's: every other process failed with
+    JAX's 'MemoryStats is only supported for addressable PjRt devices'."""
+    from types import SimpleNamespace
+
+    from rollout.ppo._learner import StateTooLarge, _refuse_a_state_too_big
+
+    class Chip:
+        platform, device_kind = "tpu", "TPU test"
+
+        def __init__(self, mine: bool):
+            self.mine = mine
+
+        def memory_stats(self):
+            if not self.mine:
+                raise RuntimeError("MemoryStats is only supported for addressable PjRt devices.")
+            return {"bytes_limit": 1000}
+
+    other, mine = Chip(False), Chip(True)
+    mesh = SimpleNamespace(
+        devices=np.array([other, mine]), local_devices=[mine], shape={"ensemble": 2}
+    )
+    learner = Learner(PPOConfig.for_env("cartpole", members=2), devices=jax.devices()[:2])
+    with pytest.raises(StateTooLarge, match=r"more than the 0\.0 GB of the memory of one TPU test"):
+        _refuse_a_state_too_big(learner.network, learner.spec, mesh, learner.config)
+
+
 def test_a_misspelt_library_prefix_is_named_with_the_right_one():
     from rollout.ppo._env import known_envs
 

@@ -84,13 +84,17 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
         raise ValueError(f"{where}: give a finite number (the default is {default}).")
     if kind in "iu" and given != int(given):
         raise ValueError(f"{where}: give a whole number (the default is {default}).")
-    if kind in "iu":  # as JAX holds it (int32 without x64), where a larger one wraps
-        info = np.iinfo(jax.dtypes.canonicalize_dtype(np.asarray(default).dtype))
-        if not info.min <= int(given) <= info.max:
-            raise ValueError(
-                f"{where}: give a whole number in [{info.min}, {info.max}] (the field's "
-                f"{info.dtype} range; the default is {default})."
-            )
+    # As JAX holds it (int32, float32 without x64): a larger int wraps, a larger float is inf.
+    held = jax.dtypes.canonicalize_dtype(np.asarray(default).dtype)
+    as_python = int if kind in "iu" else float  # compared as Python numbers: no cast warning
+    info = np.iinfo(held) if kind in "iu" else np.finfo(held)
+    low, high = as_python(info.min), as_python(info.max)
+    if not low <= as_python(given) <= high:
+        span = f"[{low}, {high}]" if kind in "iu" else f"[{low:g}, {high:g}]"
+        raise ValueError(
+            f"{where}: give a {'whole ' if kind in 'iu' else ''}number in {span} (the field's "
+            f"{held} range; the default is {default})."
+        )
     if name == "max_steps_in_episode" and given < 1:
         raise ValueError(f"{where}: an episode needs at least one step.")
 

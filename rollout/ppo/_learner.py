@@ -782,10 +782,11 @@ def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConf
     if all(d.platform == "cpu" for d in devices):  # this host's members share its memory
         here = config.members * len(mesh.local_devices) // len(devices)
         have, where = available_memory(), "this host's free memory"
-    else:  # one device's members
+    else:  # one device's members; a device of this process (others refuse memory_stats)
         here = max(1, config.members // mesh.shape["ensemble"])
-        have = (devices[0].memory_stats() or {}).get("bytes_limit")
-        where = f"the memory of one {devices[0].device_kind}"
+        local = mesh.local_devices[0]
+        have = (local.memory_stats() or {}).get("bytes_limit")
+        where = f"the memory of one {local.device_kind}"
     need = 4 * per_member * here  # the parameters, their gradients, Adam's two moments
     if have is not None and need > have:
         raise StateTooLarge(
