@@ -28,8 +28,9 @@ def exit_process(code: int | None) -> NoReturn:
         import jax
 
         if jax.distributed.is_initialized() and jax.process_count() > 1:
+            how = "stopped by a signal" if code in (130, 143) else "failed"
             sys.stderr.write(
-                f"ensemble.distributed: process {jax.process_index()} failed (exit code "
+                f"ensemble.distributed: process {jax.process_index()} {how} (exit code "
                 f"{code}); exiting now without waiting for the other processes.\n"
             )
             sys.stdout.flush()

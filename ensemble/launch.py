@@ -310,8 +310,8 @@ class _Run:
         while True:
             with self.lock:
                 done = list(self.ended)
-            failed = [(r, c) for r, c in done if c != 0]
-            if failed and code == 0 and not self.received:
+            failed = [(r, c) for r, c in done if c != 0 and not self._stopped_by_us(c)]
+            if failed and code == 0:
                 failed_at = failed_at or time.monotonic()
                 for r, _ in failed:  # read what they printed last (a peer-failure line?)
                     for t in self.pumps[r]:
@@ -323,7 +323,7 @@ class _Run:
                     # all failed must not end with code 0.
                     waited = math.inf
                 first = _first_failure(failed, self.followers, waited, self.grace)
-            if first is not None and code == 0 and not self.received:
+            if first is not None and code == 0:
                 code = self._stop_after(first, done)
             if len(done) == len(self.procs):
                 return code, first
@@ -334,6 +334,15 @@ class _Run:
                 code = 124
                 _stop(self.procs, self.grace)
             time.sleep(0.05)
+
+    def _stopped_by_us(self, code: int) -> bool:
+        """Whether exit ``code`` is how a process ends on a signal the launcher sent (a
+        forwarded one, or its SIGKILL): a stop, not a failure. Any other code after a
+        forwarded signal (a checkpoint write that failed) is one, and stops the others."""
+        ours = set(self.received)
+        if self.killed_late or self.received.count(signal.SIGINT) > 1:
+            ours.add(signal.SIGKILL)
+        return any(code in (-s, 128 + s) for s in ours)
 
     def _kill_late(self) -> None:
         """SIGKILLs the processes still running ``signal_grace`` after a forwarded signal,

@@ -183,6 +183,37 @@ def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_pa
     assert b"[launch]" not in proc.stderr.read()
 
 
+@pytest.mark.timeout(90)
+def test_a_process_that_fails_after_a_forwarded_signal_is_named_and_its_code_returned(tmp_path):
+    """Every failure was ignored once a signal had come: a checkpoint write that failed on
+    one rank ended the run with 143, as a clean stop, without a word."""
+    script = (
+        "import os, signal, sys, time\n"
+        "rank = os.environ['ENSEMBLE_PROCESS_ID']\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
+        f"open({str(tmp_path)!r} + '/up' + rank, 'w')\n"
+        "while not got: time.sleep(0.05)\n"
+        "if rank == '1': sys.exit(1)  # its checkpoint write failed\n"
+        "time.sleep(1); sys.exit(143)\n"
+    )
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the launched processes never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "[launch] exit code 1: rank 1 failed first" in proc.stderr.read().decode()
+
+
 def test_a_signal_while_the_launcher_starts_its_processes_is_forwarded_not_fatal():
     """The launcher takes SIGINT / SIGTERM before its first process starts (one that came
     between the start and the handlers ended it with -15), and starts none after one."""

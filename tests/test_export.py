@@ -880,6 +880,12 @@ def test_only_unawaited_orbax_failures_leave_asyncios_log():
     assert not _unawaited_orbax_failures(record(unawaited, "/site/orbax/checkpoint/io.py"))
     assert _unawaited_orbax_failures(record(unawaited, "/home/me/my_code.py"))
     assert _unawaited_orbax_failures(record("Exception in callback", "/site/orbax/io.py"))
+    # A TensorStore future's error has asyncio's frames alone, and names its spec.
+    future = "Future exception was never retrieved\nfuture: <Future finished>"
+    failed = record(future, "/lib/asyncio/tasks.py")
+    assert _unawaited_orbax_failures(failed)
+    failed.exc_info[1].args = ("OUT_OF_RANGE: Error reading [tensorstore_spec='{}']",)
+    assert not _unawaited_orbax_failures(failed)
 
 
 @pytest.mark.timeout(300)

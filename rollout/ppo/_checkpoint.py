@@ -28,6 +28,7 @@ import shutil
 import sys
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,22 +105,31 @@ class RunDir:
 
 
 def quiet_failed_checkpoint_io() -> None:
-    """For a command line: when a checkpoint read or write fails (a damaged checkpoint, a full
-    disk), the one line that says so, not the tracebacks of TensorStore operations still in
-    flight (up to hundreds): those that complete into orbax's closed event loop, and the
-    failed reads whose task nobody awaits, which asyncio logs when it collects them."""
+    """For a command line (it runs no coroutine of the user's): when a checkpoint read or
+    write fails (a damaged checkpoint, a full disk), the one line that says so, not the
+    tracebacks of TensorStore operations still in flight (up to hundreds): those that complete
+    into orbax's closed event loop, the failed reads whose task or future nobody awaits, which
+    asyncio logs when it collects them, and the coroutines that were never awaited."""
     sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
     logging.getLogger("asyncio").addFilter(_unawaited_orbax_failures)
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+
+
+_UNAWAITED = ("Task exception was never retrieved", "Future exception was never retrieved")
 
 
 def _unawaited_orbax_failures(record: Any) -> bool:
-    """A ``logging`` filter: False for asyncio's "Task exception was never retrieved" about an
-    exception raised in orbax's code, True (kept) for everything else."""
-    if not record.getMessage().startswith("Task exception was never retrieved"):
+    """A ``logging`` filter: False for asyncio's "... exception was never retrieved" about an
+    exception of orbax's or TensorStore's, True (kept) for everything else."""
+    if not record.getMessage().startswith(_UNAWAITED):
         return True
     exc = record.exc_info[1] if record.exc_info else None
-    frames = traceback.extract_tb(exc.__traceback__) if exc is not None else []
-    return not any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
+    if exc is None:
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    theirs = (f"{os.sep}orbax{os.sep}", f"{os.sep}tensorstore{os.sep}")
+    in_their_code = any(part in frame.filename for frame in frames for part in theirs)
+    return not (in_their_code or "tensorstore_spec" in str(exc))
 
 
 def without_closed_loop_noise(hook: Any) -> Any:
