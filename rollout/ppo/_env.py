@@ -349,7 +349,7 @@ def _trace_one_step(env: Any, name: str) -> tuple:
         problems.extend([problem] if problem else [])
         return None if problem else out  # (what it returned may not even be JAX types)
 
-    key = jax.random.key(0)
+    key = jax.eval_shape(lambda: jax.random.key(0))  # a shape: nothing placed on a device
     reset = jax.eval_shape(functools.partial(checked, env.reset, 2), key)
     if problems:
         raise ValueError(f"{name}: reset returns {problems[0]}; {_RESET}.")

@@ -776,7 +776,8 @@ def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConf
     from rollout._devices import available_memory
 
     obs = jax.ShapeDtypeStruct((1, *spec.obs_shape), jnp.float32)
-    shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
+    # The key made inside the trace: nothing is placed on a device (a transfer guard holds).
+    shapes = jax.eval_shape(lambda o: network.init(jax.random.key(0), o), obs)
     per_member = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     devices = list(mesh.devices.flat)
     if all(d.platform == "cpu" for d in devices):  # this host's members share its memory
