@@ -312,10 +312,13 @@ class _Run:
                 done = list(self.ended)
             failed = [(r, c) for r, c in done if c != 0 and not self._stopped_by_us(c)]
             if failed and code == 0:
-                failed_at = failed_at or time.monotonic()
                 for r, _ in failed:  # read what they printed last (a peer-failure line?)
                     for t in self.pumps[r]:
                         t.join(timeout=0.5)
+                if self.received:  # one that died of a peer's stop (JAX's abort) was stopped too
+                    failed = [f for f in failed if f[0] not in self.followers]
+            if failed and code == 0:
+                failed_at = failed_at or time.monotonic()
                 waited = time.monotonic() - failed_at
                 if len(done) == len(self.procs):
                     # All have ended, each blaming a peer (JAX's shutdown barrier failing aborts

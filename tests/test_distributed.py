@@ -214,6 +214,39 @@ def test_a_process_that_fails_after_a_forwarded_signal_is_named_and_its_code_ret
     assert "[launch] exit code 1: rank 1 failed first" in proc.stderr.read().decode()
 
 
+@pytest.mark.timeout(90)
+def test_a_process_that_aborts_on_its_peers_clean_stop_is_not_blamed(tmp_path):
+    """Rank 0 stops cleanly (143); rank 1, in a collective, loses its coordinator and JAX
+    aborts it (134, 'another task died'): the run was stopped, not failed."""
+    script = (
+        "import os, signal, sys, time\n"
+        "rank = os.environ['ENSEMBLE_PROCESS_ID']\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
+        f"open({str(tmp_path)!r} + '/up' + rank, 'w')\n"
+        "while not got: time.sleep(0.05)\n"
+        "if rank == '0': sys.exit(143)\n"
+        "time.sleep(0.5)\n"
+        "print('Terminating process because ... another task died', file=sys.stderr, flush=True)\n"
+        "os.abort()\n"
+    )
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the launched processes never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"[launch]" not in proc.stderr.read()
+
+
 def test_a_signal_while_the_launcher_starts_its_processes_is_forwarded_not_fatal():
     """The launcher takes SIGINT / SIGTERM before its first process starts (one that came
     between the start and the handlers ended it with -15), and starts none after one."""
