@@ -888,6 +888,23 @@ def test_only_unawaited_orbax_failures_leave_asyncios_log():
     assert not _unawaited_orbax_failures(failed)
 
 
+def test_only_work_that_outlived_its_loop_or_the_interpreter_is_kept_from_the_hooks():
+    """A failed checkpoint write's last stderr line was once orbax's thread scheduling work at
+    exit ("cannot schedule new futures after interpreter shutdown"), not the CLI's error."""
+    from types import SimpleNamespace
+
+    from rollout.ppo._checkpoint import without_closed_loop_noise
+
+    seen = []
+    hook = without_closed_loop_noise(seen.append)
+    for text in ("Event loop is closed", "cannot schedule new futures after interpreter shutdown"):
+        hook(SimpleNamespace(exc_value=RuntimeError(text)))
+    assert seen == []
+    for exc in (RuntimeError("my own error"), ValueError("Event loop is closed")):
+        hook(SimpleNamespace(exc_value=exc))
+    assert len(seen) == 2
+
+
 @pytest.mark.timeout(300)
 def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp_path):
     """Orbax's reads still in flight when the damaged checkpoint's restore failed complete into

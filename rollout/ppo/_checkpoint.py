@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import traceback
 import uuid
 import warnings
@@ -111,6 +112,7 @@ def quiet_failed_checkpoint_io() -> None:
     into orbax's closed event loop, the failed reads whose task or future nobody awaits, which
     asyncio logs when it collects them, and the coroutines that were never awaited."""
     sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
+    threading.excepthook = without_closed_loop_noise(threading.excepthook)
     logging.getLogger("asyncio").addFilter(_unawaited_orbax_failures)
     warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
 
@@ -132,17 +134,21 @@ def _unawaited_orbax_failures(record: Any) -> bool:
     return not (in_their_code or "tensorstore_spec" in str(exc))
 
 
+# What orbax's work still in flight raises once the failed operation's loop or the
+# interpreter has closed: never the error to report (the CLI's one line says that).
+_CLOSED = ("Event loop is closed", "cannot schedule new futures after interpreter shutdown")
+
+
 def without_closed_loop_noise(hook: Any) -> Any:
-    """``hook`` (for ``sys.unraisablehook``) that skips ``Event loop is closed`` errors. When a
-    checkpoint write or read fails (a full disk, a damaged checkpoint), TensorStore's
-    operations still in flight complete into orbax's closed event loop, each printing a
+    """``hook`` (for ``sys.unraisablehook`` or ``threading.excepthook``) that skips the errors
+    of work that outlived its loop or the interpreter. When a checkpoint write or read fails
+    (a full disk, a damaged checkpoint), TensorStore's operations still in flight complete
+    into orbax's closed event loop, and its threads schedule work at exit, each printing a
     traceback (up to hundreds) around the one line that says what failed."""
 
     def skip(info: Any) -> None:
-        if not (
-            isinstance(info.exc_value, RuntimeError)
-            and "Event loop is closed" in str(info.exc_value)
-        ):
+        closed = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) in _CLOSED
+        if not closed:
             hook(info)
 
     return skip
