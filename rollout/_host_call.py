@@ -139,11 +139,16 @@ def widen_sub_byte(xs: Sequence[jax.Array]) -> tuple[list[jax.Array], list[Any]]
     return wide, back
 
 
+def restore_sub_byte(xs: Sequence[Any], back: Sequence[Any]) -> list[Any]:
+    """The other side of :func:`widen_sub_byte`: ``xs`` in their dtypes again (``back``)."""
+    return [x if b is None else x.astype(b) for x, b in zip(xs, back)]
+
+
 def narrow_sub_byte(fn: Callable[..., Any], back: Sequence[Any]) -> Callable[..., Any]:
     """The host's side of :func:`widen_sub_byte`: ``fn`` given its inputs in their dtypes."""
     if all(b is None for b in back):
         return fn
-    return lambda *xs: fn(*(x if b is None else np.asarray(x).astype(b) for x, b in zip(xs, back)))
+    return lambda *xs: fn(*restore_sub_byte([np.asarray(x) for x in xs], back))
 
 
 def host_call(fn: Callable[..., Any], result_types: Sequence[Any], *args: jax.Array) -> tuple:

@@ -45,6 +45,7 @@ from rollout._host_call import (
     equal_ranks,
     narrow_sub_byte,
     pad_results,
+    restore_sub_byte,
     widen_sub_byte,
 )
 from rollout._pool import ProcessPool, WorkerError, WorkerTimeout, shared_pool
@@ -1028,8 +1029,7 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     back_out: list[Any] = []
 
     def body(*xs: Any) -> list[Any]:
-        xs = [x if b is None else x.astype(b) for x, b in zip(xs, [*back, *back_shared])]
-        outs, back_out[:] = widen_sub_byte(call.callback(*xs))
+        outs, back_out[:] = widen_sub_byte(call.callback(*restore_sub_byte(xs, back + back_shared)))
         return outs
 
     if explicit and padded > n:  # explicit types cannot pad rows sharded over some axes
@@ -1047,7 +1047,7 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     )
     if explicit:  # replicated whatever the batch size (13 rows cannot sit on 8 shards), so
         outs = [jax.reshard(o, place(P())) for o in outs]  # the caller's types never depend on it
-    return [(o if b is None else o.astype(b))[:n] for o, b in zip(outs, back_out)]
+    return [o[:n] for o in restore_sub_byte(outs, back_out)]
 
 
 def on_cpu(

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +151,26 @@ def test_launcher_forwards_signals_and_leaves_no_process(tmp_path, sig):
             os.kill(pid, 0)
 
 
+def _sigterm_a_launch(tmp_path: Path, script: str) -> tuple[int, str]:
+    """``ensemble.launch -n 2 --grace 1`` of ``script`` (each rank writes ``up<rank>`` in
+    ``tmp_path`` once ready), SIGTERM once both are: its exit code and stderr."""
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the launched processes never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, proc.stderr.read().decode()
+
+
 @pytest.mark.timeout(90)
 def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_path):
     """A run that takes a few seconds to stop (its step, then a checkpoint write) was SIGKILLed
@@ -165,22 +186,10 @@ def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_pa
         f"open({str(tmp_path)!r} + '/up' + os.environ['ENSEMBLE_PROCESS_ID'], 'w')\n"
         "time.sleep(600)\n"
     )
-    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
-    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline, "the launched processes never started"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    code, err = _sigterm_a_launch(tmp_path, script)
+    assert code == 128 + signal.SIGTERM
     assert all((tmp_path / f"ckpt{r}").exists() for r in range(2))
-    assert b"[launch]" not in proc.stderr.read()
+    assert "[launch]" not in err
 
 
 @pytest.mark.timeout(90)
@@ -197,21 +206,9 @@ def test_a_process_that_fails_after_a_forwarded_signal_is_named_and_its_code_ret
         "if rank == '1': sys.exit(1)  # its checkpoint write failed\n"
         "time.sleep(1); sys.exit(143)\n"
     )
-    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
-    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline, "the launched processes never started"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "[launch] exit code 1: rank 1 failed first" in proc.stderr.read().decode()
+    code, err = _sigterm_a_launch(tmp_path, script)
+    assert code == 1
+    assert "[launch] exit code 1: rank 1 failed first" in err
 
 
 @pytest.mark.timeout(90)
@@ -230,21 +227,9 @@ def test_a_process_that_aborts_on_its_peers_clean_stop_is_not_blamed(tmp_path):
         "print('Terminating process because ... another task died', file=sys.stderr, flush=True)\n"
         "os.abort()\n"
     )
-    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--grace", "1", "--"]
-    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline, "the launched processes never started"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert b"[launch]" not in proc.stderr.read()
+    code, err = _sigterm_a_launch(tmp_path, script)
+    assert code == 128 + signal.SIGTERM
+    assert "[launch]" not in err
 
 
 def test_a_signal_while_the_launcher_starts_its_processes_is_forwarded_not_fatal():

@@ -296,10 +296,8 @@ class WorkerGroup:
                 why = f"a {what} was interrupted ({type(e).__name__}) before every answer"
                 self.stop(why, pending)
             raise
-        if errors:
-            # The envs' states are now unknown: stop the group; the learner must start over.
-            self.failed = errors[0].split("\n")[0]
-            self.close()
+        if errors:  # the envs' states are now unknown: the learner must start over
+            self.stop(errors[0].split("\n")[0], owing=[])  # (the stuck ones are killed)
             raise HostEnvError("\n".join(errors))
         return answers
 
