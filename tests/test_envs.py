@@ -708,3 +708,32 @@ def test_env_names_in_messages_are_the_envs_own():
     assert env_name(HasEnvField()) == "HasEnvField"
     assert env_name(AutoReset(AutoReset(HasEnvField()))) == "HasEnvField"
     assert env_name(envs.make("cartpole")) == "CartPole-v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoParams:
+    """A user env on the functional API alone: no `Env` base class, no `default_params`."""
+
+    name: str = "no-params"
+    max_episode_steps: int = 5
+    observation_space = _Walk.observation_space
+    action_space = _Walk.action_space
+
+    def reset(self, key, params=None):
+        return _Walk().reset(key)
+
+    def step(self, state, action, key, params=None):
+        return _Walk().step(state, action, key)
+
+
+def test_a_user_env_without_default_params_is_accepted():
+    """The README's API lists no `default_params`; AutoReset needed it (an AttributeError from
+    inside its step, naming neither the env nor the fix). Without it, params are `None`."""
+    env = envs.AutoReset(_NoParams())
+    assert env.default_params() is None
+    _learner(env)  # traces reset and step
+    state, _ = env.reset(jax.random.key(0))
+    for action in (1, 1, 1, 1):
+        state, obs, _, term, _, info = env.step(state, jnp.int32(action), jax.random.key(1))
+    assert bool(term) and bool(info["done"]) and float(info["final_obs"][0]) == 4.0
+    assert float(info["episode_return"]) == -10.0 and obs.tolist() == [0.0, 0.0]

@@ -357,8 +357,10 @@ class AutoReset(Env):
         return self.env.unwrapped
 
     def default_params(self) -> PyTree:
-        """The wrapped env's `default_params()`."""
-        return self.env.default_params()
+        """The wrapped env's `default_params()`; `None` for an env without one (no array
+        inputs: the functional API does not require it)."""
+        own = getattr(self.env, "default_params", None)
+        return None if own is None else own()
 
     def reset(self, key: PRNGKey, params: PyTree = None) -> tuple[AutoResetState, Array]:
         """The wrapped env's reset, with the episode statistics at zero."""
@@ -374,7 +376,7 @@ class AutoReset(Env):
         adds `final_obs`, `done`, `episode_return` and `episode_length` (see the class).
         """
         if params is None:
-            params = self.env.default_params()
+            params = self.default_params()
         step_key, reset_key = jax.random.split(key)
         env_state, obs, reward, terminated, truncated, info = self.env.step(
             state.env_state, action, step_key, params
