@@ -1014,6 +1014,15 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(vma)
 
 
+_EXPLICIT_VMAP = (
+    "on_cpu(fn): cannot split the rows over the mesh axes {names}, which are Explicit ({error}). "
+    "This happens under jax.vmap over an array sharded on one of them (the vmapped axis "
+    "already uses it): fold that axis into on_cpu's batch instead (one call on x.reshape(-1, "
+    "...), with in_axes for its arguments), call it inside jax.shard_map over that axis, or "
+    "use a mesh with Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,) * ndim))"
+)
+
+
 def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> list[Any]:
     """jit over inputs sharded on several devices: a bare callback would be placed on one device
     (and its output sharding breaks later ops), so call it once per shard."""
@@ -1040,11 +1049,15 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     ]
     specs = (P(names),) * len(batched) + (P(),) * len(shared)
     args = [*bb, *shared]
-    if explicit:  # Explicit axes: shard_map wants inputs that already carry its in_specs
-        args = [jax.reshard(x, place(s)) for x, s in zip(args, specs)]
-    outs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False)(
-        *args
-    )
+    split = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names), check_vma=False)
+    if not explicit:
+        outs = split(*args)
+    else:  # Explicit axes: shard_map wants inputs that already carry its in_specs
+        try:
+            outs = split(*[jax.reshard(x, place(s)) for x, s in zip(args, specs)])
+        except Exception as e:  # JAX's own errors: a DuplicateSpecError, a ValueError
+            error = " ".join(str(e).split())
+            raise ValueError(_EXPLICIT_VMAP.format(names=names, error=error)) from e
     if explicit:  # replicated whatever the batch size (13 rows cannot sit on 8 shards), so
         outs = [jax.reshard(o, place(P())) for o in outs]  # the caller's types never depend on it
     return [o[:n] for o in restore_sub_byte(outs, back_out)]

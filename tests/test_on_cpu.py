@@ -141,6 +141,30 @@ def test_calls_inside_the_callers_set_mesh(rollout_fn, axis_type):
 
 
 @pytest.mark.timeout(120)
+def test_vmap_over_a_sharded_member_axis(rollout_fn):
+    """``jax.vmap`` over members sharded on the mesh: on Auto axes each member's rows equal fn's;
+    on Explicit axes (``jax.make_mesh``'s default) the vmapped axis already uses the mesh axis
+    that on_cpu splits rows over, which JAX refused in its own words (a DuplicateSpecError from
+    inside on_cpu, or a shard_map error): now one ValueError that says what to do instead."""
+    x = np.stack([fresh(m, 3, 24) for m in range(8)])  # 8 members x 3 rows
+    p = params_for(4)
+    want = np.stack([synth(p, x[m]) for m in range(8)])
+    for kind in ("Auto", "Explicit"):
+        mesh = jax.make_mesh((8,), ("m",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(x, NamedSharding(mesh, P("m")))
+            vmapped = jax.jit(jax.vmap(rollout_fn, in_axes=(None, 0)))
+            if kind == "Auto":
+                close(vmapped(p, xs), want)
+                continue
+            refusal = r"^on_cpu\(fn\): cannot split the rows over the mesh axes \('m',\), which"
+            with pytest.raises(ValueError, match=refusal + " are Explicit .* fold that axis into"):
+                vmapped(p, xs)
+            folded = jax.jit(lambda p, v: rollout_fn(p, v.reshape(24, 24)).reshape(8, 3, 24))
+            close(folded(p, xs), want)  # the workaround the message gives
+
+
+@pytest.mark.timeout(120)
 def test_shard_map_over_8_devices_then_psum(rollout_fn, monkeypatch):
     import rollout._on_cpu as impl
     import rollout._pool as pool
