@@ -352,6 +352,7 @@ class TrainStep:
                 return self._layouts[layout]
         self._check_member_major(params, "params")
         self._check_member_major(opt_state, "opt_state")
+        self._check_opt_structure(params, opt_state)
         check_on_mesh(params, self.mesh, "params", member_major=True)
         check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
         p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
@@ -431,6 +432,20 @@ class TrainStep:
             if MEMBER_AXIS in names or self.mesh.shape[MEMBER_AXIS] == 1:
                 return sharding
         return member_sharding(self.mesh, len(np.shape(abstract)), None, self._members.rules)
+
+    def _check_opt_structure(self, params: Any, opt_state: Any) -> None:
+        """Another optimizer's state, or params and opt_state swapped, failed deep in optax or
+        in jax.grad (an AttributeError on 'mu', grad of an int32 count), naming neither."""
+        want = jax.tree.structure(jax.eval_shape(self._tx.init, params))
+        got = jax.tree.structure(opt_state)
+        if got != want:
+            raise TypeError(
+                f"opt_state is not this step's optimizer state for these params (a tree of "
+                f"{got.num_leaves} leaves, {type(opt_state).__name__} at the top, where "
+                f"step.init(params) gives {want.num_leaves} leaves, "
+                f"{type(jax.tree.unflatten(want, [0] * want.num_leaves)).__name__} at the top): "
+                "pass step.init(params) of this same step, as step(params, opt_state, *batch)"
+            )
 
     def _check_member_major(self, tree: Any, what: str) -> None:
         hint = "Pass the ensemble's variables['params'] and step.init(params)."

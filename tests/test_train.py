@@ -386,6 +386,22 @@ def test_train_step_errors():
         step.init(params)
 
 
+def test_another_optimizers_state_or_swapped_arguments_are_one_type_error():
+    """Both failed deep in optax (AttributeError: 'TraceState' object has no attribute 'mu') or
+    in jax.grad (of an int32 count), naming neither argument."""
+    x = jnp.ones((4, 3))
+    ens, params = setup(D, x)
+    adam = ensemble.train_step(mse, optax.adam(1e-3), n=D, mesh=ens.mesh)
+    momentum = ensemble.train_step(mse, optax.sgd(0.1, momentum=0.9), n=D, mesh=ens.mesh)
+    fix = r"pass step.init\(params\) of this same step, as step\(params, opt_state, \*batch\)"
+    with pytest.raises(TypeError, match=r"^opt_state is not this step's optimizer state .*" + fix):
+        adam(params, momentum.init(params), x, jnp.zeros((4, 1)))
+    with pytest.raises(TypeError, match=fix):
+        adam(adam.init(params), params, x, jnp.zeros((4, 1)))
+    losses = adam(params, adam.init(params), x, jnp.zeros((4, 1)))[2]  # the right order trains
+    assert losses.shape == (D,)
+
+
 def test_step_peak_per_device_falls_with_devices():
     x = jnp.ones((4, 64))
     y = jnp.zeros((4, 1))
