@@ -970,8 +970,9 @@ class NNXTrainStep:
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
+        defs = _Static(ens_def), _Static(opt_def)
         with own_mesh(ens.mesh), explained_errors(), traced_batch(batch):
-            out, new_ens, new_opt = program(ens_def, opt_def, ens_state, opt_state, batch)
+            out, new_ens, new_opt = program(*defs, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
         nnx.update(ens, new_ens)
         nnx.update(optimizer, new_opt)
@@ -989,11 +990,12 @@ class NNXTrainStep:
         _check_pair(ens, optimizer)
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
+        defs = _Static(ens_def), _Static(opt_def)
         with own_mesh(ens.mesh):
             if stacked is None:
-                return self._jitted.lower(ens_def, opt_def, ens_state, opt_state, batch)
+                return self._jitted.lower(*defs, ens_state, opt_state, batch)
             flags = stacked_flags(stacked, len(batch))
-            return self._scanned.lower(ens_def, opt_def, ens_state, opt_state, batch, stacked=flags)
+            return self._scanned.lower(*defs, ens_state, opt_state, batch, stacked=flags)
 
     def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch
@@ -1004,8 +1006,8 @@ class NNXTrainStep:
         return arg_axes(0 if pmb else None, count)
 
     def _step(self, ens_def, opt_def, ens_state, opt_state, batch, batched=None):
-        ens = nnx.merge(ens_def, ens_state)
-        optimizer = nnx.merge(opt_def, opt_state)
+        ens = nnx.merge(ens_def.value, ens_state)
+        optimizer = nnx.merge(opt_def.value, opt_state)
         in_axes = self._batch_axes(len(batch), ens.in_axes)
         # Loss and gradient run inside each member (no gradient flows across members, and no
         # cross-member sum is ever formed); the per-member optax update follows.
@@ -1036,6 +1038,25 @@ class NNXTrainStep:
         carry = (ens_state, opt_state)
         (ens_state, opt_state), out = scan_steps(one, carry, batches, stacked)
         return out, ens_state, opt_state
+
+
+class _Static:
+    """A graphdef as a static argument of ``jax.jit``: modules keep attributes as given, and a
+    list one (``nnx.Conv(..., strides=[1, 1])``) made the graphdef unhashable, which jit refused
+    in a dump of the whole graphdef. Such graphdefs share one hash; equality tells them apart."""
+
+    def __init__(self, value: Any):
+        self.value = value
+        try:
+            self._hash = hash(value)
+        except TypeError:
+            self._hash = hash(type(value))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and bool(self.value == other.value)
 
 
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:

@@ -828,3 +828,33 @@ def test_wrt_filters_see_a_members_own_paths_as_on_the_plain_model():
     on_ensemble_paths = lambda path, v: len(path) > 1 and path[1] == "head"
     with pytest.raises(ValueError, match=r"member's own paths, as on the plain model"):
         ensemble.nnx_optimizer(ens, optax.sgd(0.1), wrt=on_ensemble_paths)
+
+
+def test_a_module_with_list_attributes_trains_like_the_plain_model():
+    """nnx.Conv keeps ``strides=[1, 1]`` and ``padding=[(1, 1), (1, 1)]`` as lists, so the
+    graphdef cannot be hashed: the step (jitted with the graphdefs static) refused it in a dump of
+    the whole graphdef, while ``ens(x)`` and a plain ``nnx.jit`` step worked."""
+
+    def conv(rngs):
+        return nnx.Conv(2, 3, kernel_size=[3, 3], strides=[1, 1], padding=[(1, 1), (1, 1)],
+                        rngs=rngs)  # fmt: skip
+
+    n, tx = 4, optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 5, 2))
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    ens = build_nnx(conv, n, rngs=0)
+    plain = [ens.member(i) for i in range(n)]  # each member's initial state, as a plain module
+    step = ens.train_step(loss, tx)
+    opt = step.init()
+    got = [step(ens, opt, x), step.scan(ens, opt, x[None])[:, 0]]
+    assert step.lower(ens, opt, x) is not None
+    for i, module in enumerate(plain):
+        module = jax.device_put(module, jax.devices()[0])
+        graphdef, params = nnx.split(module, nnx.Param)
+        state = tx.init(params)
+        for k in range(2):
+            member_loss = lambda p, g=graphdef: loss(nnx.merge(g, p), x)
+            value, grads = jax.value_and_grad(member_loss)(params)
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            np.testing.assert_allclose(got[k][i], value, rtol=1e-5)
