@@ -312,9 +312,23 @@ def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> 
     merged = merge_rules(rules)
     check_rules(merged, mesh)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.set_mesh(mesh))
+        try:
+            stack.enter_context(jax.set_mesh(mesh))
+        except ValueError as e:  # JAX's "`set_mesh` can only be used outside of `jax.jit`"
+            if "outside of" not in str(e):
+                raise
+            raise ValueError(_UNDER_TRACE) from None
         stack.enter_context(nn.logical_axis_rules(merged))
         yield mesh
+
+
+_UNDER_TRACE = (
+    "ensemble: partitioning(...) and the build of an NNX ensemble cannot run inside a traced "
+    "function (jax.jit, jax.eval_shape, nnx.eval_shape), since they set the mesh: call them "
+    "outside. For a checkpoint's restore target, build the ensemble itself (its state is made "
+    "straight into each device's share) and restore into it: nnx.update(ens, "
+    "ensemble.distributed.restore_checkpoint(path, nnx.state(ens)))."
+)
 
 
 @contextlib.contextmanager

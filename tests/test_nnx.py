@@ -858,3 +858,18 @@ def test_a_module_with_list_attributes_trains_like_the_plain_model():
             updates, state = tx.update(grads, state, params)
             params = optax.apply_updates(params, updates)
             np.testing.assert_allclose(got[k][i], value, rtol=1e-5)
+
+
+def test_building_under_a_trace_is_one_value_error_with_the_restore_route(tmp_path):
+    """``nnx.eval_shape(lambda: ensemble.build(...))``, Flax's usual restore target, failed in
+    JAX's words ("`set_mesh` can only be used outside of `jax.jit`"); the route it names works."""
+    factory = lambda rngs: nnx.Linear(3, 2, rngs=rngs)
+    refusal = r"^ensemble: partitioning\(...\) and the build of an NNX ensemble cannot run inside"
+    with pytest.raises(ValueError, match=refusal + r" a traced function .* nnx.update\(ens, "):
+        nnx.eval_shape(lambda: build_nnx(factory, D))
+    saved = build_nnx(factory, D, rngs=1)
+    path = ensemble.distributed.save_checkpoint(tmp_path / "c", nnx.state(saved))
+    ens = build_nnx(factory, D, rngs=2)
+    nnx.update(ens, ensemble.distributed.restore_checkpoint(path, nnx.state(ens)))
+    np.testing.assert_array_equal(ens.members.kernel[...], saved.members.kernel[...])
+    assert ens.members.kernel[...].sharding == saved.members.kernel[...].sharding
