@@ -935,6 +935,12 @@ class NNXTrainStep:
           >>> step.scan(ens, step.init(), jnp.ones((10, 2, 3))).shape  # 10 steps
           (4, 10)
         """
+        if any(isinstance(b, nnx.Rngs) for b in batches):  # before the stacked-axis checks
+            raise TypeError(
+                "step.scan takes no nnx.Rngs (its keys would be drawn once for all K steps); "
+                "pass keys per step and member instead: jax.random.split(key, (K, n)), with "
+                "per_member_batch True for that argument."
+            )
         flags = stacked_flags(stacked, len(batches))
         program = functools.partial(self._scanned, stacked=flags)
         return self._run(program, ens, optimizer, batches, one_step_of(batches, flags), flags)
@@ -951,12 +957,6 @@ class NNXTrainStep:
         _check_pair(ens, optimizer)
         axes = self._batch_axes(len(batch), ens.in_axes)
         rngs = [isinstance(b, nnx.Rngs) for b in batch]
-        if any(rngs) and program is not self._jitted:
-            raise TypeError(
-                "step.scan takes no nnx.Rngs (its keys would be drawn once for all K steps); "
-                "pass keys per step and member instead: jax.random.split(key, (K, n)), with "
-                "per_member_batch True for that argument."
-            )
         # An nnx.Rngs gives each member its own key per stream, as in a call of the ensemble
         # (drawn here, outside the jitted step: the caller's Rngs advances once).
         axes = tuple(None if r else a for r, a in zip(rngs, axes))

@@ -873,3 +873,14 @@ def test_building_under_a_trace_is_one_value_error_with_the_restore_route(tmp_pa
     nnx.update(ens, ensemble.distributed.restore_checkpoint(path, nnx.state(ens)))
     np.testing.assert_array_equal(ens.members.kernel[...], saved.members.kernel[...])
     assert ens.members.kernel[...].sharding == saved.members.kernel[...].sharding
+
+
+def test_scan_refuses_an_rngs_argument_first():
+    """scan checked the stacked axis first, so an nnx.Rngs got advice to mark it
+    stacked=False, and only then the refusal that says what to pass instead."""
+    ens = build_nnx(linear, D, rngs=0)
+    step = ens.train_step(lambda m, rngs, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    fix = r"^step.scan takes no nnx.Rngs .* jax.random.split\(key, \(K, n\)\)"
+    for stacked in (True, (False, True)):
+        with pytest.raises(TypeError, match=fix):
+            step.scan(ens, step.init(), nnx.Rngs(0), jnp.ones((2, 4, 3)), stacked=stacked)
