@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
+import json
 import logging
 import os
 import sys
@@ -634,6 +636,46 @@ def _path_names(path: tuple) -> tuple[str, ...]:
 
 
 # -- internals -------------------------------------------------------------------------------
+
+
+_COMPARISONS = itertools.count()  # every process compares in the same order: one key each
+
+
+def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> list[str] | None:
+    """The names in ``fields`` whose values differ between the processes of this run.
+
+    Compared through the coordinator's key-value store, so before any collective between
+    devices: processes that disagree on their devices fail such a collective or wait in it
+    forever. ``[]`` for a single process; ``None`` where JAX's store cannot be reached (its
+    internals differ). Collective: every process calls it, in the same order.
+
+    Example (one process: nothing to differ from):
+      >>> settings_that_differ({"lr": 3e-4, "data": "/scratch/set-a"})
+      []
+    """
+    try:
+        from jax._src import distributed as jax_distributed
+
+        state = jax_distributed.global_state
+        client, count, me = state.client, state.num_processes, state.process_id
+        if client is None or not count or count == 1:  # not joined to others: one process
+            return []
+        put, get = client.key_value_set, client.blocking_key_value_get
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return None
+    key = f"ensemble/settings/{next(_COMPARISONS)}"
+    mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in fields.items()}
+    put(f"{key}/{me}", json.dumps(mine))
+    differ: set[str] = set()
+    for other in range(count):
+        try:
+            theirs = json.loads(get(f"{key}/{other}", int(timeout_s * 1000)))
+        except Exception as e:  # JAX's timeout error
+            raise RuntimeError(
+                f"process {other} did not report its settings within {timeout_s:.0f} s ({e})"
+            ) from None
+        differ |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+    return sorted(differ)
 
 
 def _info() -> ProcessInfo:

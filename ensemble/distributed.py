@@ -21,6 +21,7 @@ from ensemble._distributed import (
     process_local_members,
     restore_checkpoint,
     save_checkpoint,
+    settings_that_differ,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "process_local_members",
     "restore_checkpoint",
     "save_checkpoint",
+    "settings_that_differ",
 ]

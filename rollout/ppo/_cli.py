@@ -419,6 +419,27 @@ def _check_same_config(config: Any) -> None:
         )
 
 
+#: Arguments that may differ between the processes of a run.
+_PER_PROCESS_ARGS = ("process_id", "no_progress")
+
+
+def _check_same_args(args: argparse.Namespace) -> None:
+    """Every process of a run gets the same arguments. Compared before any collective between
+    devices, so also those that are not the config's: a --checkpoint-every of its own made one
+    process save while the others trained (both waited forever, deaf to signals); a --devices
+    of its own failed in gloo after 45 s, leaving a run.json behind."""
+    from ensemble import _distributed as distributed
+
+    fields = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS_ARGS}
+    differ = distributed.settings_that_differ(fields)
+    if differ:
+        flags = ", ".join("--" + name.replace("_", "-") for name in differ)
+        raise UsageError(
+            f"the processes of this run were started with different arguments ({flags}); "
+            "start every process with the same arguments."
+        )
+
+
 def _on_main_then_all(fn: Callable[[], Any]) -> None:
     """``fn`` on process 0 once all processes are here; the others wait until it is done."""
     import jax
@@ -1235,6 +1256,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
     made: list[Path] = []
     try:
         info = _join(args, joining)
+        _check_same_args(args)
         # Compared first: a setting one process's own checks below refuse would leave the
         # others waiting in this comparison's collective. Before any process makes --out: a
         # process the launcher stops once another is refused would leave it behind.
