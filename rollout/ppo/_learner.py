@@ -504,9 +504,10 @@ class Learner:
 
         ep_return, ep_length, finished = _episode_stats(carry, reward, done, info)
 
-        # Reward scaling (CleanRL's NormalizeReward): divide by the discounted return's std.
-        # Its running return restarts at every episode end, truncations too (gymnasium's
-        # wrapper carries it across a truncation into the next episode).
+        # Reward scaling (CleanRL's NormalizeReward, gym 0.23's): divide by the discounted
+        # return's std. The ending step adds to the running return, which restarts after every
+        # episode end, truncations too (gymnasium 1.x's wrapper restarts it at a terminating
+        # step itself, and carries it across a truncation into the next episode).
         train_reward, disc_return, ret_stats = reward, carry.disc_return, carry.ret_stats
         if self.normalize_reward:
             disc_return = disc_return * cfg.gamma + reward
