@@ -690,7 +690,10 @@ _EDITS = [
         _with("obs_norm.enabled", True),
         "field 'obs_norm.enabled' is true but training did not normalise observations",
     ),
-    (_with("obs_norm.clip", "10"), """field 'obs_norm.clip' is "10", not a positive number"""),
+    (_with("obs_norm.clip", "10"), """field 'obs_norm.clip' is "10", not 10 (training's clip)"""),
+    # Numbers the policy runs with, but training never did: no longer the trained policy.
+    (_with("obs_norm.clip", 0.5), "field 'obs_norm.clip' is 0.5, not 10 (training's clip)"),
+    (_with("obs_norm.epsilon", 0.1), "field 'obs_norm.epsilon' is 0.1, not 1e-08 (training's"),
     (_with("action.low", [-1.0]), "field 'action.low' is a box, but 'network.discrete' is true"),
     (_with("hparams", [0.1]), "field 'hparams' is [0.1], not an object of numbers"),
     (_with("network.kind", ["x"]), "field 'network.kind' is [\"x\"], not 'ActorCritic' or"),
@@ -932,3 +935,13 @@ def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp
     )
     meta = json.loads((run / "export" / "member_0" / "member.json").read_text())
     assert meta["env_steps"] == int(older.name.split("_")[1]) * 128
+
+
+def test_a_run_without_checkpoints_says_when_training_writes_them(tmp_path):
+    """'train longer' was the only advice, also for a run that diverged before its first
+    checkpoint (training longer would diverge again)."""
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "id", "config": {}}))
+    with pytest.raises(export.NotAnExport, match=r"has no checkpoint yet: training writes one "
+                       r"every --checkpoint-every calls and when it ends, but not at an error "
+                       r"\(a divergence included\)"):  # fmt: skip
+        export.export_run(tmp_path)

@@ -19,10 +19,10 @@
     stride]`` per VALID conv), ``dense`` (width), ``channels_first`` and ``obs_scale``;
     ``activation`` "relu".
 
-  ``obs_norm`` holds ``enabled``, ``clip`` and ``epsilon``; ``action`` holds the continuous
-  action box ``low`` / ``high``: one number per action dimension, ``null`` for an infinite
-  bound (no clipping on that side of that dimension); the whole entry is ``null`` for a
-  discrete action or a side unbounded in every dimension.
+  ``obs_norm`` holds ``enabled``, ``clip`` (10) and ``epsilon`` (1e-8), training's; ``action``
+  holds the continuous action box ``low`` / ``high``: one number per action dimension,
+  ``null`` for an infinite bound (no clipping on that side of that dimension); the whole entry
+  is ``null`` for a discrete action or a side unbounded in every dimension.
 - ``params.npz``: the network's arrays, named ``<layer>/<kernel|bias>``, plus ``log_std`` for
   continuous actions. ``ActorCritic``: ``actor_0``, ``actor_1``, ..., ``actor_out``,
   ``critic_0``, ..., ``critic_out``. ``ImageActorCritic``: ``convs_0``, ``convs_1``, ...
@@ -561,8 +561,13 @@ _FIELDS = (
     ("network.discrete", lambda v: isinstance(v, bool), "true or false"),
     ("obs_norm", *_object),
     ("obs_norm.enabled", lambda v: isinstance(v, bool), "true or false"),
-    ("obs_norm.clip", lambda v: _num(v) and v > 0, "a positive number"),
-    ("obs_norm.epsilon", lambda v: _num(v) and v >= 0, "a number >= 0"),
+    # Training's own constants: another value describes a policy that was never trained.
+    ("obs_norm.clip", lambda v: _num(v) and v == OBS_CLIP, f"{OBS_CLIP:g} (training's clip)"),
+    (
+        "obs_norm.epsilon",
+        lambda v: _num(v) and v == OBS_EPSILON,
+        f"{OBS_EPSILON:g} (training's epsilon)",
+    ),
     ("action", *_object),
     ("action.low", _box, "null or a list of numbers (null: unbounded)"),
     ("action.high", _box, "null or a list of numbers (null: unbounded)"),
@@ -908,7 +913,11 @@ def export_run(
         what = "has no run.json" if run.is_dir() else "does not exist"
         raise NotAnExport(f"{run} {what}: give the --out directory of a training run.")
     if not ckpt.checkpoints(run):
-        raise NotAnExport(f"{run} has no checkpoint yet: train longer (--checkpoint-every).")
+        raise NotAnExport(
+            f"{run} has no checkpoint yet: training writes one every --checkpoint-every calls "
+            "and when it ends, but not at an error (a divergence included): train it longer, "
+            "or again after the error."
+        )
     if not found.record.get("env_from_config", True):
         raise NotAnExport(
             f"{run} trained on an env given to Learner(config, env=...), which its run.json "
