@@ -1056,7 +1056,12 @@ class _Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and bool(self.value == other.value)
+        if not isinstance(other, _Static):
+            return False
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # an attribute whose == is no bool (a NumPy array): only itself
+            return self.value is other.value
 
 
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:
