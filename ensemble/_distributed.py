@@ -661,20 +661,22 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
         if client is None or not count or count == 1:  # not joined to others: one process
             return []
         put, get = client.key_value_set, client.blocking_key_value_get
+        barrier = client.wait_at_barrier
     except Exception:  # pragma: no cover - depends on JAX internals
         return None
-    key = f"ensemble/settings/{next(_COMPARISONS)}"
+    key, wait_ms = f"ensemble/settings/{next(_COMPARISONS)}", int(timeout_s * 1000)
     mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in fields.items()}
     put(f"{key}/{me}", json.dumps(mine))
     differ: set[str] = set()
     for other in range(count):
         try:
-            theirs = json.loads(get(f"{key}/{other}", int(timeout_s * 1000)))
-        except Exception as e:  # JAX's timeout error
-            raise RuntimeError(
-                f"process {other} did not report its settings within {timeout_s:.0f} s ({e})"
-            ) from None
+            theirs = json.loads(get(f"{key}/{other}", wait_ms))
+        except Exception as e:  # JAX's timeout error, or the coordinator gone
+            raise RuntimeError(f"process {other} did not report its settings ({e})") from None
         differ |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+    # Every process has read every other's before any acts on the result: process 0 (which
+    # holds the coordinator) stopping at once left the others with a gRPC abort.
+    barrier(f"{key}/read", wait_ms)
     return sorted(differ)
 
 

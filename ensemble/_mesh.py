@@ -323,11 +323,12 @@ def partitioning(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> 
 
 
 _UNDER_TRACE = (
-    "ensemble: partitioning(...) and the build of an NNX ensemble cannot run inside a traced "
-    "function (jax.jit, jax.eval_shape, nnx.eval_shape), since they set the mesh: call them "
-    "outside. For a checkpoint's restore target, build the ensemble itself (its state is made "
-    "straight into each device's share) and restore into it: nnx.update(ens, "
-    "ensemble.distributed.restore_checkpoint(path, nnx.state(ens)))."
+    "ensemble: partitioning(...), and making an NNX ensemble or its optimizer (ensemble.build, "
+    "nnx_optimizer, step.init()), cannot run inside a traced function (jax.jit, "
+    "jax.eval_shape, nnx.eval_shape), since they set the mesh: call them outside. For a "
+    "checkpoint's restore target, make the ensemble or optimizer itself (its state is made "
+    "straight into each device's share) and restore into it: nnx.update(x, "
+    "ensemble.distributed.restore_checkpoint(path, nnx.state(x)))."
 )
 
 

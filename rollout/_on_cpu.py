@@ -1055,8 +1055,12 @@ def _per_shard(call: _Call, mesh: Any, batched: list, shared: list, n: int) -> l
     else:  # Explicit axes: shard_map wants inputs that already carry its in_specs
         try:
             outs = split(*[jax.reshard(x, place(s)) for x, s in zip(args, specs)])
-        except Exception as e:  # JAX's own errors: a DuplicateSpecError, a ValueError
+        except Exception as e:
             error = " ".join(str(e).split())
+            # JAX's words for an axis the vmapped one already uses (a DuplicateSpecError, or
+            # shard_map's ValueError); other errors stay JAX's own
+            if "duplicate entries" not in error and "marked as manual" not in error:
+                raise
             raise ValueError(_EXPLICIT_VMAP.format(names=names, error=error)) from e
     if explicit:  # replicated whatever the batch size (13 rows cannot sit on 8 shards), so
         outs = [jax.reshard(o, place(P())) for o in outs]  # the caller's types never depend on it

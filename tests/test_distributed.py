@@ -687,3 +687,33 @@ def test_processes_started_with_different_settings_are_refused_not_left_waiting(
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.iterdir())  # nothing left behind (no --out made, no run.json)
+
+
+@pytest.mark.timeout(200)
+def test_every_process_started_by_hand_says_which_arguments_differ(tmp_path):
+    """As on real hosts (no launcher to show rank 0's line): process 0, which holds the
+    coordinator, stopped as soon as it saw the difference, and process 1 then aborted in gRPC
+    errors (134), or blamed process 0 for never reporting. The coordinator's address may be
+    another name for the same one (127.0.0.1 on its own host)."""
+    port = launcher.free_port()
+    procs = []
+    for rank, host in enumerate(["127.0.0.1", "localhost"]):
+        cmd = [sys.executable, "-m", "rollout.ppo", "--members", "2", "--devices", "1",
+               "--total-steps", "256", "--num-envs", "2", "--num-steps", "64", "--no-progress",
+               "--out", str(tmp_path / "run"), "--coordinator", f"{host}:{port}",
+               "--num-processes", "2", "--process-id", str(rank),
+               "--checkpoint-every", str(1 + rank)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stderr=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, text=True))  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=150)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    said = "error: the processes of this run were started with different arguments "
+    for p, err in zip(procs, errs):
+        assert p.returncode == 2, err[-3000:]
+        assert said + "(--checkpoint-every); start every process" in err, err[-3000:]
+    assert not (tmp_path / "run").exists()

@@ -864,9 +864,12 @@ def test_building_under_a_trace_is_one_value_error_with_the_restore_route(tmp_pa
     """``nnx.eval_shape(lambda: ensemble.build(...))``, Flax's usual restore target, failed in
     JAX's words ("`set_mesh` can only be used outside of `jax.jit`"); the route it names works."""
     factory = lambda rngs: nnx.Linear(3, 2, rngs=rngs)
-    refusal = r"^ensemble: partitioning\(...\) and the build of an NNX ensemble cannot run inside"
-    with pytest.raises(ValueError, match=refusal + r" a traced function .* nnx.update\(ens, "):
+    refusal = r"^ensemble: partitioning\(...\), and making an NNX ensemble or its optimizer .*"
+    with pytest.raises(ValueError, match=refusal + r"cannot run inside a traced function .* nnx"):
         nnx.eval_shape(lambda: build_nnx(factory, D))
+    step = build_nnx(factory, D).train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=refusal + r"step.init\(\)"):  # an optimizer's target
+        nnx.eval_shape(step.init)
     saved = build_nnx(factory, D, rngs=1)
     path = ensemble.distributed.save_checkpoint(tmp_path / "c", nnx.state(saved))
     ens = build_nnx(factory, D, rngs=2)

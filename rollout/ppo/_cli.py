@@ -419,8 +419,9 @@ def _check_same_config(config: Any) -> None:
         )
 
 
-#: Arguments that may differ between the processes of a run.
-_PER_PROCESS_ARGS = ("process_id", "no_progress")
+#: Arguments that may differ between the processes of a run: the coordinator is the same
+#: one under another name (127.0.0.1 on its own host), --debug only shows tracebacks.
+_PER_PROCESS_ARGS = ("process_id", "coordinator", "no_progress", "debug")
 
 
 def _check_same_args(args: argparse.Namespace) -> None:
