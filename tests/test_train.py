@@ -306,11 +306,11 @@ def test_scan_carries_batchnorm_statistics_from_step_to_step():
     with pytest.raises(
         ValueError, match=r"scan\(carry=0\): each step's aux replaces batch argument 0"
     ):
-        odd.scan(*start, keys, xs, ys, carry=0)
+        odd.scan(start[0], odd.init(start[0]), start[2], keys, xs, ys, carry=0)
     plain_loss = lambda p, s, k, x, y: loss_fn(p, s, k, x, y)[0]
     plain = ens.train_step(plain_loss, optax.sgd(0.1), per_member_batch=per)
     with pytest.raises(ValueError, match=r"carry= needs a loss that returns \(loss, new state\)"):
-        plain.scan(*start, keys, xs, ys, carry=0)
+        plain.scan(start[0], plain.init(start[0]), start[2], keys, xs, ys, carry=0)
 
 
 def test_train_step_errors():
