@@ -708,7 +708,16 @@ def _warn_unmapped_nnx(abstract: Any, members: Members) -> None:
         if isinstance(v, nnx.Variable)
     ]
     names = [[a for a in spec if a != MEMBER_AXIS] for spec in names if spec]
-    warn_unmapped(names, members.rules, members.mesh)
+    warn_unmapped(names, _with_mesh_axes(members.rules, members.mesh), members.mesh)
+
+
+def _with_mesh_axes(rules: LogicalRules, mesh: Mesh) -> LogicalRules:
+    """Flax NNX's reading of annotations: a name that no rule maps but that names a mesh axis
+    (``nnx.with_partitioning(init, (None, 'model'))``) is that axis. Resolved through the rules
+    alone, it was replicated on every device of a member."""
+    mapped = {name for name, _ in rules}
+    axes = [a for a in mesh.axis_names if a != MEMBER_AXIS and a not in mapped]
+    return (*rules, *((a, a) for a in axes))
 
 
 def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx.Rngs], Any]:
@@ -769,6 +778,8 @@ def _member_shardings(
     ``named``: where given, the (shape, names) pairs whose names apply; another Variable gets
     the member axis only. An optimizer's state carries its parameter's names whatever its own
     shape (Adafactor's factored moments, L-BFGS's history of updates)."""
+
+    rules = _with_mesh_axes(rules, mesh)
 
     def sharding(v: Any) -> Any:
         if not isinstance(v, nnx.Variable):

@@ -1,6 +1,7 @@
 """NNX ensembles: placement read off addressable shards, behaviour of members, training, errors."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -887,3 +888,28 @@ def test_scan_refuses_an_rngs_argument_first():
     for stacked in (True, (False, True)):
         with pytest.raises(TypeError, match=fix):
             step.scan(ens, step.init(), nnx.Rngs(0), jnp.ones((2, 4, 3)), stacked=stacked)
+
+
+def test_an_annotation_naming_a_mesh_axis_splits_as_plain_flax_nnx_does():
+    """Flax NNX reads a name no rule maps as a mesh axis (its docs' ``(None, 'model')``): the
+    ensemble mapped it through the rules alone, to None, so with model_parallel=4 every device of
+    a member held the whole kernel (only a warning about an unmapped 'logical axis')."""
+    init = nnx.initializers.lecun_normal()
+
+    def factory(rngs):
+        return nnx.Linear(12, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                          rngs=rngs)  # fmt: skip
+
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])  # fmt: skip
+    with jax.set_mesh(mesh):
+        assert factory(nnx.Rngs(0)).kernel[...].sharding.spec == P(None, "model")  # plain NNX
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unmapped to warn about
+        ens = build_nnx(factory, 2, model_parallel=4, rngs=0)
+    kernel = ens.members.kernel[...]
+    assert kernel.sharding.spec == P("ensemble", None, "model")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 12, 16)}
+    x = jnp.ones((3, 12))
+    for i in range(2):  # the numbers are the plain member's
+        np.testing.assert_allclose(ens(x)[i], ens.member(i)(x), rtol=1e-6)
