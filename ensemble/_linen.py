@@ -45,6 +45,7 @@ from ensemble._core import (
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    check_divisible,
     devices_per_member,
     member_index,
     member_pspec,
@@ -239,19 +240,21 @@ class LinenEnsemble:
 
         boxed = jax.eval_shape(lambda *a: boxed_init(*a, False), *call_args)
         self._warn_unmapped(boxed)
-        shardings = jax.tree.map(self._leaf_sharding, boxed, is_leaf=_is_box)
+        shardings = jax.tree_util.tree_map_with_path(self._leaf_sharding, boxed, is_leaf=_is_box)
         return jax.jit(lambda *a: boxed_init(*a, True), out_shardings=shardings), shardings
 
-    def _leaf_sharding(self, leaf: Any) -> NamedSharding:
-        names = None
+    def _leaf_sharding(self, path: Any, leaf: Any) -> NamedSharding:
+        names, spec = None, None
         if isinstance(leaf, nn.LogicallyPartitioned):
             names = leaf.names
         elif isinstance(leaf, meta.Partitioned):  # names are mesh axes already
             spec = PartitionSpec(MEMBER_AXIS, *leaf.names)
-            return NamedSharding(self.mesh, spec)
         if isinstance(leaf, meta.AxisMetadata):
             leaf = leaf.unbox(apply_constraint=False)
-        return NamedSharding(self.mesh, member_pspec(len(leaf.shape), names, self.rules))
+        spec = spec or member_pspec(len(leaf.shape), names, self.rules)
+        sharding = NamedSharding(self.mesh, spec)
+        check_divisible(path, leaf.shape, sharding)
+        return sharding
 
     def _warn_unmapped(self, boxed: Any) -> None:
         names = [

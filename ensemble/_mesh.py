@@ -244,6 +244,23 @@ def unmapped_names(names: Sequence[Sequence[Any] | None], rules: LogicalRules) -
     return sorted(found)
 
 
+def check_divisible(path: Any, shape: Sequence[int], sharding: NamedSharding) -> None:
+    """Refuses a member-major leaf whose split dimension its mesh axes do not divide, naming
+    it: JAX's IndivisibleError named neither the parameter nor what to change."""
+    for axis, entry in enumerate(sharding.spec):
+        if entry is None or axis == 0 or axis >= len(shape):  # (axis 0: the members, by layout)
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        ways = int(np.prod([sharding.mesh.shape[a] for a in names]))
+        if shape[axis] % ways:
+            raise ValueError(
+                f"{jax.tree_util.keystr(tuple(path))} of shape {tuple(shape[1:])} per member: "
+                f"its axis {axis - 1} ({shape[axis]}) is split over mesh axis "
+                f"{'/'.join(map(str, names))} ({ways} devices), which does not divide it; make "
+                f"it a multiple of {ways}, or map its logical name to None in rules=."
+            )
+
+
 def member_sharding(
     mesh: Mesh,
     ndim: int,

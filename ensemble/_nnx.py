@@ -58,6 +58,7 @@ from ensemble._linen import warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    check_divisible,
     member_index,
     member_sharding,
     merge_rules,
@@ -781,7 +782,7 @@ def _member_shardings(
 
     rules = _with_mesh_axes(rules, mesh)
 
-    def sharding(v: Any) -> Any:
+    def sharding(path: Any, v: Any) -> Any:
         if not isinstance(v, nnx.Variable):
             shape = np.shape(v)
             return _leaf_sharding(shape, None, mesh, n, rules)
@@ -789,9 +790,11 @@ def _member_shardings(
         names = _names(v)
         if named is not None and (shape, names) not in named:
             names = None
-        return v.replace(_leaf_sharding(shape, names, mesh, n, rules))
+        placed = _leaf_sharding(shape, names, mesh, n, rules)
+        check_divisible(path, shape, placed)
+        return v.replace(placed)
 
-    return jax.tree.map(sharding, abstract, is_leaf=_is_variable)
+    return jax.tree_util.tree_map_with_path(sharding, abstract, is_leaf=_is_variable)
 
 
 def _is_variable(x: Any) -> bool:

@@ -289,3 +289,30 @@ def test_an_input_split_on_an_explicit_mesh_of_the_users_is_one_line():
     want = ens.apply(variables, np.asarray(rows))
     np.testing.assert_allclose(ens.apply(variables, rows), want, rtol=1e-6)
     np.testing.assert_allclose(jax.jit(ens.apply)(variables, rows), want, rtol=1e-6)
+
+
+def test_a_split_dimension_the_model_axis_does_not_divide_is_one_line_naming_it():
+    """JAX's IndivisibleError named neither the parameter nor the rule to change."""
+    import flax.linen as nn
+    from flax import nnx
+
+    import ensemble
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, "hidden"))
+            return nn.Dense(6, kernel_init=init)(nn.Dense(64, kernel_init=init)(x))
+
+    said = (
+        r"of shape \({}, 6\) per member: its axis 1 \(6\) is split over mesh axis model \(4 "
+        r"devices\), which does not divide it; make it a multiple of 4, or map its logical"
+    )
+    ens = ensemble.build(Net(), 2, model_parallel=4, rules=[("hidden", "model")])
+    first = r"^\['params'\]\['Dense_0'\]\['kernel'\] "
+    with pytest.raises(ValueError, match=first + said.format(64)):
+        ens.init(jax.random.key(0), jnp.ones((8, 12)))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "hidden"))
+    with pytest.raises(ValueError, match=r"^\['kernel'\] " + said.format(12)):
+        ensemble.build(lambda rngs: nnx.Linear(12, 6, kernel_init=init, rngs=rngs), 2,
+                       model_parallel=4, rules=[("hidden", "model")])  # fmt: skip
