@@ -100,12 +100,20 @@ def main(argv: list[str] | None = None) -> None:
     from rollout.ppo._parser import OneLineParser, positive_int
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=positive_int, nargs="+", default=[1, 2])
     p.add_argument(
-        "--work", type=callback_work, nargs="+", default=["spin:0", "spin:30", "sleep:200"]
+        "--devices", type=positive_int, nargs="+", default=[1, 2], help="device counts to compare"
     )
-    p.add_argument("--steps", type=positive_int, default=3000)
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument(
+        "--work",
+        type=callback_work,
+        nargs="+",
+        default=["spin:0", "spin:30", "sleep:200"],
+        help="host work per callback: spin:W (busy) or sleep:W, W microseconds >= 0",
+    )
+    p.add_argument("--steps", type=positive_int, default=3000, help="steps per timed run")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed runs (the median is reported)"
+    )
     args = p.parse_args(argv)
     p.results_dir(RESULTS)
     rows = []

@@ -469,7 +469,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         "settings": vars(args),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    # Strict JSON: an idle fraction the machine cannot give (NaN) is null.
+    strict = json.loads(json.dumps({"meta": meta, "rows": rows}), parse_constant=lambda _: None)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(strict, indent=1, allow_nan=False))
     (RESULTS / f"{args.out}.txt").write_text(text + "\n")
     import matplotlib
 

@@ -169,7 +169,9 @@ def _parse_args():
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--members", type=positive_int, default=4)
     p.add_argument("--rounds", type=positive_int, default=7)
-    p.add_argument("--updates", type=positive_int, default=1024, help="PPO updates per run")
+    p.add_argument(
+        "--updates", type=positive_int, default=1024, help="PPO updates per run (at least 16)"
+    )
     p.add_argument(
         "--settle", type=non_negative_float, default=2.0, help="seconds of rest before each run"
     )

@@ -227,7 +227,9 @@ def _parser():
         "--tail", type=positive_int, default=10, help="updates averaged for the final score"
     )
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--eval-episodes", type=int, default=500, help="held-out episodes per member")
+    p.add_argument(
+        "--eval-episodes", type=int, default=500, help="held-out episodes per member (at least 2)"
+    )
     p.add_argument(
         "--work",
         type=writable_dir,

@@ -206,9 +206,13 @@ def main() -> None:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("all", "speed", "learn"), default="all")
     p.add_argument(
-        "--envs", nargs="+", choices=("cartpole", "pendulum"), default=["cartpole", "pendulum"]
+        "--envs",
+        nargs="+",
+        choices=("cartpole", "pendulum"),
+        default=["cartpole", "pendulum"],
+        help="envs of the learn part (the speed part always runs CartPole at n = 1, 4, 8)",
     )
-    p.add_argument("--members", type=positive_int, default=4)
+    p.add_argument("--members", type=positive_int, default=4, help="members of the learn part")
     p.add_argument("--no-cpu-env", action="store_true", help="skip the env_on='cpu' speed rows")
     args = p.parse_args()
     p.results_dir(RESULTS)

@@ -105,7 +105,7 @@ class Config:
         default=2000,
         metadata={
             "help": "bootstrap resamples of the test set for the 95%% intervals of ensemble "
-            "minus best member (0: none)"
+            "minus best member (0: none, else 100 to 100000)"
         },
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of init, split, order"})
