@@ -44,6 +44,7 @@ from ensemble._core import (
 )
 from ensemble._mesh import (
     MEMBER_AXIS,
+    MODEL_AXIS,
     LogicalRules,
     check_divisible,
     devices_per_member,
@@ -241,6 +242,7 @@ class LinenEnsemble:
         boxed = jax.eval_shape(lambda *a: boxed_init(*a, False), *call_args)
         self._warn_unmapped(boxed)
         shardings = jax.tree_util.tree_map_with_path(self._leaf_sharding, boxed, is_leaf=_is_box)
+        warn_if_model_axis_unused(shardings, self.mesh)
         return jax.jit(lambda *a: boxed_init(*a, True), out_shardings=shardings), shardings
 
     def _leaf_sharding(self, path: Any, leaf: Any) -> NamedSharding:
@@ -435,6 +437,25 @@ class LinenEnsemble:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def warn_if_model_axis_unused(shardings: Any, mesh: Mesh) -> None:
+    """model_parallel=k with no parameter split over 'model' (no rule maps to it) copies each
+    member whole onto all k of its model devices: k times the memory, silently."""
+    k = mesh.shape.get(MODEL_AXIS, 1)
+    specs = [s.spec for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)]
+    used = any(
+        MODEL_AXIS in (entry if isinstance(entry, tuple) else (entry,))
+        for spec in specs
+        for entry in spec
+    )
+    if k > 1 and not used:
+        warn_user(
+            f"model_parallel={k}, but no parameter is split over the 'model' axis (no rule maps "
+            f"a logical name to it), so each member's parameters are whole on all {k} of its "
+            "model devices; add rules such as rules=[('hidden', 'model')], or drop "
+            "model_parallel."
+        )
 
 
 def warn_unmapped(names: Sequence[Sequence[Any]], rules: LogicalRules, mesh: Mesh) -> None:

@@ -54,7 +54,7 @@ from ensemble._core import (
     split_loss,
     split_static,
 )
-from ensemble._linen import warn_unmapped
+from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
@@ -627,6 +627,7 @@ def _plan(
     graphdef, abstract = nnx.split(abstract_module)
     _warn_unmapped_nnx(abstract, members)
     shardings = _member_shardings(abstract, members.mesh, n, members.rules)
+    warn_if_model_axis_unused(shardings, members.mesh)
     treedef = jax.tree.structure(abstract)
 
     def member_leaves(member_keys: dict[str, jax.Array]) -> list[jax.Array]:

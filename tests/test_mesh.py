@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,3 +318,25 @@ def test_a_split_dimension_the_model_axis_does_not_divide_is_one_line_naming_it(
     with pytest.raises(ValueError, match=r"^\['kernel'\] " + said.format(12)):
         ensemble.build(lambda rngs: nnx.Linear(12, 6, kernel_init=init, rngs=rngs), 2,
                        model_parallel=4, rules=[("hidden", "model")])  # fmt: skip
+
+
+def test_model_parallel_with_nothing_split_over_model_warns():
+    """Each member's parameters were copied whole onto all its model devices, silently."""
+    import flax.linen as nn
+    from flax import nnx
+
+    import ensemble
+
+    said = r"model_parallel=4, but no parameter is split over the 'model' axis .* whole on all 4"
+    ens = ensemble.build(nn.Dense(4), 2, model_parallel=4)
+    with pytest.warns(UserWarning, match=said):
+        variables = ens.init(jax.random.key(0), jnp.ones((2, 3)))
+    assert {s.data.shape for s in variables["params"]["kernel"].addressable_shards} == {(1, 3, 4)}
+    with pytest.warns(UserWarning, match=said):
+        ensemble.build(lambda rngs: nnx.Linear(3, 4, rngs=rngs), 2, model_parallel=4)
+    ruled = ensemble.build(nn.Dense(4, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), (None, "hidden"))), 2, model_parallel=4,
+        rules=[("hidden", "model")])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ruled.init(jax.random.key(0), jnp.ones((2, 3)))
