@@ -60,6 +60,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -318,6 +319,12 @@ def cleanrl(name: str, members: int, num_envs: int, steps: int):
     return timed, vec.close
 
 
+def _strict_json(obj: Any, indent: int | None = None) -> str:
+    """JSON that strict parsers read: an idle fraction the machine cannot give (NaN) is null."""
+    strict = json.loads(json.dumps(obj), parse_constant=lambda _: None)
+    return json.dumps(strict, indent=indent, allow_nan=False)
+
+
 def main() -> None:
     from rollout.ppo._parser import OneLineParser, file_name, positive_int
 
@@ -361,7 +368,7 @@ def main() -> None:
             per_call = args.members * e * args.num_steps
             calls = max(args.calls, math.ceil(args.sample_steps / per_call))
             rows.append(measure(name, args.members, e, args.num_steps, calls, cores, args.repeats))
-            print(json.dumps(rows[-1]), flush=True)
+            print(_strict_json(rows[-1]), flush=True)
     report(rows, args)
 
 
@@ -469,9 +476,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         "settings": vars(args),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # Strict JSON: an idle fraction the machine cannot give (NaN) is null.
-    strict = json.loads(json.dumps({"meta": meta, "rows": rows}), parse_constant=lambda _: None)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(strict, indent=1, allow_nan=False))
+    (RESULTS / f"{args.out}.json").write_text(_strict_json({"meta": meta, "rows": rows}, indent=1))
     (RESULTS / f"{args.out}.txt").write_text(text + "\n")
     import matplotlib
 

@@ -672,7 +672,11 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
         try:
             theirs = json.loads(get(f"{key}/{other}", wait_ms))
         except Exception as e:  # JAX's timeout error, or the coordinator gone
-            raise RuntimeError(f"process {other} did not report its settings ({e})") from None
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise RuntimeError(
+                f"could not read the settings of process {other} within {timeout_s:.0f} s: it "
+                f"stopped or never came, or the coordinator (on process 0) stopped [{reason}]"
+            ) from None
         differ |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
     # Every process has read every other's before any acts on the result: process 0 (which
     # holds the coordinator) stopping at once left the others with a gRPC abort.

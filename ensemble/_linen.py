@@ -46,7 +46,7 @@ from ensemble._mesh import (
     MEMBER_AXIS,
     MODEL_AXIS,
     LogicalRules,
-    check_divisible,
+    check_split,
     devices_per_member,
     member_index,
     member_pspec,
@@ -246,17 +246,17 @@ class LinenEnsemble:
         return jax.jit(lambda *a: boxed_init(*a, True), out_shardings=shardings), shardings
 
     def _leaf_sharding(self, path: Any, leaf: Any) -> NamedSharding:
-        names, spec = None, None
+        names, spec, unsplit = None, None, "map its logical name to None in rules="
         if isinstance(leaf, nn.LogicallyPartitioned):
             names = leaf.names
         elif isinstance(leaf, meta.Partitioned):  # names are mesh axes already
             spec = PartitionSpec(MEMBER_AXIS, *leaf.names)
+            unsplit = "write None for that axis in its nn.with_partitioning names"
         if isinstance(leaf, meta.AxisMetadata):
             leaf = leaf.unbox(apply_constraint=False)
         spec = spec or member_pspec(len(leaf.shape), names, self.rules)
-        sharding = NamedSharding(self.mesh, spec)
-        check_divisible(path, leaf.shape, sharding)
-        return sharding
+        check_split(path, leaf.shape, spec, self.mesh, unsplit)
+        return NamedSharding(self.mesh, spec)
 
     def _warn_unmapped(self, boxed: Any) -> None:
         names = [
@@ -451,10 +451,10 @@ def warn_if_model_axis_unused(shardings: Any, mesh: Mesh) -> None:
     )
     if k > 1 and not used:
         warn_user(
-            f"model_parallel={k}, but no parameter is split over the 'model' axis (no rule maps "
-            f"a logical name to it), so each member's parameters are whole on all {k} of its "
-            "model devices; add rules such as rules=[('hidden', 'model')], or drop "
-            "model_parallel."
+            f"each member spans {k} devices of the 'model' axis, but no parameter is split over "
+            f"it (no parameter annotation resolves to 'model'), so each member's parameters are "
+            f"whole on all {k}: annotate parameters and add rules such as rules=[('hidden', "
+            "'model')], or use model_parallel=1."
         )
 
 

@@ -244,20 +244,34 @@ def unmapped_names(names: Sequence[Sequence[Any] | None], rules: LogicalRules) -
     return sorted(found)
 
 
-def check_divisible(path: Any, shape: Sequence[int], sharding: NamedSharding) -> None:
-    """Refuses a member-major leaf whose split dimension its mesh axes do not divide, naming
-    it: JAX's IndivisibleError named neither the parameter nor what to change."""
-    for axis, entry in enumerate(sharding.spec):
+def check_split(
+    path: Any,
+    shape: Sequence[int],
+    spec: PartitionSpec,
+    mesh: Mesh,
+    unsplit: str = "map its logical name to None in rules=",
+) -> None:
+    """Refuses, naming the leaf, a member-major leaf split where it cannot be: a dimension its
+    mesh axes do not divide (JAX's IndivisibleError named neither the parameter nor what to
+    change), or a dimension inside a member on the member axis (a DuplicateSpecError).
+    ``unsplit``: how to leave a dimension whole, for the kind of annotation it has."""
+    where = f"{jax.tree_util.keystr(tuple(path))} of shape {tuple(shape[1:])} per member"
+    for axis, entry in enumerate(spec):
         if entry is None or axis == 0 or axis >= len(shape):  # (axis 0: the members, by layout)
             continue
         names = entry if isinstance(entry, tuple) else (entry,)
-        ways = int(np.prod([sharding.mesh.shape[a] for a in names]))
+        if MEMBER_AXIS in names:
+            raise ValueError(
+                f"{where}: its axis {axis - 1} is split over {MEMBER_AXIS!r}, the axis the "
+                f"members are already split over; use 'data' or 'model' there, or "
+                f"{unsplit.replace('map its logical name', 'map that name')}."
+            )
+        ways = int(np.prod([mesh.shape[a] for a in names]))
         if shape[axis] % ways:
             raise ValueError(
-                f"{jax.tree_util.keystr(tuple(path))} of shape {tuple(shape[1:])} per member: "
-                f"its axis {axis - 1} ({shape[axis]}) is split over mesh axis "
+                f"{where}: its axis {axis - 1} ({shape[axis]}) is split over mesh axis "
                 f"{'/'.join(map(str, names))} ({ways} devices), which does not divide it; make "
-                f"it a multiple of {ways}, or map its logical name to None in rules=."
+                f"it a multiple of {ways}, or {unsplit}."
             )
 
 

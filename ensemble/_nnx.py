@@ -58,9 +58,9 @@ from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
-    check_divisible,
+    check_split,
     member_index,
-    member_sharding,
+    member_pspec,
     merge_rules,
     own_mesh,
     own_mesh_of_size,
@@ -785,15 +785,12 @@ def _member_shardings(
 
     def sharding(path: Any, v: Any) -> Any:
         if not isinstance(v, nnx.Variable):
-            shape = np.shape(v)
-            return _leaf_sharding(shape, None, mesh, n, rules)
+            return _leaf_sharding(path, np.shape(v), None, mesh, n, rules)
         shape = np.shape(v.get_value())
         names = _names(v)
         if named is not None and (shape, names) not in named:
             names = None
-        placed = _leaf_sharding(shape, names, mesh, n, rules)
-        check_divisible(path, shape, placed)
-        return v.replace(placed)
+        return v.replace(_leaf_sharding(path, shape, names, mesh, n, rules))
 
     return jax.tree_util.tree_map_with_path(sharding, abstract, is_leaf=_is_variable)
 
@@ -808,11 +805,18 @@ def _names(v: nnx.Variable) -> tuple | None:
 
 
 def _leaf_sharding(
-    shape: tuple[int, ...], names: tuple | None, mesh: Mesh, n: int, rules: LogicalRules
+    path: Any,
+    shape: tuple[int, ...],
+    names: tuple | None,
+    mesh: Mesh,
+    n: int,
+    rules: LogicalRules,
 ) -> NamedSharding:
     """``names``: a Variable's logical names (``_names``), or None."""
     if len(shape) >= 1 and shape[0] == n:
-        return member_sharding(mesh, len(shape), names, rules)
+        spec = member_pspec(len(shape), names, rules)
+        check_split(path, shape, spec, mesh)
+        return NamedSharding(mesh, spec)
     # Not member-shaped (e.g. the optimizer's global step count): replicated, it is tiny.
     return NamedSharding(mesh, PartitionSpec())
 

@@ -118,3 +118,21 @@ def test_every_benchmark_starts_as_the_readme_runs_it(script):
         cwd=ROOT,
     )
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_envs_benchmark_writes_strict_json():
+    """An idle fraction the machine cannot give (gVisor) was written as NaN, which strict JSON
+    parsers refuse; the printed rows too."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_envs", f"{ROOT}/benchmarks/envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    text = envs._strict_json({"idle": {"ppo-full": float("nan"), "env-layer": 0.25}}, indent=1)
+
+    def refuse(name):
+        raise ValueError(name)
+
+    want = {"idle": {"ppo-full": None, "env-layer": 0.25}}
+    assert json.loads(text, parse_constant=refuse) == want

@@ -318,6 +318,18 @@ def test_a_split_dimension_the_model_axis_does_not_divide_is_one_line_naming_it(
     with pytest.raises(ValueError, match=r"^\['kernel'\] " + said.format(12)):
         ensemble.build(lambda rngs: nnx.Linear(12, 6, kernel_init=init, rngs=rngs), 2,
                        model_parallel=4, rules=[("hidden", "model")])  # fmt: skip
+    # Mesh axes named in the annotation: rules are not read, so the fix is in the names.
+    meshed = nn.Dense(6, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                          (None, "model")))  # fmt: skip
+    ens = ensemble.build(meshed, 2, model_parallel=4)
+    with pytest.raises(ValueError, match=r"make it a multiple of 4, or write None for that axis "
+                       r"in its nn.with_partitioning names\.$"):  # fmt: skip
+        ens.init(jax.random.key(0), jnp.ones((8, 3)))
+    # The member axis inside a member: JAX's DuplicateSpecError before.
+    inner = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "ensemble"))
+    said = r"^\['kernel'\] of shape \(12, 8\) per member: its axis 1 is split over 'ensemble', the"
+    with pytest.raises(ValueError, match=said + " axis the members are already split over"):
+        ensemble.build(lambda rngs: nnx.Linear(12, 8, kernel_init=inner, rngs=rngs), 2)
 
 
 def test_model_parallel_with_nothing_split_over_model_warns():
@@ -327,7 +339,7 @@ def test_model_parallel_with_nothing_split_over_model_warns():
 
     import ensemble
 
-    said = r"model_parallel=4, but no parameter is split over the 'model' axis .* whole on all 4"
+    said = r"each member spans 4 devices of the 'model' axis, but no parameter is split over it"
     ens = ensemble.build(nn.Dense(4), 2, model_parallel=4)
     with pytest.warns(UserWarning, match=said):
         variables = ens.init(jax.random.key(0), jnp.ones((2, 3)))
