@@ -641,13 +641,14 @@ def _path_names(path: tuple) -> tuple[str, ...]:
 _COMPARISONS = itertools.count()  # every process compares in the same order: one key each
 
 
-def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> list[str] | None:
+def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> list[str]:
     """The names in ``fields`` whose values differ between the processes of this run.
 
     Compared through the coordinator's key-value store, so before any collective between
     devices: processes that disagree on their devices fail such a collective or wait in it
-    forever. ``[]`` for a single process; ``None`` where JAX's store cannot be reached (its
-    internals differ). Collective: every process calls it, in the same order.
+    forever (where JAX's store cannot be reached, its internals having changed, through a
+    collective between devices instead). ``[]`` for a single process. Collective: every
+    process calls it, in the same order, with the same names.
 
     Example (one process: nothing to differ from):
       >>> settings_that_differ({"lr": 3e-4, "data": "/scratch/set-a"})
@@ -663,7 +664,7 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
         put, get = client.key_value_set, client.blocking_key_value_get
         barrier = client.wait_at_barrier
     except Exception:  # pragma: no cover - depends on JAX internals
-        return None
+        return _differ_on_devices(fields)
     key, wait_ms = f"ensemble/settings/{next(_COMPARISONS)}", int(timeout_s * 1000)
     mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in fields.items()}
     put(f"{key}/{me}", json.dumps(mine))
@@ -682,6 +683,20 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
     # holds the coordinator) stopping at once left the others with a gRPC abort.
     barrier(f"{key}/read", wait_ms)
     return sorted(differ)
+
+
+def _differ_on_devices(fields: dict[str, Any]) -> list[str]:  # pragma: no cover
+    """:func:`settings_that_differ` through an allgather of one checksum per name."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return []
+    names = sorted(fields)
+    mine = [zlib.crc32(json.dumps(fields[k], sort_keys=True, default=str).encode()) for k in names]
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.uint32)))
+    return sorted({names[j] for row in every for j in np.flatnonzero(row != every[0])})
 
 
 def _info() -> ProcessInfo:

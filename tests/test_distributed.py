@@ -717,3 +717,31 @@ def test_every_process_started_by_hand_says_which_arguments_differ(tmp_path):
         assert p.returncode == 2, err[-3000:]
         assert said + "(--checkpoint-every); start every process" in err, err[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(200)
+def test_train_in_two_processes_refuses_a_checkpoint_every_of_its_own(tmp_path):
+    """train()'s own comparison held the config only: one process saving while the other
+    trained would wait forever in collectives that do not match."""
+    script = tmp_path / "two.py"
+    script.write_text(
+        "import os, sys\n"
+        "from ensemble import distributed\n"
+        "info = distributed.initialize()\n"
+        "from rollout.ppo import PPOConfig, train\n"
+        "cfg = PPOConfig.for_env('cartpole', members=2, total_steps=512, num_envs=2,\n"
+        "                        num_steps=64)\n"
+        "try:\n"
+        "    train(cfg, out=sys.argv[1], progress=False,\n"
+        "          checkpoint_every=1 + info.process_id)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--", sys.executable,
+           str(script), str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "refused: the processes of this run were started with different settings (these " \
+        "differ between them: checkpoint_every)" in proc.stdout, proc.stdout[-3000:]  # fmt: skip

@@ -173,7 +173,7 @@ def train(
     if learner is not None and learner.config != config:
         raise ValueError("learner= was built for a different config than config=.")
     if not _FOR_CLI.get():  # (the CLI compared them already, before making --out)
-        _check_same_config(config)
+        _check_same_config(config, checkpoint_every)
     warn = warn or (lambda line: print(line, file=sys.stderr))
     run, learner_given = None, learner
     try:
@@ -386,19 +386,17 @@ def _refuse_env_object_run(out: Any) -> None:
     )
 
 
-def _check_same_config(config: Any) -> None:
+def _check_same_config(config: Any, checkpoint_every: int | None = None) -> None:
     """Every process of a run trains one config: processes started with different ones (a
     --total-steps of their own) waited forever in collectives that did not match, deaf to
-    signals, or trained their members on settings run.json does not record."""
-    import zlib
-
+    signals, or trained their members on settings run.json does not record. With
+    ``checkpoint_every`` (train()'s): one process saving while the others trained hung too."""
     import jax
+
+    from ensemble import _distributed as distributed
 
     if jax.process_count() == 1:
         return
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     if jax.local_device_count() * jax.process_count() != jax.device_count():
         # (made from --members / --devices: no collective of JAX's can even compare them)
         raise UsageError(
@@ -408,20 +406,20 @@ def _check_same_config(config: Any) -> None:
             "process's CPU count sets its devices)."
         )
     fields = config.to_dict()
-    names = sorted(fields)
-    mine = [zlib.crc32(json.dumps(fields[k], sort_keys=True).encode()) for k in names]
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.uint32)))
-    differ = sorted({names[j] for row in every for j in np.flatnonzero(row != every[0])})
+    if checkpoint_every is not None:
+        fields["checkpoint_every"] = checkpoint_every
+    differ = distributed.settings_that_differ(fields)
     if differ:
         raise UsageError(
-            "the processes of this run were started with different settings (not as on process "
-            f"0: {', '.join(differ)}); start every process with the same arguments."
+            "the processes of this run were started with different settings (these differ "
+            f"between them: {', '.join(differ)}); start every process with the same arguments."
         )
 
 
 #: Arguments that may differ between the processes of a run: the coordinator is the same
-#: one under another name (127.0.0.1 on its own host), --debug only shows tracebacks.
-_PER_PROCESS_ARGS = ("process_id", "coordinator", "no_progress", "debug")
+#: one under another name (127.0.0.1 on its own host), --debug only shows tracebacks, and
+#: progress and the --log outputs are process 0's alone (W&B installed on its host only).
+_PER_PROCESS_ARGS = ("process_id", "coordinator", "no_progress", "debug", "log", "log_interval")
 
 
 def _check_same_args(args: argparse.Namespace) -> None:
@@ -1256,12 +1254,7 @@ def _set_up(args: argparse.Namespace, found: Any, signals: _Signals) -> tuple:
         _check_no_old_logs(args)
     made: list[Path] = []
     try:
-        info = _join(args, joining)
-        _check_same_args(args)
-        # Compared first: a setting one process's own checks below refuse would leave the
-        # others waiting in this comparison's collective. Before any process makes --out: a
-        # process the launcher stops once another is refused would leave it behind.
-        _check_same_config(config)  # (train() checks it for the Python API)
+        info = _join_and_compare(args, joining, config)
         made = missing_dirs(args.out)  # what check_writable makes
         ckpt.check_writable(args.out)
         signals.install()  # again: JAX's preemption notifier takes SIGTERM in a distributed run
@@ -1285,6 +1278,17 @@ def _check_devices_of(args: argparse.Namespace, info: Any, devices: Any, n_dev: 
             "devices (ensemble.launch --devices-per-process sets them); give --devices at most "
             "that, or launch with more."
         )
+
+
+def _join_and_compare(args: argparse.Namespace, joining: Any, config: Any) -> Any:
+    """Joins the other processes and compares every argument and the config with theirs.
+    Compared first: a setting one process's own checks refuse would leave the others waiting
+    in a later collective. Before any process makes --out: a process the launcher stops once
+    another is refused would leave it behind."""
+    info = _join(args, joining)
+    _check_same_args(args)
+    _check_same_config(config)  # (train() checks it for the Python API)
+    return info
 
 
 def _join(args: argparse.Namespace, joining: Any) -> Any:
