@@ -899,7 +899,11 @@ class _Call:
                     "on_cpu(fn): called with concrete inputs while tracing under jax.set_mesh; "
                     "call it outside the mesh context, or on the traced values."
                 )
-            outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
+            try:
+                outs = self.executor.run(key, program, b, s, self.row_outs, chunk, self.timeout)
+            except WorkerError as e:  # the pool serves every wrapper: say whose fn it ran
+                e.args = (f"on_cpu({_fn_name(self.owner.fn)}): {e}", *e.args[1:])
+                raise
         else:
             outs = self.executor.run(
                 self.flat_fn, key, self.nb, b, s, chunk, weak, self.timeout, self.timeout_message
@@ -1000,6 +1004,11 @@ def _warn_batch_dependent_keys(keys: list, raw: list, axes: list) -> None:
                 RuntimeWarning,
             )
             return
+
+
+def _fn_name(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
 
 
 def _varying_axes(x: Any) -> frozenset:
