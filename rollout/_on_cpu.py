@@ -401,6 +401,19 @@ class _Coalescer:
             return _COALESCE_S
         return min(_COALESCE_S, max(_COALESCE_MIN_S, 4 * self._gathered_s))
 
+    def _fail_queued(self, req: _Request, error: BaseException) -> list[_Request]:
+        """After a worker failure, the queued calls of the same program (the other devices of
+        the step, whose shared values differ) fail with it: each would start a new pool and
+        wait out its own timeout (8 members: 8x ``timeout``), for a step that fails anyway."""
+        if not isinstance(error, WorkerError):
+            return []
+        with self._cv:
+            failed = [r for r in self._queue if r.sig == req.sig]
+            self._queue = [r for r in self._queue if r.sig != req.sig]
+        for r in failed:
+            r.done = True
+        return failed
+
     def submit(self, req: _Request, expected: int, run: Callable) -> list[np.ndarray]:
         with self._cv:
             self._queue.append(req)
@@ -430,7 +443,7 @@ class _Coalescer:
                     for r, end, n in zip(group, ends, rows):
                         r.outs = [o[end - n : end] for o in outs]
                 except BaseException as e:
-                    for r in group:
+                    for r in group + self._fail_queued(req, e):
                         r.error = e
                 for r in group:
                     r.done = True

@@ -882,3 +882,28 @@ def test_a_worker_whose_parent_is_gone_exits_quietly(script):
     parent.close()
     _, err = proc.communicate(timeout=100)
     assert proc.returncode == 0 and err == b"", err.decode()[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_in_a_step_whose_devices_pass_their_own_values_fails_once():
+    """Each device passes its own shared value (a member's own parameter), so the 8 calls of
+    one step cannot merge: after the first timed out, each of the others started a new pool
+    and waited out its own timeout (8 devices: about 8x timeout= before the error)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    f = on_cpu(lambda x, n, w: spin(x * w, n), in_axes=(0, None, None), workers=W, timeout=1)
+    specs = dict(in_specs=(P("d"), P(), P("d")), out_specs=P("d"))
+    per_device = jax.jit(jax.shard_map(lambda x, n, w: f(x, n, w[0]), mesh=mesh, **specs))
+    x, w = jnp.ones((16, 3)), jnp.arange(1.0, 9.0)
+    try:
+        with rollout.worker_errors():
+            same(per_device(x, 10, w), jnp.concatenate([spin(x[:2] * v, 10) for v in w]))
+        start = time.monotonic()
+        with pytest.raises(rollout.WorkerTimeout, match=r"did not finish within timeout=1 s"):
+            with rollout.worker_errors():
+                per_device(x, 2**31 - 1, w).block_until_ready()
+        took = time.monotonic() - start
+        assert took < 4.0, f"the error came {took:.1f} s after the call (timeout=1 s)"
+        with rollout.worker_errors():  # the next step works
+            same(per_device(x, 10, w), jnp.concatenate([spin(x[:2] * v, 10) for v in w]))
+    finally:
+        f.close()
