@@ -471,7 +471,8 @@ def _deleted(leaf: Any) -> bool:
 
 _USE_RETURNED = (
     "use the arrays that step returned (e.g. params, opt_state, losses = step(params, "
-    "opt_state, ...))"
+    "opt_state, ...)); a step that failed while it ran consumed its donated inputs too: keep a "
+    "copy, make the step with donate=False, or restore a checkpoint"
 )
 
 

@@ -87,8 +87,9 @@ def _tracing(*trees: Any) -> bool:
 #: What to do about an NNX state whose buffers a train step took (it updates in place).
 _KEEP_A_COPY = (
     "a train step updates the ensemble and its optimizer in place and donates their old "
-    "buffers, so a state taken before it (nnx.state, a pure dict) is gone after it: keep a "
-    "copy (jax.tree.map(jnp.copy, nnx.state(ens))), or make the step with donate=False"
+    "buffers, so a state taken before it (nnx.state, a pure dict) is gone after it, also after "
+    "a step that failed while it ran: keep a copy (jax.tree.map(jnp.copy, nnx.state(ens))), "
+    "make the step with donate=False, or restore a checkpoint"
 )
 
 

@@ -173,3 +173,44 @@ def test_replicated_params_come_out_of_the_step_split_over_the_members():
     jax.tree.map(
         lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want
     )
+
+
+def test_the_inputs_of_a_donated_step_that_failed_are_named_gone_with_what_to_do():
+    """A step that failed while it ran (a host callback's error inside it: an on_cpu worker's)
+    consumed its donated inputs; the next call's refusal said 'use the arrays that step
+    returned', and a failed step returned none."""
+    script = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        import jax.numpy as jnp, numpy as np, flax.linen as nn, optax, ensemble
+
+        def fail(x):
+            raise RuntimeError("a worker failed")
+
+        model = nn.Dense(1)
+        ens = ensemble.build(model, 2)
+        x = jnp.ones((4, 3))
+        params = ens.init(jax.random.key(0), x)["params"]
+        shape = jax.ShapeDtypeStruct((), jnp.float32)
+        P = jax.sharding.PartitionSpec
+        host = jax.shard_map(lambda v: jax.pure_callback(fail, shape, v), in_specs=P(),
+                             out_specs=P(), axis_names={"data", "model"}, check_vma=False)
+        loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2) + host(x.sum())
+        step = ens.train_step(loss, optax.sgd(0.1))
+        opt_state = step.init(params)
+        try:
+            jax.block_until_ready(step(params, opt_state, x))
+        except Exception as e:
+            print("failed:", type(e).__name__)
+        try:
+            step(params, opt_state, x)
+        except ValueError as e:
+            print("next:", e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True,
+                         text=True, timeout=240)  # fmt: skip
+    assert "failed: JaxRuntimeError" in out.stdout, out.stderr[-3000:]
+    assert "a step that failed while it ran consumed its donated inputs too: keep a copy, " \
+            "make the step with donate=False, or restore a checkpoint" in out.stdout  # fmt: skip
