@@ -354,8 +354,9 @@ _DEADLOCK_HINT = (
 
 
 class _Request:
-    def __init__(self, sig: Any, b: list[np.ndarray], s: list[np.ndarray]):
+    def __init__(self, sig: Any, b: list[np.ndarray], s: list[np.ndarray], origin: Any = None):
         self.sig, self.b, self.s = sig, b, s
+        self.origin = origin  # the traced call (one per call site of one program) it came from
         self.outs: list[np.ndarray] | None = None
         self.error: BaseException | None = None
         self.done = False
@@ -402,14 +403,15 @@ class _Coalescer:
         return min(_COALESCE_S, max(_COALESCE_MIN_S, 4 * self._gathered_s))
 
     def _fail_queued(self, req: _Request, error: BaseException) -> list[_Request]:
-        """After a worker failure, the queued calls of the same program (the other devices of
-        the step, whose shared values differ) fail with it: each would start a new pool and
-        wait out its own timeout (8 members: 8x ``timeout``), for a step that fails anyway."""
-        if not isinstance(error, WorkerError):
+        """After a worker failure, the queued calls of the same call site of the same program
+        (the other devices of the step, whose shared values differ) fail with it: each would
+        start a new pool and wait out its own timeout (8 members: 8x ``timeout``), for a step
+        that fails anyway. Calls from other programs, threads or eager calls still run."""
+        if not isinstance(error, WorkerError) or req.origin is None:
             return []
         with self._cv:
-            failed = [r for r in self._queue if r.sig == req.sig]
-            self._queue = [r for r in self._queue if r.sig != req.sig]
+            failed = [r for r in self._queue if r.origin is req.origin]
+            self._queue = [r for r in self._queue if r.origin is not req.origin]
         for r in failed:
             r.done = True
         return failed
@@ -945,7 +947,8 @@ class _Call:
         lead_shapes = [x.shape[: x.ndim - d] for x, d in zip(flat, self.in_ndims)]
         lead = np.broadcast_shapes(*lead_shapes)
         if not lead:
-            return submit(_Request(self.sig, flat[:nb], flat[nb:]), self.expected, self.run_rows)
+            req = _Request(self.sig, flat[:nb], flat[nb:], self)
+            return submit(req, self.expected, self.run_rows)
         k, m = len(lead), math.prod(lead)
         b = [np.broadcast_to(x, lead + x.shape[k:]) for x in flat[:nb]]
         b_rows = b[0].shape[k]
@@ -953,7 +956,7 @@ class _Call:
         if all(math.prod(x.shape[:k]) == 1 for x in s):
             b = [x.reshape(m * b_rows, *x.shape[k + 1 :]) for x in b]
             s = [x.reshape(x.shape[k:]) for x in s]
-            outs = submit(_Request(self.sig, b, s), self.expected, self.run_rows)
+            outs = submit(_Request(self.sig, b, s, self), self.expected, self.run_rows)
             return [o.reshape(*lead, b_rows, *o.shape[1:]) for o in outs]
         # Shared arguments differ along the vmapped axes: one call per vmapped element.
         s = [np.broadcast_to(x, lead + x.shape[k:]) for x in s]

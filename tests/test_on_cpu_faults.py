@@ -907,3 +907,35 @@ def test_a_timeout_in_a_step_whose_devices_pass_their_own_values_fails_once():
             same(per_device(x, 10, w), jnp.concatenate([spin(x[:2] * v, 10) for v in w]))
     finally:
         f.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_fails_only_its_own_programs_calls():
+    """The failed step's other device calls fail with it (above), but a call of another program
+    using the same wrapper, queued behind it in another thread, still runs: the first version
+    failed it with the other program's timeout, naming that program's worker."""
+    f = on_cpu(spin, in_axes=(0, None), workers=W, timeout=1)
+    slow, fast = jax.jit(lambda x: f(x, 2**31 - 1) + 1), jax.jit(lambda x: f(x, 10) * 2)
+    x, results = jnp.ones((4, 3)), {}
+    same(fast(x), spin(x, 10) * 2)  # compiled and exported
+
+    def run(name, g, delay):
+        time.sleep(delay)
+        try:
+            with rollout.worker_errors():
+                results[name] = jax.block_until_ready(g(x))
+        except rollout.WorkerError as e:
+            results[name] = e
+
+    threads = [
+        threading.Thread(target=run, args=a) for a in (("slow", slow, 0), ("fast", fast, 0.3))
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(results["slow"], rollout.WorkerTimeout), results["slow"]
+        same(results["fast"], spin(x, 10) * 2)
+    finally:
+        f.close()
