@@ -171,6 +171,19 @@ def _sigterm_a_launch(tmp_path: Path, script: str) -> tuple[int, str]:
     return code, proc.stderr.read().decode()
 
 
+def _after_sigterm(tmp_path: Path, then: str) -> str:
+    """A rank's script: ready (``up<rank>``), it waits for SIGTERM, then runs ``then`` (which
+    sees ``rank``)."""
+    return (
+        "import os, signal, sys, time\n"
+        "rank = os.environ['ENSEMBLE_PROCESS_ID']\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
+        f"open({str(tmp_path)!r} + '/up' + rank, 'w')\n"
+        "while not got: time.sleep(0.05)\n" + then
+    )
+
+
 @pytest.mark.timeout(90)
 def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_path):
     """A run that takes a few seconds to stop (its step, then a checkpoint write) was SIGKILLed
@@ -196,15 +209,10 @@ def test_a_forwarded_signal_gives_the_processes_time_for_their_checkpoint(tmp_pa
 def test_a_process_that_fails_after_a_forwarded_signal_is_named_and_its_code_returned(tmp_path):
     """Every failure was ignored once a signal had come: a checkpoint write that failed on
     one rank ended the run with 143, as a clean stop, without a word."""
-    script = (
-        "import os, signal, sys, time\n"
-        "rank = os.environ['ENSEMBLE_PROCESS_ID']\n"
-        "got = []\n"
-        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
-        f"open({str(tmp_path)!r} + '/up' + rank, 'w')\n"
-        "while not got: time.sleep(0.05)\n"
+    script = _after_sigterm(
+        tmp_path,
         "if rank == '1': sys.exit(1)  # its checkpoint write failed\n"
-        "time.sleep(1); sys.exit(143)\n"
+        "time.sleep(1); sys.exit(143)\n",
     )
     code, err = _sigterm_a_launch(tmp_path, script)
     assert code == 1
@@ -215,17 +223,12 @@ def test_a_process_that_fails_after_a_forwarded_signal_is_named_and_its_code_ret
 def test_a_process_that_aborts_on_its_peers_clean_stop_is_not_blamed(tmp_path):
     """Rank 0 stops cleanly (143); rank 1, in a collective, loses its coordinator and JAX
     aborts it (134, 'another task died'): the run was stopped, not failed."""
-    script = (
-        "import os, signal, sys, time\n"
-        "rank = os.environ['ENSEMBLE_PROCESS_ID']\n"
-        "got = []\n"
-        "signal.signal(signal.SIGTERM, lambda *_: got.append(1))\n"
-        f"open({str(tmp_path)!r} + '/up' + rank, 'w')\n"
-        "while not got: time.sleep(0.05)\n"
+    script = _after_sigterm(
+        tmp_path,
         "if rank == '0': sys.exit(143)\n"
         "time.sleep(0.5)\n"
         "print('Terminating process because ... another task died', file=sys.stderr, flush=True)\n"
-        "os.abort()\n"
+        "os.abort()\n",
     )
     code, err = _sigterm_a_launch(tmp_path, script)
     assert code == 128 + signal.SIGTERM
