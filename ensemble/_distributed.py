@@ -680,8 +680,11 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
             ) from None
         differ |= {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
     # Every process has read every other's before any acts on the result: process 0 (which
-    # holds the coordinator) stopping at once left the others with a gRPC abort.
-    barrier(f"{key}/read", wait_ms)
+    # holds the coordinator) stopping at once left the others with a gRPC abort. The barrier's
+    # own answer may then be lost (process 0 passed it and stopped): this process has read
+    # every value already, so its result stands.
+    with contextlib.suppress(Exception):
+        barrier(f"{key}/read", wait_ms)
     return sorted(differ)
 
 
