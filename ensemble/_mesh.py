@@ -291,6 +291,25 @@ def member_sharding(
     return NamedSharding(mesh, member_pspec(ndim, logical, rules))
 
 
+def kept_sharding(x: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
+    """Where a train step keeps a state array ``x`` (its output's sharding): where it is when it
+    is on ``mesh`` and split on the member axis (split on 'model' too, say) or not member-major
+    (an optimizer's step count); anything else goes on the member axis (host arrays, and arrays
+    whose members are not split: a replicated copy would stay on every device, n times the
+    memory, step after step), or is replicated when it is not member-major."""
+    sharding = getattr(x, "sharding", None)
+    shape = np.shape(x)
+    member_major = len(shape) >= 1 and shape[0] == n
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        first = sharding.spec[0] if len(sharding.spec) else None
+        names = first if isinstance(first, tuple) else (first,)
+        if MEMBER_AXIS in names or mesh.shape[MEMBER_AXIS] == 1 or not member_major:
+            return sharding
+    if not member_major:
+        return NamedSharding(mesh, PartitionSpec())
+    return member_sharding(mesh, len(shape), None, rules)
+
+
 def shard_members(tree: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_RULES) -> Any:
     """Places every leaf with leading axis n on the member axis; other leaves are replicated.
 

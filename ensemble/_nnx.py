@@ -59,6 +59,7 @@ from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
     check_split,
+    kept_sharding,
     member_index,
     member_pspec,
     merge_rules,
@@ -916,11 +917,7 @@ class NNXTrainStep:
         self.donate = donate
         self.make_optimizer: Callable[[], nnx.Optimizer] | None = None
         functools.update_wrapper(self, loss_fn, updated=())
-        donated = (2, 3) if donate else ()
-        self._jitted = jax.jit(self._step, static_argnums=(0, 1), donate_argnums=donated)
-        self._scanned = jax.jit(
-            self._steps, static_argnums=(0, 1), static_argnames="stacked", donate_argnums=donated
-        )
+        self._programs = ProgramCache()
 
     def init(self) -> nnx.Optimizer:
         """The per-member optimizer of a step made by ``ens.train_step(loss_fn, tx)``."""
@@ -933,7 +930,7 @@ class NNXTrainStep:
 
     def __call__(self, ens: NNXEnsemble, optimizer: nnx.Optimizer, *batch: Any) -> Any:
         """Updates ``ens`` and ``optimizer`` in place; returns per-member losses ``[n]``."""
-        return self._run(self._jitted, ens, optimizer, batch, batch)
+        return self._run(ens, optimizer, batch, batch)
 
     def scan(
         self,
@@ -962,12 +959,33 @@ class NNXTrainStep:
                 "per_member_batch True for that argument."
             )
         flags = stacked_flags(stacked, len(batches))
-        program = functools.partial(self._scanned, stacked=flags)
-        return self._run(program, ens, optimizer, batches, one_step_of(batches, flags), flags)
+        return self._run(ens, optimizer, batches, one_step_of(batches, flags), flags)
+
+    def _program(self, ens: NNXEnsemble, states: tuple[Any, Any], scan: bool) -> Any:
+        """The jitted step (or K steps), its outputs pinned where the state is: unpinned, the
+        compiler chose its own placement (a bias split over 'model' like the kernel before it,
+        say), so the arrays moved, and every call met new input shardings and compiled again.
+        Inside the caller's own jit the state is traced, and that jit's shardings apply."""
+        leaves, treedef = jax.tree.flatten(states)
+        pinned = None
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            pinned = [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
+        key = (scan, treedef, None if pinned is None else tuple(pinned))
+
+        def make() -> Any:
+            out = None if pinned is None else (None, *jax.tree.unflatten(treedef, pinned))
+            return jax.jit(
+                self._steps if scan else self._step,
+                static_argnums=(0, 1),
+                static_argnames="stacked" if scan else (),
+                donate_argnums=(2, 3) if self.donate else (),
+                out_shardings=out,
+            )
+
+        return self._programs.get_or_make(key, make)
 
     def _run(
         self,
-        program: Any,
         ens: Any,
         optimizer: Any,
         batch: tuple,
@@ -991,6 +1009,9 @@ class NNXTrainStep:
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         defs = _Static(ens_def), _Static(opt_def)
+        program = self._program(ens, (ens_state, opt_state), stacked is not None)
+        if stacked is not None:
+            program = functools.partial(program, stacked=stacked)
         with own_mesh(ens.mesh), explained_errors(), traced_batch(batch):
             out, new_ens, new_opt = program(*defs, ens_state, opt_state, batch)
         # The donated input buffers are gone; point the live modules at the new ones.
@@ -1011,11 +1032,12 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         defs = _Static(ens_def), _Static(opt_def)
+        program = self._program(ens, (ens_state, opt_state), stacked is not None)
         with own_mesh(ens.mesh):
             if stacked is None:
-                return self._jitted.lower(*defs, ens_state, opt_state, batch)
+                return program.lower(*defs, ens_state, opt_state, batch)
             flags = stacked_flags(stacked, len(batch))
-            return self._scanned.lower(*defs, ens_state, opt_state, batch, stacked=flags)
+            return program.lower(*defs, ens_state, opt_state, batch, stacked=flags)
 
     def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch

@@ -49,9 +49,9 @@ from ensemble._core import (
     split_loss,
 )
 from ensemble._mesh import (
-    MEMBER_AXIS,
     MODEL_AXIS,
     check_mesh,
+    kept_sharding,
     member_sharding,
     merge_rules,
     own_mesh,
@@ -155,7 +155,7 @@ class TrainStep:
 
         # Shapes as leaves (a tuple would be a node, and tuples of parameters are nodes too).
         shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), np.float32), params)
-        param_shardings = jax.tree.map(lambda p: self._sharding_of(p, p), params)
+        param_shardings = jax.tree.map(self._sharding_of, params)
         try:
             # Moments shaped like a parameter get that parameter's sharding (e.g. split on
             # 'model' too); everything else only the member axis.
@@ -292,7 +292,7 @@ class TrainStep:
 
     def _placed_spec(self, x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._sharding_of(x, x))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._sharding_of(x))
         return x
 
     def _batch_axes(self, count: int) -> tuple[int | None, ...]:
@@ -355,8 +355,8 @@ class TrainStep:
         self._check_opt_structure(params, opt_state)
         check_on_mesh(params, self.mesh, "params", member_major=True)
         check_on_mesh(opt_state, self.mesh, "opt_state", member_major=True)
-        p_sh = jax.tree.map(lambda x: self._sharding_of(x, x), params)
-        s_sh = jax.tree.map(lambda x: self._sharding_of(x, x), opt_state)
+        p_sh = jax.tree.map(self._sharding_of, params)
+        s_sh = jax.tree.map(self._sharding_of, opt_state)
         found = (p_sh, s_sh, (treedef, tuple(jax.tree.leaves((p_sh, s_sh)))))
         if layout is not None:
             self._layouts[layout] = found
@@ -421,17 +421,8 @@ class TrainStep:
             donate_argnums=(0, 1) if self._donate else (),
         )
 
-    def _sharding_of(self, x: Any, abstract: Any) -> NamedSharding:
-        # Keep a member-major array where it is (split on 'model' too, say); place anything
-        # else on the member axis: host arrays, and arrays whose members are not split (a
-        # replicated copy would stay on every device, n times the memory, step after step).
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
-            first = sharding.spec[0] if len(sharding.spec) else None
-            names = first if isinstance(first, tuple) else (first,)
-            if MEMBER_AXIS in names or self.mesh.shape[MEMBER_AXIS] == 1:
-                return sharding
-        return member_sharding(self.mesh, len(np.shape(abstract)), None, self._members.rules)
+    def _sharding_of(self, x: Any) -> NamedSharding:
+        return kept_sharding(x, self.mesh, self.n, self._members.rules)
 
     def _check_opt_structure(self, params: Any, opt_state: Any) -> None:
         """Another optimizer's state, or params and opt_state swapped, failed deep in optax or

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_events import count_compiles
 from subprocess_env import clean_env
 
 import ensemble
@@ -91,22 +91,6 @@ def test_orthogonal_init_matches_flax_without_lapack():
 # ---------------------------------------------------------------------- config errors
 
 
-@contextlib.contextmanager
-def _count_compiles():
-    """Counts XLA compilations inside the block (JAX's monitoring events)."""
-    events: list[str] = []
-
-    def listener(name, *args, **kwargs):
-        if "compile" in name:
-            events.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -127,7 +111,7 @@ def _count_compiles():
 def test_bad_config_fails_before_any_compile(overrides, match):
     overrides = {"members": 8, **overrides}
     cfg = PPOConfig.for_env(overrides.pop("env", "cartpole"), **overrides)
-    with _count_compiles() as compiles, pytest.raises(ValueError, match=match):
+    with count_compiles() as compiles, pytest.raises(ValueError, match=match):
         Learner(cfg)
     assert compiles == []
 

@@ -7,7 +7,6 @@ sends a signal runs the CLI in a subprocess under a hard timeout.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import wandb_file
+from jax_events import count_compiles
 from subprocess_env import clean_env
 
 from ensemble.distributed import checkpoint_metadata
@@ -462,24 +462,9 @@ def test_resume_may_extend_total_steps_and_the_lr_schedule_follows_the_new_total
 # ---------------------------------------------------------------------- the command line
 
 
-@contextlib.contextmanager
-def _count_compiles():
-    events: list[str] = []
-
-    def listener(name, *args, **kwargs):
-        if "compile" in name:
-            events.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def _cli_error(argv, capsys) -> str:
     """Runs main(argv) in-process; asserts exit 2, no compile; returns the single stderr line."""
-    with _count_compiles() as compiles:
+    with count_compiles() as compiles:
         try:
             code = main([*argv, "--no-progress"])
         except SystemExit as e:  # argparse
