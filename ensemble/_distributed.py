@@ -478,11 +478,46 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
       >>> checkpoint_metadata(save_checkpoint(tempfile.mkdtemp() + "/c", {"w": jnp.ones(2)}))
       {}
     """
-    import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(directory))
-    with ocp.StandardCheckpointer() as checkpointer:
-        return dict(checkpointer.metadata(path).custom_metadata or {})
+    return dict(stored_metadata(path).custom_metadata or {})
+
+
+def stored_metadata(path: str) -> Any:
+    """Orbax's metadata of the checkpoint at ``path`` (its leaves' shapes and dtypes, and the
+    ``metadata`` dict). Orbax also reads each leaf's saved sharding from the checkpoint's
+    ``_sharding`` file, and one damaged there but still valid JSON (a key's name changed by a
+    flipped bit) raised a KeyError, so an intact checkpoint could not be read. A restore into
+    given shardings never needs that file: it is then read through a view of the checkpoint
+    without it (links to the other files; nothing is copied or changed)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.metadata(path)
+    except Exception:
+        if not os.path.isfile(os.path.join(path, _SHARDING_FILE)):
+            raise
+    with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.metadata(view)
+
+
+_SHARDING_FILE = "_sharding"  # orbax's record of the shardings a checkpoint was written with
+
+
+@contextlib.contextmanager
+def _without_sharding_file(path: str) -> Iterator[str]:
+    import shutil
+    import tempfile
+
+    view = tempfile.mkdtemp(prefix="checkpoint-view-")
+    try:
+        for name in os.listdir(path):
+            if name != _SHARDING_FILE:
+                os.symlink(os.path.join(path, name), os.path.join(view, name))
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)  # the links only
 
 
 def restore_checkpoint(
@@ -515,9 +550,9 @@ def restore_checkpoint(
 
     path = os.path.abspath(os.fspath(directory))
     like = _abstract(path, like)
+    stored = stored_metadata(path).item_metadata
+    _check_shapes(path, stored, like)
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = checkpointer.metadata(path).item_metadata
-        _check_shapes(path, stored, like)
         if not partial:
             try:
                 return checkpointer.restore(path, like)

@@ -370,6 +370,28 @@ def test_a_damaged_checkpoint_is_reported_in_one_line_and_the_previous_one_used(
     assert len(ckpt.checkpoints(out)) == 2
 
 
+@pytest.mark.timeout(300)
+def test_a_damaged_sharding_record_leaves_the_checkpoint_in_use(tmp_path, reference):
+    """``_sharding`` (orbax's record of the shardings a checkpoint was written with) is never
+    needed to restore into given shardings; damaged but still valid JSON (a key renamed by a
+    flipped bit), orbax's metadata read raised a KeyError and the intact checkpoint was set
+    aside (with one checkpoint, the run could not be resumed at all)."""
+    cut = tmp_path / "cut"
+    with pytest.raises(_Stop):
+        _run(_tiny(), cut, on_update=_stop_at(5))
+    renamed = lambda text: text.replace("sharding_type", "shaRding_type")
+    for name, damage in [("renamed", renamed), ("not-json", lambda text: text[: len(text) // 2])]:
+        out = tmp_path / name
+        shutil.copytree(cut, out)
+        record = ckpt.checkpoints(out)[-1] / "_sharding"
+        record.write_text(damage(record.read_text()))
+        notes: list[str] = []
+        state, _ = _run(_tiny(), out, resume=True, warn=notes.append)
+        chex.assert_trees_all_equal(jax.device_get(state), reference[0])
+        assert _metrics(out) == reference[1]
+        assert notes == [] and not list(out.glob("*.unreadable")), notes
+
+
 def test_checkpoints_are_member_sharded_and_record_the_metric_rows(tmp_path):
     out = tmp_path / "run"
     state, _ = _run(_tiny(), out)

@@ -79,8 +79,8 @@ class NoRestorableCheckpoint(RunDirError):
     def __init__(self, out: Path, tried: list[str]):
         self.out, self.tried = out, tried
         super().__init__(
-            f"--resume: no checkpoint in {out} can be restored ({self.what}); start over with "
-            "--overwrite."
+            f"--resume: no checkpoint in {out} can be restored ({self.what}); start over in "
+            "another --out (they stay as they are), or with --overwrite (which deletes them)."
         )
 
     @property
@@ -568,12 +568,10 @@ def _as_saved(path: Path, like: Any, keys_as_saved: bool = False) -> Any:
     """``like`` with each leaf's dtype as saved in the checkpoint at ``path`` (and PRNG keys of
     the other generator's width as saved, with ``keys_as_saved``; else that is refused)."""
     import jax
-    import orbax.checkpoint as ocp
 
-    from ensemble._distributed import _path_names  # the checkpoint's leaves, named as there
+    from ensemble._distributed import _path_names, stored_metadata
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
+    saved = stored_metadata(os.path.abspath(path)).item_metadata  # leaves named as there
     dtypes = {_path_names(p): m.dtype for p, m in jax.tree_util.tree_leaves_with_path(saved)}
     wide = sorted("/".join(map(str, name)) for name, d in dtypes.items()
                   if jax.numpy.dtype(d).itemsize == 8)  # fmt: skip
