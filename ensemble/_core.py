@@ -738,7 +738,8 @@ class Members:
             features = lambda s: len(s) >= 2 and s[0] > 1
             if any(map(features, (*uneven, *even))):
                 uneven, even = list(filter(features, uneven)), list(filter(features, even))
-            rows = [] if even else [s[0] for s in uneven]
+            # One row cannot split at all: a member's state ([1, 5]) far more often than a batch.
+            rows = [] if even else [s[0] for s in uneven if s[0] > 1]
             if rows:
                 warn_user(
                     f"a batch input of {max(rows)} rows does not split evenly over the "

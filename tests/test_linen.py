@@ -277,6 +277,10 @@ def test_a_batch_that_does_not_split_over_a_members_data_devices_warns():
         step(variables, step.init(variables), anchor, jnp.ones((4, 5)))
         idx = jnp.zeros((3, D // 2, 4), jnp.int32)  # 3 steps of 4 rows per member
         scan.scan(variables, scan.init(variables), idx, jnp.ones((1001, 5)), stacked=(True, False))
+        # A member's own state passed alone (SpectralNorm's [1, 5] u): one row cannot split.
+        u_loss = lambda p, u: loss(p, keys[0], u, x)
+        alone = ens.train_step(u_loss, optax.sgd(0.1), per_member_batch=True, donate=False)
+        alone(variables, alone.init(variables), jnp.ones((D // 2, 1, 5)))
 
 
 def test_init_holds_only_a_devices_share():
