@@ -35,6 +35,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -58,6 +59,7 @@ Executor = Literal["auto", "inprocess", "process"]
 _EXECUTORS = ("auto", "inprocess", "process")
 _tokens = itertools.count()
 DEFAULT_CACHE_SIZE = 32  # compiled batch shapes kept per wrapper (caller and each worker)
+CHECKPOINT_NAME = "on_cpu"  # the outputs' name for jax.checkpoint policies (see on_cpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,6 +652,13 @@ class OnCpu:
         Traced inputs (inside ``jit``, ``vmap``, ``scan``, ``shard_map``) go through a host
         callback; concrete ones run the host side directly, so errors arrive unwrapped.
         """
+        try:
+            return self._call(*args)
+        except (ValueError, TypeError, RuntimeError) as e:
+            _name_fn(e, self.fn)
+            raise
+
+    def _call(self, *args: Any) -> Any:
         if not args:
             raise TypeError("on_cpu(fn): call with at least one positional argument")
         leaves, treedef, axes, n, weak = self._flatten(args)
@@ -972,6 +981,9 @@ class _Call:
         except WorkerError as e:
             remember(e)
             raise
+        except (ValueError, TypeError, RuntimeError) as e:
+            _name_fn(e, self.owner.fn)
+            raise
 
     def callback(self, *xs: Any) -> list[Any]:
         xs = [jax.lax.stop_gradient(x) for x in xs]  # zero gradient, by design (see on_cpu)
@@ -983,7 +995,9 @@ class _Call:
         vma = frozenset().union(*(_varying_axes(x) for x in xs))
         if vma:  # inside shard_map: each device got its own rows, so results vary too
             outs = [jax.lax.pcast(o, tuple(sorted(vma)), to="varying") for o in outs]
-        return outs
+        # Under jax.checkpoint the backward pass recomputes the forward one, the CPU work too,
+        # unless the policy saves these (save_only_these_names(CHECKPOINT_NAME)).
+        return [checkpoint_name(o, CHECKPOINT_NAME) for o in outs]
 
 
 def _lowering_settings() -> tuple:
@@ -1020,6 +1034,14 @@ def _warn_batch_dependent_keys(keys: list, raw: list, axes: list) -> None:
                 RuntimeWarning,
             )
             return
+
+
+def _name_fn(e: BaseException, fn: Any) -> None:
+    """Makes ``e``'s ``on_cpu(fn)`` name the function (with several wrappers in one step, the
+    generic name did not say which one failed)."""
+    head = "on_cpu(fn)"
+    if e.args and isinstance(e.args[0], str) and e.args[0].startswith(head):
+        e.args = (f"on_cpu({_fn_name(fn)})" + e.args[0][len(head) :], *e.args[1:])
 
 
 def _fn_name(fn: Any) -> str:
@@ -1163,7 +1185,11 @@ def on_cpu(
 
     Gradients: none flow through ``on_cpu`` — inputs are wrapped in ``lax.stop_gradient``, so
     differentiating a loss that uses its outputs treats them as constants (zero gradient with
-    respect to ``fn``'s inputs), exactly as the rollout-then-train pattern wants.
+    respect to ``fn``'s inputs), exactly as the rollout-then-train pattern wants. Under
+    ``jax.checkpoint`` (remat) the backward pass recomputes the forward one, and with it the
+    CPU work, unless the policy saves the outputs: they are named ``'on_cpu'``, so
+    ``jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names('on_cpu'))``
+    runs it once.
 
     Values ``fn`` closes over (a global, ``self.w`` of a callable object) are frozen into its
     output shapes at the first call for each batch shape, and into the workers' compiled

@@ -157,7 +157,7 @@ def test_vmap_over_a_sharded_member_axis(rollout_fn):
             if kind == "Auto":
                 close(vmapped(p, xs), want)
                 continue
-            refusal = r"^on_cpu\(fn\): cannot split the rows over the mesh axes \('m',\), which"
+            refusal = r"^on_cpu\(synth\): cannot split the rows over the mesh axes \('m',\), which"
             with pytest.raises(ValueError, match=refusal + " are Explicit .* fold that axis into"):
                 vmapped(p, xs)
             folded = jax.jit(lambda p, v: rollout_fn(p, v.reshape(24, 24)).reshape(8, 3, 24))
@@ -436,6 +436,33 @@ def test_zero_gradient(rollout_fn):
 
 
 @pytest.mark.timeout(90)
+def test_remat_runs_the_cpu_work_again_unless_the_policy_saves_its_named_outputs(monkeypatch):
+    """jax.checkpoint recomputes the forward pass in the backward one, a callback included; a
+    heavy CPU rollout then ran twice per call, which nothing said or let a policy prevent."""
+    from rollout import _on_cpu
+
+    runs = []
+    run_rows = _on_cpu._Call.run_rows
+    monkeypatch.setattr(_on_cpu._Call, "run_rows", lambda *a: runs.append(1) or run_rows(*a))
+    f = on_cpu(lambda a: a * 2 + 1, executor="process", workers=W)
+    step = lambda c: f(c) * c  # f's output is a constant to grad, but its value is needed
+    saved = jax.checkpoint_policies.save_only_these_names("on_cpu")
+    x, grads = jnp.arange(6.0).reshape(3, 2) / 10, []
+    bodies = [(step, 3), (jax.checkpoint(step), 6), (jax.checkpoint(step, policy=saved), 3)]
+    for body, want in bodies:
+        loss = lambda x, body=body: jax.lax.scan(lambda c, _: (body(c), None), x, None, 3)[0].sum()
+        runs.clear()
+        grads.append(jax.jit(jax.grad(loss))(x))
+        assert len(runs) == want  # one batch per scan step, or two
+    f.close()
+    c, d = np.asarray(x), np.ones(x.shape)
+    for _ in range(3):
+        d, c = d * (2 * c + 1), (2 * c + 1) * c
+    for g in grads:
+        np.testing.assert_allclose(g, d, rtol=1e-6)
+
+
+@pytest.mark.timeout(90)
 def test_gradient_through_a_psum_of_results_inside_shard_map():
     """Inside shard_map each device's results are its own rows: a gradient through their psum
     (a value baseline against returns, say) sums them once, as with any per-device value; typed
@@ -479,8 +506,13 @@ def test_errors_in_fn_surface_at_trace_time(rollout_fn):
 
     with pytest.raises(ValueError, match="bad rollout config"):
         jax.jit(on_cpu(bad, workers=W))(jnp.ones((4, 2)))
-    with pytest.raises(ValueError, match="one result per row"):
-        jax.jit(on_cpu(lambda x: x.mean(0), workers=W))(jnp.ones((4, 2)))
+
+    def pooled(x):
+        return x.mean(0)
+
+    # Named: with several wrappers in one step, "on_cpu(fn)" did not say which one failed.
+    with pytest.raises(ValueError, match=r"^on_cpu\(.*pooled\): .*one result per row"):
+        jax.jit(on_cpu(pooled, workers=W))(jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="batch size"):
         on_cpu(lambda a, b: a + b, workers=W)(jnp.ones((4, 2)), jnp.ones((3, 2)))
     with pytest.raises(ValueError, match="output leaf 1 has shape"):  # a Python scalar
