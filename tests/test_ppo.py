@@ -373,6 +373,36 @@ assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("n", [8, 32])
+def test_the_plots_key_every_member_inside_the_figure(tmp_path, monkeypatch, n):
+    """pbt_lineage.png's legend, drawn inside the axes in 8 columns, was wider than the figure:
+    members 6 and 7 were cut off. Up to 10 members a legend beside the axes names each; more
+    share a colour scale with a colour bar (their legend outgrew the plot, colours repeating)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from rollout.ppo._cli import plot_curves
+    from rollout.ppo._pbt import HPARAMS, plot_lineage
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    rows = [{"env_steps": s, "returns": [float(s)] * n, "pbt_parent": list(range(n)),
+             "hparams": {h: [1e-3] * n for h in HPARAMS}} for s in (8, 16)]  # fmt: skip
+    plot_curves(rows, tmp_path / "c.png", "t")
+    plot_lineage(rows, tmp_path / "l.png", "t")
+    for fig in saved:
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        if n > 10:
+            assert not fig.legends and any(ax.get_label() == "<colorbar>" for ax in fig.axes)
+            continue
+        (legend,) = fig.legends
+        ends = [(t.get_text(), t.get_window_extent(renderer).p1) for t in legend.get_texts()]
+        assert [text for text, end in ends if fig.bbox.contains(*end)] == [
+            f"member {i}" for i in range(n)
+        ]
+
+
 def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
     out = tmp_path / "run"
     env = clean_env()

@@ -27,6 +27,7 @@ from rollout._relay import worker_errors
 from rollout.ppo._checkpoint import RunDirError, as_saved, config_differences, refuse_changed
 from rollout.ppo._config import _ENV_DEFAULTS, canonical_env, canonical_env_kwargs
 from rollout.ppo._parser import OneLineParser, missing_dirs, remove_empty
+from rollout.ppo._plots import member_colors, member_key
 
 
 def cpu_devices_for(members: int, cores: int) -> int:
@@ -612,17 +613,16 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, title: str 
         return
     steps = [r["env_steps"] for r in rows]
     n = len(rows[0]["returns"])
-    fig = Figure(figsize=(7, 4))
+    fig = Figure(figsize=(8, 4), layout="constrained")
     ax = fig.subplots()
-    for i in range(n):  # updates without a finished episode have no point
+    for i, color in enumerate(member_colors(n)):  # updates without a finished episode: no point
         xy = [(x, r["returns"][i]) for x, r in zip(steps, rows) if r["returns"][i] is not None]
-        ax.plot([x for x, _ in xy], [y for _, y in xy], lw=1.2, label=f"member {i}")
+        ax.plot([x for x, _ in xy], [y for _, y in xy], lw=1.2, color=color, label=f"member {i}")
     ax.set_xlabel("env steps per member")
     ax.set_ylabel("mean episode return")
     ax.set_title(f"ensemble PPO {title} (n={n})")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    member_key(fig, [ax], n)
     fig.savefig(path, dpi=110)
 
 

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ensemble import MEMBER_AXIS
+from rollout.ppo._plots import member_colors, member_key
 
 #: Clip ranges of the perturbed hyperparameters (keep a perturbed member trainable).
 BOUNDS = {
@@ -293,9 +294,9 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
         return
     n = len(rows[0]["hparams"]["learning_rate"])
     steps = np.array([r["env_steps"] for r in rows])
-    fig = Figure(figsize=(8, 9))
+    fig = Figure(figsize=(9, 9), layout="constrained")
     axes = fig.subplots(len(HPARAMS) + 1, 1, sharex=True)
-    colors = [f"C{i % 10}" for i in range(n)]  # as learning_curve.png colours its members
+    colors = member_colors(n)  # as learning_curve.png colours its members
     # Each row's values, then at a PBT step the values it set: a step, at that update.
     xs = [x for r, x in zip(rows, steps) for _ in range(1 + ("pbt_hparams" in r))]
     for ax, name in zip(axes, HPARAMS, strict=False):
@@ -322,6 +323,5 @@ def plot_lineage(rows: Sequence[dict[str, Any]], path: Any, title: str = "") -> 
     ax.set_xlabel("env steps per member")
     ax.set_ylim(-0.5, n - 0.5)
     axes[0].set_title(f"PBT lineage {title} (n={n})")
-    axes[0].legend(fontsize=7, ncol=min(n, 8), loc="best")
-    fig.tight_layout()
+    member_key(fig, axes, n)
     fig.savefig(path, dpi=110)
