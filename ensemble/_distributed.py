@@ -489,17 +489,22 @@ def stored_metadata(path: str) -> Any:
     ``_sharding`` file, and one damaged there but still valid JSON (a key's name changed by a
     flipped bit) raised a KeyError, so an intact checkpoint could not be read. A restore into
     given shardings never needs that file: it is then read through a view of the checkpoint
-    without it (links to the other files; nothing is copied or changed)."""
+    without it (links to the other files; nothing is copied or changed). Where that fails too
+    (another file is damaged, the view cannot be made), the first error stands."""
     import orbax.checkpoint as ocp
 
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             return checkpointer.metadata(path)
-    except Exception:
+    except Exception as e:
         if not os.path.isfile(os.path.join(path, _SHARDING_FILE)):
             raise
-    with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.metadata(view)
+        failed = e
+    try:
+        with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.metadata(view)
+    except Exception:
+        raise failed from None  # naming the checkpoint, not the view
 
 
 _SHARDING_FILE = "_sharding"  # orbax's record of the shardings a checkpoint was written with

@@ -315,6 +315,31 @@ def test_single_process_helpers(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_damaged_sharding_record_is_skipped_and_other_damage_still_named(tmp_path, monkeypatch):
+    """Orbax's ``_sharding`` record, damaged but valid JSON, made its metadata read raise a
+    KeyError: read now without it (a restore into given shardings never needs it). Any other
+    damage keeps its own error, naming the checkpoint (not the view read through), also where
+    no view can be made (TMPDIR gone or full)."""
+    n = jax.device_count()
+    x = distributed.member_batch_from_local(np.arange(2.0 * n).reshape(n, 2), make_mesh(n), n)
+    path = Path(distributed.save_checkpoint(tmp_path / "c", {"x": x}, metadata={"k": 1}))
+    record = path / "_sharding"
+    record.write_text(record.read_text().replace("sharding_type", "shaRding_type"))
+    views = tmp_path / "views"
+    views.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(views))
+    assert distributed.checkpoint_metadata(path) == {"k": 1}
+    np.testing.assert_array_equal(distributed.restore_checkpoint(path, {"x": x})["x"], x)
+    (path / "_METADATA").unlink()
+    (path / "_METADATA").mkdir()  # another file damaged too
+    for tmp in (views, tmp_path / "gone"):
+        monkeypatch.setattr("tempfile.tempdir", str(tmp))
+        with pytest.raises(IsADirectoryError, match=str(path / "_METADATA")):
+            distributed.checkpoint_metadata(path)
+    assert not list(views.iterdir())  # the views are gone
+
+
+@pytest.mark.timeout(120)
 def test_restore_takes_the_params_alone_and_refuses_unplaced_leaves_in_one_line(tmp_path):
     """Params alone for inference (``partial=True``; without it one line, not orbax's dump of
     the whole tree and a flag this function lacked); NumPy leaves: read onto the only device
