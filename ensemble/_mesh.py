@@ -13,7 +13,7 @@ so arrays placed on the mesh work in a user's plain ``jax.jit`` without entering
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -291,12 +291,19 @@ def member_sharding(
     return NamedSharding(mesh, member_pspec(ndim, logical, rules))
 
 
-def kept_sharding(x: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
+def kept_sharding(
+    x: Any,
+    mesh: Mesh,
+    n: int,
+    rules: LogicalRules = DEFAULT_RULES,
+    placed: Callable[[], NamedSharding] | None = None,
+) -> NamedSharding:
     """Where a train step keeps a state array ``x`` (its output's sharding): where it is when it
     is on ``mesh`` and split on the member axis (split on 'model' too, say) or not member-major
-    (an optimizer's step count); anything else goes on the member axis (host arrays, and arrays
-    whose members are not split: a replicated copy would stay on every device, n times the
-    memory, step after step), or is replicated when it is not member-major."""
+    (an optimizer's step count); anything else goes where ``placed()`` says (the model's own
+    placement of it), by default on the member axis (host arrays, and arrays whose members are
+    not split: a replicated copy would stay on every device, n times the memory, step after
+    step), or is replicated when it is not member-major."""
     sharding = getattr(x, "sharding", None)
     shape = np.shape(x)
     member_major = len(shape) >= 1 and shape[0] == n
@@ -305,6 +312,8 @@ def kept_sharding(x: Any, mesh: Mesh, n: int, rules: LogicalRules = DEFAULT_RULE
         names = first if isinstance(first, tuple) else (first,)
         if MEMBER_AXIS in names or mesh.shape[MEMBER_AXIS] == 1 or not member_major:
             return sharding
+    if placed is not None:
+        return placed()
     if not member_major:
         return NamedSharding(mesh, PartitionSpec())
     return member_sharding(mesh, len(shape), None, rules)

@@ -969,7 +969,9 @@ class NNXTrainStep:
         leaves, treedef = jax.tree.flatten(states)
         pinned = None
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-            pinned = [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
+            pinned = _kept_shardings(ens, states)
+            if len(pinned) != len(leaves):  # a Variable of several arrays: each where it is
+                pinned = [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
         key = (scan, treedef, None if pinned is None else tuple(pinned))
 
         def make() -> Any:
@@ -1080,6 +1082,27 @@ class NNXTrainStep:
         carry = (ens_state, opt_state)
         (ens_state, opt_state), out = scan_steps(one, carry, batches, stacked)
         return out, ens_state, opt_state
+
+
+def _kept_shardings(ens: NNXEnsemble, states: Any) -> list[NamedSharding]:
+    """Per state leaf, where the step keeps it (``kept_sharding``); a leaf that is not placed on
+    the member axis (host arrays put back with ``nnx.update``, a replicated copy) goes where the
+    ensemble places it, its annotation's split included (on the member axis alone, a kernel
+    split over 'model' stayed whole on each of a member's devices from then on)."""
+    variables = jax.tree_util.tree_leaves_with_path(states, is_leaf=_is_variable)
+    rules = _with_mesh_axes(ens.rules, ens.mesh)
+    # As in nnx_optimizer: an optimizer's moment takes the names of a parameter of its shape.
+    params = jax.tree.leaves(nnx.state(ens), is_leaf=_is_variable)
+    named = {(np.shape(v.get_value()), _names(v)) for v in params if isinstance(v, nnx.Variable)}
+
+    def kept(path: Any, v: Any) -> NamedSharding:
+        x = v.get_value() if isinstance(v, nnx.Variable) else v
+        names = _names(v) if isinstance(v, nnx.Variable) else None
+        names = names if (np.shape(x), names) in named else None
+        own = lambda: _leaf_sharding(path, np.shape(x), names, ens.mesh, ens.n, rules)
+        return kept_sharding(x, ens.mesh, ens.n, ens.rules, own)
+
+    return [kept(path, v) for path, v in variables]
 
 
 class _Static:

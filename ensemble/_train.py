@@ -185,7 +185,11 @@ class TrainStep:
         ``has_aux``.
 
         ``params`` and ``opt_state`` are donated (with ``donate=True``): keep only the returned
-        ones. The program is compiled once per structure and sharding of the inputs.
+        ones. The program is compiled once per structure and sharding of the inputs. They come
+        back where they are; leaves not split on the member axis (host arrays, a replicated
+        copy) come back on the member axis alone, as the step cannot know the model's own
+        splits: place such params first (``jax.device_put(params, ens.init_shardings(key,
+        x)["params"])``) where the model splits them inside members (over ``'model'``).
         """
         with own_mesh(self.mesh), explained_errors(), traced_batch(batch):
             return self._program(params, opt_state, batch)(params, opt_state, *batch)

@@ -941,3 +941,13 @@ def test_the_step_keeps_the_state_where_it_is_and_compiles_once():
             step.scan(ens, opt, x[None])
     assert placed() == before
     assert compiles == []
+    # State put back from the host (weights from an .npz) or replicated: the step puts it
+    # where the ensemble places it, the kernel's 'model' split included (the member axis
+    # alone kept the kernel whole on both of a member's devices from then on).
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    replicated = lambda tree: jax.device_put(tree, NamedSharding(ens.mesh, P()))
+    for put_back in (host, replicated):
+        nnx.update(ens, put_back(nnx.state(ens)))
+        nnx.update(opt, put_back(nnx.state(opt)))
+        step(ens, opt, x)
+        assert [s.spec for s in placed()] == [s.spec for s in before]
