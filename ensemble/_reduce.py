@@ -74,7 +74,10 @@ def disagreement(logits: ArrayLike) -> jax.Array:
     dtype); the result (shape ``[...]``, values in ``[0, 1]``) is
     the fraction of members whose own argmax is a different class. 0 means all members agree
     with the ensemble; 1 is possible when the mean's top class is no member's own (probabilities
-    (.5, .05, .45) and (.05, .5, .45) average to a top class 2 that neither picks).
+    (.5, .05, .45) and (.05, .5, .45) average to a top class 2 that neither picks). A logit of
+    ``+inf`` gives its class probability 1 (shared by the classes at ``+inf``); an example for
+    which a member has no probabilities (a NaN logit, every logit ``-inf``: a diverged member)
+    is NaN, not that member voting for class 0.
 
     Example:
       >>> import jax.numpy as jnp
@@ -92,9 +95,13 @@ def disagreement(logits: ArrayLike) -> jax.Array:
 def _disagreement(logits: jax.Array) -> jax.Array:
     # In float32 at least: bfloat16 mean probabilities tie where the definition's do not.
     wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    ensemble_top = jnp.argmax(jnp.mean(jax.nn.softmax(wide, axis=-1), axis=0), axis=-1)
+    top = wide == jnp.inf  # softmax's limit there; jax.nn.softmax gives NaN
+    certain = top / jnp.sum(top, axis=-1, keepdims=True)
+    probs = jnp.where(jnp.any(top, -1, keepdims=True), certain, jax.nn.softmax(wide, axis=-1))
+    ensemble_top = jnp.argmax(jnp.mean(probs, axis=0), axis=-1)
     member_top = jnp.argmax(logits, axis=-1)
-    return jnp.mean((member_top != ensemble_top[None]).astype(jnp.float32), axis=0)
+    share = jnp.mean((member_top != ensemble_top[None]).astype(jnp.float32), axis=0)
+    return jnp.where(jnp.isnan(probs).any(axis=(0, -1)), jnp.nan, share)
 
 
 _mean = jax.jit(lambda y: jnp.mean(y, axis=0))

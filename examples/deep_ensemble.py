@@ -380,7 +380,21 @@ def train(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) -> 
             best = keep_better(params if best is None else best, params, better)
     params = params if best is None else best
     losses = np.concatenate([e.T for e in jax.device_get(losses)])  # [steps, n], on the host
+    _check_finite(losses, len(order) // cfg.epochs)
     return Trained(params, losses, order, val_nll, best_epoch)
+
+
+def _check_finite(losses: np.ndarray, steps_per_epoch: int) -> None:
+    """A diverged member's NaN probabilities scored as an argmax of class 0 and AUROCs of 0.5:
+    a table that looked finished."""
+    bad = ~np.isfinite(losses)  # [steps, n]
+    if bad.any():
+        step = int(np.flatnonzero(bad.any(axis=1))[0])
+        members = ", ".join(map(str, np.flatnonzero(bad.any(axis=0))))
+        raise ValueError(
+            f"training diverged: member(s) {members} computed a non-finite loss (first in epoch "
+            f"{step // steps_per_epoch + 1}); lower --lr"
+        )
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -628,14 +642,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def to_json(obj: Any) -> Any:
+    """``obj`` for strict JSON: NaN and infinities (no JSON numbers) become ``null``."""
     if isinstance(obj, dict):
         return {str(k): to_json(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [to_json(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return [None if isinstance(v, float) and math.isnan(v) else v for v in obj.tolist()]
-    if isinstance(obj, np.generic):
-        return obj.item()
+    if isinstance(obj, np.ndarray | np.generic):
+        return to_json(obj.tolist())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
     return obj
 
 
@@ -688,7 +703,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "best_epoch": trained.best_epoch,
         "val_nll": trained.val_nll,
     } | {k: v for k, v in result.items() if k not in ("entropies",)}
-    (out / "deep_ensemble.json").write_text(json.dumps(to_json(report), indent=1) + "\n")
+    text = json.dumps(to_json(report), indent=1, allow_nan=False)
+    (out / "deep_ensemble.json").write_text(text + "\n")
     print(table)
     where = f"{len(report['devices'])} device(s)"
     print(f"\n{cfg.members} members on {where}, {seconds:.1f} s training")

@@ -263,6 +263,25 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--devices 3" in err[0]
+    # A diverged run printed a finished-looking table (accuracy 0.1: argmax of NaN rows is
+    # class 0; AUROC 0.5 everywhere) and exited 0; it now says so, and writes nothing.
+    out = tmp_path / "diverged"
+    with pytest.raises(SystemExit) as e:
+        de.main(["--members", "2", "--epochs", "1", "--lr", "1e30", "--out", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "deep_ensemble.py: error: training diverged: member(s) 0, 1 computed a non-finite loss "
+        "(first in epoch 1); lower --lr"
+    ]
+
+
+def test_the_report_is_strict_json(de):
+    """NaN floats outside arrays (a final loss, a metric) came out as bare NaN tokens."""
+    report = {"a": float("nan"), "b": [np.float32(np.inf), 1.5], "c": np.array([np.nan, 2.0])}
+    assert json.dumps(de.to_json(report), allow_nan=False) == (
+        '{"a": null, "b": [null, 1.5], "c": [null, 2.0]}'
+    )
 
 
 @pytest.mark.timeout(150)

@@ -65,6 +65,22 @@ def test_disagreement_of_bfloat16_logits_follows_the_definition():
     np.testing.assert_array_equal(ensemble.disagreement(jnp.asarray(x)), expected)
 
 
+def test_disagreement_of_infinite_and_nan_logits():
+    """softmax([0, inf]) is NaN in JAX, and argmax of a NaN row is class 0: a member certain of
+    class 1 was read as voting for class 0 (1/3 instead of 2/3 below), and a diverged member's
+    NaN logits as a vote for class 0 instead of a NaN result."""
+    inf, nan = np.inf, np.nan
+    certain = jnp.array([[[0.0, inf]], [[1.0, 0.0]], [[1.0, 0.0]]])
+    p = np.array([[0.0, 1.0], *[np.exp([1.0, 0.0]) / np.exp([1.0, 0.0]).sum()] * 2])
+    expected = np.mean(p.argmax(-1) != p.mean(0).argmax())  # 2/3: the mean's top class is 1
+    np.testing.assert_allclose(ensemble.disagreement(certain), [expected], rtol=1e-6)
+    tied = jnp.array([[[inf, inf, 0.0]], [[0.0, 0.0, 3.0]]])  # (.5, .5, 0) and ~(.05, .05, .9)
+    np.testing.assert_allclose(ensemble.disagreement(tied), [0.5])
+    for dead in ([nan, nan], [nan, 1.0], [-inf, -inf]):  # no probabilities for that member
+        y = jnp.array([[dead, [0.0, 1.0]], [[0.0, 1.0]] * 2])  # examples: [dead, fine]
+        np.testing.assert_array_equal(ensemble.disagreement(y), [nan, 0.0])
+
+
 def test_member_slices_trees_and_defers_to_ensembles():
     tree = {"params": {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.arange(4.0)}}
     m = ensemble.member(tree, 2)
