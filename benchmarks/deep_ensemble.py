@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -351,15 +352,21 @@ def main(argv: list[str] | None = None) -> dict:
     rollout.configure_cpu_devices(len(os.sched_getaffinity(0)))
     de = load_example()
     try:
-        de.load_digits()
+        num_train = len(de.load_digits().x_train)
     except ValueError as e:  # scikit-learn missing: one line
         parser.error(str(e))
+    # Enough steps that a small model's run lasts about as long as a big one's.
+    epochs = {h: args.epochs or max(2, round(20 * 128 / h)) for h in args.hidden}
+    for hidden, members in itertools.product(args.hidden, args.members):  # before any run
+        try:
+            cfg = de.Config(members=members, hidden=hidden, epochs=epochs[hidden])
+            de.check_fits(cfg, num_train)
+        except ValueError as e:
+            parser.error(str(e))
     report = {"machine": machine(), "rows": []}
     for hidden in args.hidden:
         for members in args.members:
-            # Enough steps that a small model's run lasts about as long as a big one's.
-            epochs = args.epochs or max(2, round(20 * 128 / hidden))
-            row = bench_one(de, members, hidden, epochs, args.repeats)
+            row = bench_one(de, members, hidden, epochs[hidden], args.repeats)
             report["rows"].append(row)
             print("\n".join(format_table([row]).splitlines()[1:]), flush=True)
     table = format_table(report["rows"])

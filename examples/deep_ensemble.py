@@ -270,6 +270,27 @@ def make_model(cfg: Config) -> nn.Module:
     return CNN(cfg.hidden) if cfg.model == "cnn" else MLP(cfg.hidden)
 
 
+def check_fits(cfg: Config, num_train: int, pixels: int = 64) -> None:
+    """Refuses, in one line, members whose parameters, gradients and Adam moments, with the
+    batch order of the run, exceed this host's free memory (``--members 10**20`` failed
+    allocating the order in a traceback; ``--hidden 10**11`` in XLA's)."""
+    from rollout._devices import available_memory
+
+    model = make_model(cfg)
+    image = jax.ShapeDtypeStruct((1, pixels), jnp.float32)
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), image)
+    per_member = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    order = cfg.epochs * (num_train // cfg.batch_size) * cfg.batch_size * 4  # int32 indices
+    need, have = cfg.members * (4 * per_member + order), available_memory()
+    if have is not None and need > have:
+        raise ValueError(
+            f"{cfg.members} member(s) of --hidden {cfg.hidden} over --epochs {cfg.epochs} need "
+            f"at least {need / 1e9:,.1f} GB (parameters, gradients, Adam moments, batch order), "
+            f"more than this host's {have / 1e9:,.1f} GB free; give fewer or smaller members, or "
+            "fewer epochs"
+        )
+
+
 def make_loss(model: nn.Module, adversarial: float = 0.0):
     """The plain loss of ONE member: mean cross-entropy on the examples ``idx`` of ``(x, y)``.
 
@@ -682,6 +703,7 @@ def run(cfg: Config) -> dict[str, Any]:
     data = load_digits(cfg.test_fraction, cfg.seed, cfg.val_fraction)
     if cfg.batch_size > len(data.x_train):
         raise ValueError(f"--batch-size must be <= {len(data.x_train)} (the training set)")
+    check_fits(cfg, len(data.x_train), data.x_train.shape[1])
     ens, params = build(cfg, data.x_train)
     t0 = time.perf_counter()
     trained = train(cfg, ens, params, data)

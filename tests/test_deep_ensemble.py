@@ -253,6 +253,8 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
         (["--val-fraction", "0.9"], "--val-fraction must be 0 or in"),
         (["--test-resamples", "10"], "--test-resamples must be 0 or in [100, 100000], got 10"),
         (["--adversarial", "-0.01"], "--adversarial must be in [0, 0.5], got -0.01"),
+        (["--hidden", str(10**11)], "members, or fewer epochs"),  # was a traceback of XLA's
+        (["--members", str(10**20)], f"{10**20} member(s) of --hidden 256 over --epochs 150"),
     ]:
         with pytest.raises(SystemExit) as e:
             de.main(argv)

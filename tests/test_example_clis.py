@@ -28,6 +28,7 @@ MISTAKES = [
     ("benchmarks/core_speed.py", ["--part", "ops", "--rounds", "0"], "--rounds: expected an"),
     ("benchmarks/deep_ensemble.py", ["--members", "2,0"], "expected integers >= 1 like 2,8"),
     ("benchmarks/deep_ensemble.py", ["--out", "README.md"], NOT_A_FOLDER),
+    ("benchmarks/deep_ensemble.py", ["--members", str(10**20)], "fewer or smaller members"),
     ("benchmarks/envs.py", ["--num-envs", "0"], "expected an integer >= 1, got '0'"),
     ("benchmarks/envs.py", ["--envs", "bogus"], "--envs bogus: expected gymnasium:<id> or"),
     ("benchmarks/envs.py", ["--envs", "gymnasium:Nope-v0"], "error: --envs gymnasium:Nope-v0: "),
