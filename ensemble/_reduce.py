@@ -101,7 +101,10 @@ def _disagreement(logits: jax.Array) -> jax.Array:
     ensemble_top = jnp.argmax(jnp.mean(probs, axis=0), axis=-1)
     member_top = jnp.argmax(logits, axis=-1)
     share = jnp.mean((member_top != ensemble_top[None]).astype(jnp.float32), axis=0)
-    return jnp.where(jnp.isnan(probs).any(axis=(0, -1)), jnp.nan, share)
+    # NaN where a member has no probabilities: a NaN logit (the +inf branch alone misses one
+    # beside a +inf), or every logit -inf.
+    missing = jnp.isnan(wide).any(axis=(0, -1)) | jnp.isnan(probs).any(axis=(0, -1))
+    return jnp.where(missing, jnp.nan, share)
 
 
 _mean = jax.jit(lambda y: jnp.mean(y, axis=0))

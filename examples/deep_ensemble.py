@@ -401,14 +401,16 @@ def train(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) -> 
             best = keep_better(params if best is None else best, params, better)
     params = params if best is None else best
     losses = np.concatenate([e.T for e in jax.device_get(losses)])  # [steps, n], on the host
-    _check_finite(losses, len(order) // cfg.epochs)
+    _check_finite(losses, len(order) // cfg.epochs, best_epoch)
     return Trained(params, losses, order, val_nll, best_epoch)
 
 
-def _check_finite(losses: np.ndarray, steps_per_epoch: int) -> None:
+def _check_finite(losses: np.ndarray, steps_per_epoch: int, kept: np.ndarray) -> None:
     """A diverged member's NaN probabilities scored as an argmax of class 0 and AUROCs of 0.5:
-    a table that looked finished."""
+    a table that looked finished. Only the steps up to each member's kept epoch count (early
+    stopping keeps a member's parameters from before it diverged)."""
     bad = ~np.isfinite(losses)  # [steps, n]
+    bad &= np.arange(len(losses))[:, None] < kept[None, :] * steps_per_epoch
     if bad.any():
         step = int(np.flatnonzero(bad.any(axis=1))[0])
         members = ", ".join(map(str, np.flatnonzero(bad.any(axis=0))))

@@ -278,6 +278,18 @@ def test_cli_rejects_bad_input(de, capsys, tmp_path):
     ]
 
 
+def test_a_member_that_diverged_after_its_kept_epoch_is_no_divergence(de):
+    """Early stopping keeps each member's parameters from its best epoch: a loss that turned
+    NaN after it left a finished, finite table, which the divergence check first refused."""
+    losses = np.ones((5 * 3, 2))  # 5 epochs of 3 steps, 2 members
+    losses[7:, 0] = np.nan  # member 0 diverged in epoch 3
+    de._check_finite(losses, 3, np.array([2, 5]))  # it keeps epoch 2
+    with pytest.raises(
+        ValueError, match=r"member\(s\) 0 computed a non-finite loss \(first in epoch 3"
+    ):
+        de._check_finite(losses, 3, np.array([3, 5]))
+
+
 def test_the_report_is_strict_json(de):
     """NaN floats outside arrays (a final loss, a metric) came out as bare NaN tokens."""
     report = {"a": float("nan"), "b": [np.float32(np.inf), 1.5], "c": np.array([np.nan, 2.0])}

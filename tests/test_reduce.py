@@ -76,7 +76,7 @@ def test_disagreement_of_infinite_and_nan_logits():
     np.testing.assert_allclose(ensemble.disagreement(certain), [expected], rtol=1e-6)
     tied = jnp.array([[[inf, inf, 0.0]], [[0.0, 0.0, 3.0]]])  # (.5, .5, 0) and ~(.05, .05, .9)
     np.testing.assert_allclose(ensemble.disagreement(tied), [0.5])
-    for dead in ([nan, nan], [nan, 1.0], [-inf, -inf]):  # no probabilities for that member
+    for dead in ([nan, nan], [nan, 1.0], [-inf, -inf], [inf, nan]):  # no probabilities
         y = jnp.array([[dead, [0.0, 1.0]], [[0.0, 1.0]] * 2])  # examples: [dead, fine]
         np.testing.assert_array_equal(ensemble.disagreement(y), [nan, 0.0])
 
