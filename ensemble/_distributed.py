@@ -7,7 +7,9 @@ mesh across them and each process holds only the members that live on its own de
 
 Where the settings come from, first match wins:
 
-1. the arguments of :func:`initialize`;
+1. the arguments of :func:`initialize` (a process count or id that contradicts the variables
+   of 2. is refused: under the launcher, every process would take the one id, or wait for
+   processes that never come);
 2. the variables ``python -m ensemble.launch`` sets (:data:`ENV_NUM_PROCESSES`,
    :data:`ENV_PROCESS_ID`, and JAX's own ``JAX_COORDINATOR_ADDRESS``), which a user may also set by
    hand on each host;
@@ -191,21 +193,25 @@ def resolve_settings(
     inconsistent settings raise a ``ValueError`` that says what to give. Starts nothing, so a
     CLI can check its flags before it creates any file."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR_ADDRESS)
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-    launched = _env_int(ENV_PROCESS_ID)
-    if process_id is None:
-        process_id = launched
-    elif launched is not None and launched != process_id:
-        # Under ensemble.launch every process would take the one id: no process 0, so no
-        # coordinator, and all of them wait to abort.
-        raise ValueError(
-            f"process_id={process_id} contradicts ${ENV_PROCESS_ID}={launched} (set by "
-            "ensemble.launch for each process): leave the process id out under the launcher."
-        )
+    # A count or id that contradicts the variables (ensemble.launch sets them per process):
+    # every process would take the one id (no process 0, so no coordinator), or wait for
+    # processes that never come, until all of them abort.
+    num_processes = _agreeing("num_processes", num_processes, ENV_NUM_PROCESSES)
+    process_id = _agreeing("process_id", process_id, ENV_PROCESS_ID)
     if not _joins_a_run(coordinator_address, num_processes, process_id):
         return None
     return coordinator_address, num_processes, process_id
+
+
+def _agreeing(name: str, given: int | None, variable: str) -> int | None:
+    """``given``, else the variable's value; both and different: one ``ValueError``."""
+    found = _env_int(variable)
+    if given is not None and found is not None and given != found:
+        raise ValueError(
+            f"{name}={given} contradicts ${variable}={found} (set by ensemble.launch for each "
+            "process, or by hand): leave it out under the launcher, or make the two agree."
+        )
+    return found if given is None else given
 
 
 def _joins_a_run(

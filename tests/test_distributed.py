@@ -446,6 +446,11 @@ def test_a_process_id_that_contradicts_the_launchers_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"process_id=1 contradicts \$ENSEMBLE_PROCESS_ID=0"):
         distributed.resolve_settings("127.0.0.1:1", 2, 1)
     assert distributed.resolve_settings("127.0.0.1:1", 2, 0) == ("127.0.0.1:1", 2, 0)
+    # A process count of its own waited for processes that never came (it was taken silently).
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    with pytest.raises(ValueError, match=r"num_processes=4 contradicts \$ENSEMBLE_NUM_PROCESSES=2"):
+        distributed.resolve_settings("127.0.0.1:1", 4, 0)
+    assert distributed.resolve_settings("127.0.0.1:1", None, None) == ("127.0.0.1:1", 2, 0)
 
 
 def test_a_coordinator_address_without_a_port_or_beside_a_cluster_is_one_line(monkeypatch):
@@ -466,6 +471,7 @@ def test_a_coordinator_address_without_a_port_or_beside_a_cluster_is_one_line(mo
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
     assert distributed.resolve_settings() == (None, 2, None)  # agreeing: accepted
     # All three given (ensemble.launch -n 4 inside a SLURM job step): JAX asks SLURM nothing.
+    monkeypatch.delenv(distributed.ENV_NUM_PROCESSES)
     assert distributed.resolve_settings("127.0.0.1:1234", 4, 3) == ("127.0.0.1:1234", 4, 3)
 
 
