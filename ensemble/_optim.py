@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -79,7 +79,7 @@ def per_member(
 
     def init_fn(params: Any) -> Any:
         _check_member_axis(params, n)
-        return _placed_like(init_core, params, n)
+        return _placed_like(tx, init_core, params, n)
 
     def update_fn(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
@@ -92,7 +92,7 @@ def per_member(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _placed_like(init: Any, params: Any, n: int) -> Any:
+def _placed_like(tx: Any, init: Any, params: Any, n: int) -> Any:
     """``init(params)`` with the state on the params' member axis: moments shaped like a
     parameter get its sharding, other ``[n, ...]`` leaves the member axis, the rest replicated.
     Optax's zeros depend on no input, so left alone they landed on one device (the whole
@@ -105,22 +105,52 @@ def _placed_like(init: Any, params: Any, n: int) -> Any:
             return init(params)
         member = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec(MEMBER_AXIS))
         return jax.tree.map(lambda x: member(x) if _member_major(x, n) else x, init(params))
-    sharded = [
-        (np.shape(p), s)
-        for p in jax.tree.leaves(params)
-        if isinstance(s := getattr(p, "sharding", None), NamedSharding) and _spans_members(s.mesh)
-    ]
-    if not sharded:  # unplaced params, or one device
+    placed = lambda p: (
+        isinstance(s := getattr(p, "sharding", None), NamedSharding) and (_spans_members(s.mesh))
+    )
+    mesh = next((p.sharding.mesh for p in jax.tree.leaves(params) if placed(p)), None)
+    if mesh is None:  # unplaced params, or one device
         return init(params)
-    mesh, like = sharded[0][1].mesh, dict(reversed(sharded))
 
-    def target(x: Any) -> NamedSharding:
-        if tuple(x.shape) in like:
-            return like[tuple(x.shape)]
+    def default(x: Any) -> Any:  # the member axis alone; empty nodes (optax.MaskedNode) kept
+        if not hasattr(x, "shape"):
+            return x
         return NamedSharding(mesh, PartitionSpec(MEMBER_AXIS if _member_major(x, n) else None))
 
-    shardings = jax.tree.map(target, jax.eval_shape(init, params))
+    abstract = jax.eval_shape(init, params)
+    like = jax.tree.map(lambda p: p.sharding if placed(p) else default(p), params)
+    try:
+        shardings = state_shardings(tx, abstract, params, like, default)
+    except Exception:  # a state optax cannot map onto the params: the member axis only
+        shardings = jax.tree.map(default, abstract)
     return jax.jit(init, out_shardings=shardings)(params)  # straight into the shards
+
+
+def state_shardings(
+    tx: Any, abstract: Any, params: Any, param_shardings: Any, default: Callable[[Any], Any]
+) -> Any:
+    """Per leaf of a per-member optimizer state (``abstract``, shapes of ``per_member(tx,
+    n).init(params)``): a moment shaped like its parameter gets that parameter's sharding (split
+    on 'model' too, say), found through optax's map of the state onto the params, so by its
+    parameter's place in the tree (matched by shape, the first of two same-shaped parameters
+    split differently gave its sharding to both moments); anything else ``default(leaf)``.
+    Raises where optax cannot map the state onto the params."""
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), np.float32), params)
+
+    def like_param(leaf: Any, sharding: Any, shape: Any) -> Any:
+        if not hasattr(leaf, "shape"):  # masked-out parameters (optax.masked, multi_transform)
+            return leaf
+        return sharding if leaf.shape == shape.shape else default(leaf)
+
+    return optax.tree_utils.tree_map_params(
+        tx,
+        like_param,
+        abstract,
+        param_shardings,
+        shapes,
+        transform_non_params=default,
+        is_leaf=lambda x: isinstance(x, NamedSharding | optax.MaskedNode),
+    )
 
 
 def _member_major(x: Any, n: int) -> bool:

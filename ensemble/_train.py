@@ -56,7 +56,7 @@ from ensemble._mesh import (
     merge_rules,
     own_mesh,
 )
-from ensemble._optim import accepted_extra_args, as_transformation, per_member
+from ensemble._optim import accepted_extra_args, as_transformation, per_member, state_shardings
 from ensemble._steps import one_step_of, scan_steps, stacked_flags, traced_batch
 from ensemble._warn import warn_user
 
@@ -148,26 +148,9 @@ class TrainStep:
         def default(x: Any) -> Any:  # only the member axis; empty nodes (optax.MaskedNode) kept
             return member_sharding(self.mesh, len(x.shape), None, rules) if _shaped(x) else x
 
-        def like_param(leaf: Any, sharding: Any, shape: Any) -> Any:
-            if not _shaped(leaf):  # the masked-out parameters of optax.masked / multi_transform
-                return leaf
-            return sharding if leaf.shape == shape.shape else default(leaf)
-
-        # Shapes as leaves (a tuple would be a node, and tuples of parameters are nodes too).
-        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), np.float32), params)
         param_shardings = jax.tree.map(self._sharding_of, params)
         try:
-            # Moments shaped like a parameter get that parameter's sharding (e.g. split on
-            # 'model' too); everything else only the member axis.
-            return optax.tree_utils.tree_map_params(
-                self._member_tx,
-                like_param,
-                abstract,
-                param_shardings,
-                shapes,
-                transform_non_params=default,
-                is_leaf=lambda x: isinstance(x, NamedSharding | optax.MaskedNode),
-            )
+            return state_shardings(self._member_tx, abstract, params, param_shardings, default)
         except Exception as e:  # an exotic state layout: the member axis only
             if self.mesh.shape[MODEL_AXIS] > 1:
                 warn_user(

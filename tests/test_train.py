@@ -198,6 +198,21 @@ def test_per_member_init_puts_each_members_state_on_its_devices():
         np.testing.assert_allclose(state.hyperparams["learning_rate"], np.linspace(1e-4, 1e-3, n))
 
 
+def test_per_member_init_gives_each_moment_its_own_parameters_split():
+    """Two square kernels split over 'model' on different axes (a transformer's d x d
+    projections): moments found by shape took the first kernel's split for both, and each
+    step then moved them over the member's devices (all-to-all, all-gather)."""
+    mesh, n = ensemble.make_mesh(D // 2, model_parallel=2), D // 2
+    spec = {"fc1": P("ensemble", None, "model"), "fc2": P("ensemble", "model", None)}
+    params = {k: jax.device_put(jnp.ones((n, 8, 8)), NamedSharding(mesh, s))
+              for k, s in spec.items()}  # fmt: skip
+    for tx in (optax.adam(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))):
+        state = ensemble.per_member(tx, n).init(params)
+        moments = [s for s in jax.tree.leaves(state) if np.shape(s) == (n, 8, 8)]
+        for fc1, fc2 in zip(*[iter(moments)] * 2):  # each moment tree (mu, nu): fc1, fc2
+            assert (fc1.sharding.spec, fc2.sharding.spec) == (spec["fc1"], spec["fc2"])
+
+
 class BNNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
