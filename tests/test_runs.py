@@ -544,6 +544,13 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     assert "members must be a positive integer" in _cli_error(
         ["--out", out, "--members", "0"], capsys
     )
+    # A mistyped prime: the device search ran through every number up to it, deaf to SIGTERM.
+    assert "members=2305843009213693951 is more than" in _cli_error(
+        ["--out", out, "--members", str(2**61 - 1)], capsys
+    )
+    # Refused by the memory check, which traces the network: the folder made for it goes too.
+    assert main(["--out", out, "--hidden", "1000000,1000000", "--no-progress"]) == 2
+    assert "more than the" in capsys.readouterr().err
     assert "learning_rate has 3 values" in _cli_error(
         ["--out", out, "--members", "2", "--lr", "1e-3,2e-3,3e-3"], capsys
     )
@@ -583,6 +590,10 @@ def test_cli_ppo_settings_reach_the_config_and_resume_refuses_their_change(tmp_p
         (["--hidden", "64,0"], "'64,0' is not a list of positive widths like 64,64"),
         (["--num-minibatches", "3"], "num_minibatches=3 must divide the batch"),
         (["--max-grad-norm", "0"], "max_grad_norm must be finite and > 0"),
+        (["--max-grad-norm", "1e308"], "max_grad_norm must be finite and > 0 (in float32)"),
+        (["--lr", "1e308"], "learning_rate must be finite and >= 0 (in float32), got 1e+308"),
+        (["--hidden", str(10**20)], "layers of at most 16,777,216 units"),  # OverflowError
+        (["--num-envs", str(10**20), "--total-steps", str(10**21)], "transitions per update"),
     ]:
         assert match in _cli_error(["--out", str(tmp_path / "bad"), *flags, *bad], capsys)
 

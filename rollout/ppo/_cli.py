@@ -33,18 +33,24 @@ from rollout.ppo._plots import member_colors, member_key
 def cpu_devices_for(members: int, cores: int) -> int:
     """How many simulated CPU devices the learner should use for ``members`` on ``cores`` cores.
 
-    The smallest divisor of ``members`` that is >= ``cores`` (every core busy, whole members per
-    device), or ``members`` itself when there is none (fewer members than cores: one each).
+    The smallest divisor of ``members`` from ``cores`` to ``max(64, 8 * cores)`` (every core
+    busy, whole members per device); fewer members than cores: one device each; else the
+    largest divisor below ``cores`` (a prime count of a million members asked for a million
+    devices, and the search through every number up to a mistyped ``--members`` never ended).
 
     Example:
       >>> [cpu_devices_for(n, 2) for n in (1, 2, 3, 4, 8)], cpu_devices_for(100, 16)
       ([1, 2, 3, 2, 2], 20)
+      >>> cpu_devices_for(1_048_573, 2), cpu_devices_for(3 * 1_048_573, 2)  # primes
+      (1, 3)
     """
     cores = max(1, cores)
-    for d in range(cores, members + 1):
+    if members <= cores:
+        return max(1, members)
+    for d in range(cores, max(64, 8 * cores) + 1):
         if members % d == 0:
             return d
-    return members
+    return max(d for d in range(1, cores + 1) if members % d == 0)
 
 
 def configure_devices(num_cpu_devices: int) -> None:
@@ -886,8 +892,9 @@ def _output_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPU-only hosts: simulated devices for the members (default: the smallest divisor "
-        "of --members that is >= the CPU cores, else one device per member); with several "
-        "processes, per process",
+        "of --members from the CPU cores to 64 or 8 x the cores, else one device per member where "
+        "there are fewer members than cores, else the largest divisor below the cores); with "
+        "several processes, per process",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -1033,6 +1040,10 @@ def _train_locked(
         return 2
     try:
         rows = _train_logged(args, config, info, devices, signals, logs, held)
+    except UsageError:  # refused before the run wrote anything (--hidden too wide for memory)
+        _put_back(aside)
+        _remove_new_logger_files(args.out, *undo)  # and the folder this start made, lock too
+        raise
     except BaseException:
         _put_back(aside)  # where train failed before it removed the old run (and them)
         raise

@@ -279,6 +279,11 @@ class PPOConfig:
                 f"num_minibatches={self.num_minibatches} must divide the batch "
                 f"num_envs*num_steps={self.batch_size}."
             )
+        if self.members * self.batch_size > _INT32_MAX:  # a typo: failed once the run began
+            raise ValueError(
+                f"members*num_envs*num_steps = {self.members * self.batch_size:,} transitions per "
+                f"update is more than {_INT32_MAX:,}; give fewer envs or steps."
+            )
         if self.num_updates < 1:
             raise ValueError(
                 f"total_steps={self.total_steps} is less than one update's batch "
@@ -381,6 +386,10 @@ def _validate_pbt(cfg: PPOConfig) -> None:
         )
 
 
+def _finite_float32(v: float) -> bool:
+    return math.isfinite(v) and abs(v) <= float(np.finfo(np.float32).max)
+
+
 def _positive_float32(v: float) -> bool:
     with np.errstate(over="ignore"):  # 1e39 -> inf: refused below, no warning first
         return bool(np.isfinite(np.float32(v)) and np.float32(v) > 0)
@@ -404,6 +413,7 @@ def _unknown_env(env: str, known_envs: Sequence[str]) -> ValueError:
 
 #: The most members a config takes (far more than any run: beyond it, a typo).
 MAX_MEMBERS = 2**20
+MAX_WIDTH = 2**24  # units of one hidden layer
 _INT32_MAX = 2**31 - 1
 
 
@@ -428,17 +438,20 @@ def _check_ranges(cfg: PPOConfig) -> None:
                 "one value per member or a single float."
             )
         values = cfg.per_member(name)
-        if any(not math.isfinite(v) or v < 0 for v in values):
-            raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+        # Finite in float32, as they are applied (1e308 became inf, and the run diverged).
+        if any(not _finite_float32(v) or v < 0 for v in values):
+            raise ValueError(f"{name} must be finite and >= 0 (in float32), got {value!r}.")
     if any(v <= 0 for v in cfg.per_member("learning_rate")):
         raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate!r}.")
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)!r}.")
-    if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be finite and > 0, got {cfg.max_grad_norm!r}.")
-    if not (math.isfinite(cfg.vf_coef) and cfg.vf_coef >= 0):
-        raise ValueError(f"vf_coef must be finite and >= 0, got {cfg.vf_coef!r}.")
+    if not (_finite_float32(cfg.max_grad_norm) and cfg.max_grad_norm > 0):
+        raise ValueError(
+            f"max_grad_norm must be finite and > 0 (in float32), got {cfg.max_grad_norm!r}."
+        )
+    if not (_finite_float32(cfg.vf_coef) and cfg.vf_coef >= 0):
+        raise ValueError(f"vf_coef must be finite and >= 0 (in float32), got {cfg.vf_coef!r}.")
     hidden = cfg.hidden
     if (
         not isinstance(hidden, tuple | list)
@@ -446,6 +459,8 @@ def _check_ranges(cfg: PPOConfig) -> None:
         or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in hidden)
     ):
         raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
+    if max(hidden) > MAX_WIDTH:  # a typo: past int64 it failed in an OverflowError, exit 1
+        raise ValueError(f"hidden={hidden!r}: layers of at most {MAX_WIDTH:,} units; give fewer.")
 
 
 def _check_types(cfg: PPOConfig) -> None:
