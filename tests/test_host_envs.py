@@ -1216,6 +1216,51 @@ def test_make_kwargs_the_workers_cannot_receive_are_refused_by_name():
     assert not group.running and children() == []
 
 
+REPLICA_LEADER_DIES = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, jax.numpy as jnp
+    jax.config.update("jax_num_cpu_devices", 4)
+    import ensemble
+    from rollout import envs
+
+    env = envs.make("gymnasium:hostenv_walk:Walk-v0", workers_per_device=1)
+    mesh = ensemble.make_mesh(2, devices=jax.devices())  # each member on 2 devices
+    host = env.bind(mesh, 2, 2)
+    keys = jax.random.split(jax.random.key(0), (2, 2))
+
+    def steps(state):  # several steps: the replicas go on to the next one's psum
+        step = lambda s, a: (host.step(s, a, keys)[0], None)
+        return jax.lax.scan(step, state, jnp.ones((4, 2, 2), jnp.int32))[0]
+
+    with jax.set_mesh(mesh):
+        state, _ = jax.jit(host.reset)(keys)
+        state = jax.block_until_ready(jax.jit(steps)(state))
+        os.kill(host.groups[1].pids[0], signal.SIGKILL)
+        try:
+            jax.block_until_ready(jax.jit(steps)(state))
+        except Exception as e:
+            print("raised:", "device group 1 (members 1)" in str(e), flush=True)
+    host.close()
+    print("alive", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ffi", ["1", "0"])
+def test_a_dead_worker_of_a_member_on_several_devices_is_an_error_not_an_abort(walk_module, ffi):
+    # Only a member's first device steps its envs; a psum shares the results. Its error was
+    # raised there at once, and the member's other device waited in that psum until XLA
+    # aborted the whole process 40 s later ("Termination timeout ... exceeded"), no error named.
+    env = clean_env(ROLLOUT_HOSTENV_FFI=ffi)
+    done = subprocess.run([sys.executable, "-c", REPLICA_LEADER_DIES, str(walk_module)],
+                          capture_output=True, text=True, timeout=100, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["raised: True", "alive"], done.stdout
+
+
 @pytest.mark.timeout(120)
 def test_exit_with_a_rollout_still_running_lets_it_finish_then_closes(walk_module):
     script = textwrap.dedent(

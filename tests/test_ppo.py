@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,9 +221,9 @@ def test_the_update_program_moves_nothing_between_members(env, env_on, num_devic
     """Members share nothing, so the compiled update holds no collective across members: any
     would move one member's data to another's device, and one inside the rollout loop would
     also make every device wait for the others at every env step. A member on 2 devices
-    shares its own work between them. EnvPool's seeds start from member 0's key (a pool of
-    consecutive seeds, whatever the layout): one all-reduce of the rollout's num_steps seed
-    bases, before the loop."""
+    shares its own work between them. EnvPool's pools of consecutive seeds start from a key of
+    the run's and the update's, the same on every device: from member 0's key, an all-reduce
+    left the other devices waiting for one whose envs failed until XLA aborted the process."""
     if env.startswith("envpool:"):
         pytest.importorskip("envpool")
     from rollout import envs
@@ -241,12 +240,7 @@ def test_the_update_program_moves_nothing_between_members(env, env_on, num_devic
         # A member's second device gets its envs' results from the first (a psum): a member's
         # own collective, there but not across members.
         assert ensemble.debug.collectives(compiled) != {}
-    if not env.startswith("envpool:"):
-        assert across == {}, across
-        return
-    assert across == {"all-reduce": 1}, across
-    (line,) = [x for x in compiled.as_text().splitlines() if re.search(r"\sall-reduce\(", x)]
-    assert re.search(rf"= u32\[{cfg.num_steps},1,1\]", line), line
+    assert across == {}, across
 
 
 @pytest.mark.timeout(180)

@@ -481,6 +481,7 @@ class HostEnvs:
         # group -> that error. Such a group restarts rather than calling the step replayed
         # (until it restarts: its own step of the failed program may come after the error).
         self._behind: dict[int, str] = {}
+        self._kept: dict[int, BaseException] = {}  # per group: see _shared_by_leader
 
     def _label(self, g: int) -> str:
         a, b = g * self.per_group, (g + 1) * self.per_group - 1
@@ -507,14 +508,17 @@ class HostEnvs:
 
     # ------------------------------------------------------------------ traced side
 
-    def seeds(self, keys: jax.Array) -> jax.Array:
+    def seeds(self, keys: jax.Array, start: jax.Array | None = None) -> jax.Array:
         """The uint32 seeds the envs get from ``keys`` ``[..., n, num_envs]`` (typed PRNG keys or
         raw key data) at a reset or a restart, as ``reset`` and ``step`` derive them.
 
         In a loop of steps, derive them once beforehand and pass each step's row as
         ``step(..., seeds=row)``: inside the loop the derivation would run at every step, and
         EnvPool's seeds read member 0's key (``reset``), which on a sharded ensemble is a
-        collective across the member axis, one per step.
+        collective across the member axis, one per step. ``start`` (EnvPool; keys of ``keys``'
+        leading shape, ``[...]``, the same on every device): the pool's first seed drawn from it
+        instead, with no collective at all (a device whose envs failed then leaves none of the
+        others waiting for it in a collective: the learner passes its run's own).
 
         Example:
           >>> import jax
@@ -529,23 +533,20 @@ class HostEnvs:
           True
           >>> host.close()
         """
-        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-            keys = jax.random.wrap_key_data(keys)
+        keys = _typed(keys)
         if keys.shape[-2:] != (self.members, self.num_envs):
             raise ValueError(
                 f"host env {self.env.name}: keys of shape {keys.shape}; {self.members} members x "
                 f"{self.num_envs} envs take [..., {self.members}, {self.num_envs}]"
             )
-        bits = lambda k: jax.random.bits(k, (), jnp.uint32)
-        for _ in range(keys.ndim):  # vmapped axis by axis: a reshape would move members
-            bits = jax.vmap(bits)
-        seeds = bits(keys)
+        seeds = _bits(keys)
         if self.env.backend == "envpool":
             # EnvPool seeds a pool, not an env (env i of a pool seeded s gets s + i, an int32):
             # consecutive seeds over all members' envs make any worker's rows one pool, seeded
             # as one pool of all the envs would be, whichever devices and workers hold them.
             n, e = self.members, self.num_envs
-            first = seeds[..., :1, :1] % jnp.uint32(2**31 - n * e)
+            base = seeds[..., :1, :1] if start is None else _bits(_typed(start))[..., None, None]
+            first = base % jnp.uint32(2**31 - n * e)
             seeds = first + jnp.arange(n * e, dtype=jnp.uint32).reshape(n, e)
         return seeds
 
@@ -565,18 +566,11 @@ class HostEnvs:
             local_types = tuple(
                 jax.ShapeDtypeStruct((self.per_group, *t.shape[1:]), t.dtype) for t in types
             )
-            if fast:
-                outs = self._fast_step(host, local_types, g, lead, *local)
-            else:
-                outs = host_call(_recording(host), local_types, g, lead, *local)
             if not replicated:
-                return outs
-            # Only the leader stepped the envs; share its result with the other replicas.
-            share = lambda x: jax.lax.psum(
-                jnp.where(lead, x.astype(jnp.int32) if x.dtype in (jnp.bool_, jnp.uint8) else x, 0),
-                others,
-            )
-            return tuple(share(x).astype(x.dtype) for x in outs)
+                if fast:
+                    return self._fast_step(host, local_types, g, lead, *local)
+                return host_call(_recording(host), local_types, g, lead, *local)
+            return self._shared_by_leader(host, local_types, others, g, lead, local, fast)
 
         return jax.shard_map(
             per_device,
@@ -586,15 +580,64 @@ class HostEnvs:
             check_vma=False,
         )(*args)
 
+    def _shared_by_leader(self, host, types, others, g, lead, local, fast) -> tuple:
+        """A member on several devices: its first device (the leader) steps the envs and a
+        ``psum`` shares the results with the others. An error of the leader's is kept, not
+        raised, until every device of the group has its flag from that ``psum``, and then
+        raised on each of them at once: raised at once on the leader, its replicas waited for
+        it in the ``psum`` until XLA aborted the process."""
+        keep = self._keeping_error(host, types, 1 if fast else 0)
+        flagged = (*types, jax.ShapeDtypeStruct((), jnp.int32))  # + 1 where the leader failed
+        if fast:
+            outs = self._fast_step(keep, flagged, g, lead, *local)
+        else:
+            outs = host_call(keep, flagged, g, lead, *local)
+        share = lambda x: jax.lax.psum(
+            jnp.where(lead, x.astype(jnp.int32) if x.dtype in (jnp.bool_, jnp.uint8) else x, 0),
+            others,
+        )
+        *outs, failed = (share(x).astype(x.dtype) for x in outs)
+        (settled,) = host_call(_recording(self._host_settle), [failed], g, failed)
+        session = outs[0] + settled.astype(outs[0].dtype)  # after the settle: it may raise
+        return (session, *outs[1:])
+
+    def _keeping_error(self, host: Any, types: tuple, g_at: int) -> Any:
+        """``host`` with a flag of 0 added to its results; where it raises, zeros and a flag of
+        1, the error kept for :meth:`_host_settle` (``args[g_at]``: the group's index)."""
+        host = _recording(host)
+
+        def call(*args: Any) -> tuple[np.ndarray, ...]:
+            try:
+                return (*host(*args), np.int32(0))
+            except BaseException as e:  # an interrupt too: raised again, on every device
+                self._kept[int(args[g_at])] = e
+                return (*(np.zeros(t.shape, t.dtype) for t in types), np.int32(1))
+
+        return call
+
+    def _host_settle(self, g: Any, failed: Any) -> tuple[np.ndarray]:
+        """Every device of group ``g``: raises the error its leader kept in this step."""
+        if int(failed):
+            raise self._kept[int(g)]
+        return (np.int32(0),)
+
     def _fast_step(self, host: Any, types: tuple, g: jax.Array, lead: jax.Array, *local) -> tuple:
-        """The FFI step, then ``host`` (given its status first) where it did not finish."""
+        """The FFI step, then ``host`` (given its status first) where it did not finish;
+        ``types`` may end with the flag of :meth:`_keeping_error` (0 where the FFI step
+        finished)."""
         session, t, _, action, _ = local
-        status, *outs = _fast.step(self._slot, types, g.astype(jnp.int32), lead, session, t, action)
+        flag = len(types) > 5
+        step_types = types[:5]
+        status, *outs = _fast.step(
+            self._slot, step_types, g.astype(jnp.int32), lead, session, t, action
+        )
 
         def python(status, g, lead, *local):
-            return host_call(_recording(host), types, status, g, lead, *local)
+            fn = host if flag else _recording(host)
+            return host_call(fn, types, status, g, lead, *local)
 
-        finished = lambda status, g, lead, *local: tuple(outs)
+        done = (*outs, jnp.int32(0)) if flag else tuple(outs)
+        finished = lambda status, g, lead, *local: done
         return tuple(jax.lax.cond(status == _fast.OK, finished, python, status, g, lead, *local))
 
     def _types(self, *specs: tuple[tuple[int, ...], Any]) -> tuple:
@@ -845,6 +888,19 @@ def _int32(x: int) -> int:
 
 def _same(x: np.ndarray) -> bool:
     return bool((x == x.flat[0]).all())
+
+
+def _typed(keys: jax.Array) -> jax.Array:
+    typed = jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    return keys if typed else jax.random.wrap_key_data(keys)
+
+
+def _bits(keys: jax.Array) -> jax.Array:
+    """A uint32 drawn from each key, vmapped axis by axis (a reshape would move members)."""
+    bits = lambda k: jax.random.bits(k, (), jnp.uint32)
+    for _ in range(keys.ndim):
+        bits = jax.vmap(bits)
+    return bits(keys)
 
 
 def _drop_unfinished(group: Any) -> None:

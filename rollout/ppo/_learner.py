@@ -122,6 +122,7 @@ class Rollout(NamedTuple):
 
 # What a rollout takes from the member state and hands back (all but its own episode tally).
 _CARRIED = tuple(name for name in Rollout._fields if name != "finished")
+_POOL_SEEDS = 0x9E3779B9  # EnvPool's pool seeds: a stream of the run's seed apart from others'
 
 
 class Act(NamedTuple):
@@ -402,10 +403,10 @@ class Learner:
         members = self.ensemble.members
         if self._envs_beside_members:
             return members.map(self._member_update, (ms, update), (0, None))
-        carry, traj = self._rollout(ms)
+        carry, traj = self._rollout(ms, update)
         return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
 
-    def _rollout(self, ms: MemberState) -> tuple[Rollout, tuple[Transition, Cut]]:
+    def _rollout(self, ms: MemberState, update: jax.Array) -> tuple[Rollout, tuple]:
         """All members' rollouts, the envs stepped together at ensemble level (host envs):
         the final carry and the trajectory, ``[n, num_steps, num_envs, ...]``."""
         if self._envs_beside_members:
@@ -415,7 +416,12 @@ class Learner:
         carry, draws = per_member(self._draw, carry)
         draws = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), draws)  # [num_steps, n, ...]
         if self._host_envs:  # their restart seeds, derived once here rather than every step
-            draws = draws._replace(env_keys=self.envs.seeds(draws.env_keys))
+            # EnvPool's pools start from a key of the run's and the update's, the same on every
+            # device: from member 0's key, a device whose envs failed left the others waiting
+            # for it in that collective until XLA aborted the process.
+            start = jax.random.fold_in(jax.random.key(self.config.seed ^ _POOL_SEEDS), update)
+            start = jax.random.split(start, self.config.num_steps)
+            draws = draws._replace(env_keys=self.envs.seeds(draws.env_keys, start))
 
         def step(carry: Rollout, draw: Draws):
             act = per_member(self._act, ms.params, carry, draw)
