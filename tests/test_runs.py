@@ -588,6 +588,7 @@ def test_cli_ppo_settings_reach_the_config_and_resume_refuses_their_change(tmp_p
     for bad, match in [
         (["--gamma", "1.5"], "gamma must be in [0, 1], got 1.5"),
         (["--hidden", "64,0"], "'64,0' is not a list of positive widths like 64,64"),
+        (["--lr", "1e-3,,2e-3"], "'1e-3,,2e-3' is not a number or a list"),  # was 2 values
         (["--num-minibatches", "3"], "num_minibatches=3 must divide the batch"),
         (["--max-grad-norm", "0"], "max_grad_norm must be finite and > 0"),
         (["--max-grad-norm", "1e308"], "max_grad_norm must be finite and > 0 (in float32)"),

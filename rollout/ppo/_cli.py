@@ -707,9 +707,18 @@ class UsageError(ValueError):
     """A mistake on the command line: reported in one line, exit code 2."""
 
 
+def _items(text: str) -> list[str]:
+    """The entries of a list flag (``3e-4,1e-3`` or ``3e-4 1e-3``); an empty one between
+    commas (``1e-3,,2e-3``, a typo) raises ValueError: dropped, it changed the count."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and not all(parts):
+        raise ValueError(f"{text!r} has an empty entry")
+    return [x for p in parts for x in p.split()]
+
+
 def _floats(text: str) -> float | tuple[float, ...]:
     try:
-        values = tuple(float(v) for v in text.replace(",", " ").split())
+        values = tuple(float(v) for v in _items(text))
     except ValueError:
         values = ()
     if not values:
@@ -875,7 +884,7 @@ _SWITCH_HELP = {
 
 def _widths(text: str) -> tuple[int, ...]:
     try:
-        widths = tuple(int(v) for v in text.replace(",", " ").split())
+        widths = tuple(int(v) for v in _items(text))
     except ValueError:
         widths = ()
     if not widths or min(widths) < 1:
