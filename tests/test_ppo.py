@@ -581,6 +581,13 @@ def test_config_fields_of_the_wrong_type_or_range_are_named(bad, message):
         PPOConfig.for_env("cartpole", **bad).validate()
 
 
+def test_float32s_largest_finite_value_is_accepted():
+    # The float32 check compared against its maximum in float64: printed 3.4028235e38 (finite
+    # in float32) was refused as not finite.
+    big = float(np.float32(3.4028235e38))
+    PPOConfig.for_env("cartpole", members=8, vf_coef=3.4028235e38, ent_coef=big).validate()
+
+
 def test_metrics_count_games_with_raw_scores_where_an_env_says_so():
     """An env's ``info["score"]`` (the raw reward, where the training reward is clipped) and
     ``info["episode_goes_on"]`` (a lost life: the training episode ends, the game does not)

@@ -548,9 +548,15 @@ def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     assert "members=2305843009213693951 is more than" in _cli_error(
         ["--out", out, "--members", str(2**61 - 1)], capsys
     )
-    # Refused by the memory check, which traces the network: the folder made for it goes too.
-    assert main(["--out", out, "--hidden", "1000000,1000000", "--no-progress"]) == 2
-    assert "more than the" in capsys.readouterr().err
+    # Refused by the memory check, which traces the network: the folder made for it goes too,
+    # and in a folder of the user's, the lock file the start made there.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for where in (out, str(mine)):
+        assert main(["--out", where, "--hidden", "1000000,1000000", "--no-progress"]) == 2
+        assert "more than the" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     assert "learning_rate has 3 values" in _cli_error(
         ["--out", out, "--members", "2", "--lr", "1e-3,2e-3,3e-3"], capsys
     )
@@ -589,6 +595,8 @@ def test_cli_ppo_settings_reach_the_config_and_resume_refuses_their_change(tmp_p
         (["--gamma", "1.5"], "gamma must be in [0, 1], got 1.5"),
         (["--hidden", "64,0"], "'64,0' is not a list of positive widths like 64,64"),
         (["--lr", "1e-3,,2e-3"], "'1e-3,,2e-3' is not a number or a list"),  # was 2 values
+        (["--lr", "1e-46"], "learning_rate must be > 0 (in float32)"),  # 0 there: no training
+        (["--max-grad-norm", "1e-46"], "max_grad_norm must be finite and > 0 (in float32)"),
         (["--num-minibatches", "3"], "num_minibatches=3 must divide the batch"),
         (["--max-grad-norm", "0"], "max_grad_norm must be finite and > 0"),
         (["--max-grad-norm", "1e308"], "max_grad_norm must be finite and > 0 (in float32)"),

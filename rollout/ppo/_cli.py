@@ -1006,13 +1006,14 @@ def _main(args: argparse.Namespace, signals: _Signals) -> int:
     found = ckpt.inspect(args.out)  # read-only: nothing is written before all checks pass
     # To undo a failed logger's files, and the folders this start made (none: --out existed).
     before, made = _logger_files(args.out), missing_dirs(args.out)
+    had_lock = os.path.lexists(os.path.join(args.out, ckpt.LOCK_FILE))
     config, info, devices, n_dev = _set_up(args, found, signals)
     # One writer from here on: an old run's logger files go, and the new loggers open, only
     # once no other process can be resuming that run in this directory.
     held = ckpt.lock(Path(args.out)) if info.is_main else None
     try:
         return _train_locked(args, signals, config, info, devices, n_dev, log_names,
-                             (before, made), interval, held)  # fmt: skip
+                             (before, made, had_lock), interval, held)  # fmt: skip
     finally:
         if held is not None:
             held.close()
@@ -1026,7 +1027,7 @@ def _train_locked(
     devices: Any,
     n_dev: int,
     log_names: Sequence[str],
-    undo: tuple[Any, list[Path]],
+    undo: tuple[Any, list[Path], bool],
     interval: float,
     held: Any,
 ) -> int:
@@ -1220,16 +1221,19 @@ def _logger_files(out: str) -> set[str] | None:
     return {name for name in _LOGGER_FILES if os.path.lexists(os.path.join(out, name))}
 
 
-def _remove_new_logger_files(out: str, before: set[str] | None, made: list[Path]) -> None:
+def _remove_new_logger_files(
+    out: str, before: set[str] | None, made: list[Path], had_lock: bool = False
+) -> None:
     """Undoes what loggers that failed to open left in ``out``, and the folders this start
     made (``out`` and its new parents) where they are empty: a failed start leaves no run
     directory behind."""
     from rollout.ppo import _checkpoint as ckpt
 
     _remove_logger_files(out, set(_LOGGER_FILES) - (before or set()))
-    if before is None:
+    if not had_lock:  # this start's, held: no run's
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(out, ckpt.LOCK_FILE))  # this start's, held: no run's
+            os.remove(os.path.join(out, ckpt.LOCK_FILE))
+    if before is None:
         remove_empty(made)  # only if empty: nothing but what the loggers made was there
 
 

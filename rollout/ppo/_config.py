@@ -387,7 +387,8 @@ def _validate_pbt(cfg: PPOConfig) -> None:
 
 
 def _finite_float32(v: float) -> bool:
-    return math.isfinite(v) and abs(v) <= float(np.finfo(np.float32).max)
+    with np.errstate(over="ignore"):  # 1e39 -> inf: refused by the caller, no warning first
+        return bool(np.isfinite(np.float32(v)))
 
 
 def _positive_float32(v: float) -> bool:
@@ -441,12 +442,12 @@ def _check_ranges(cfg: PPOConfig) -> None:
         # Finite in float32, as they are applied (1e308 became inf, and the run diverged).
         if any(not _finite_float32(v) or v < 0 for v in values):
             raise ValueError(f"{name} must be finite and >= 0 (in float32), got {value!r}.")
-    if any(v <= 0 for v in cfg.per_member("learning_rate")):
-        raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate!r}.")
+    if any(not _positive_float32(v) for v in cfg.per_member("learning_rate")):  # 1e-46: 0
+        raise ValueError(f"learning_rate must be > 0 (in float32), got {cfg.learning_rate!r}.")
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)!r}.")
-    if not (_finite_float32(cfg.max_grad_norm) and cfg.max_grad_norm > 0):
+    if not _positive_float32(cfg.max_grad_norm):
         raise ValueError(
             f"max_grad_norm must be finite and > 0 (in float32), got {cfg.max_grad_norm!r}."
         )
