@@ -515,6 +515,33 @@ def test_an_unexpected_errors_line_keeps_the_operating_systems_reason():
     assert _os_cause(ValueError("bad"), "bad") == ""
 
 
+def test_the_cli_keeps_jaxs_log_of_a_worker_error_off_stderr(caplog):
+    """Each device's failed callback logged the worker's error with its whole traceback before
+    the run's one error line (2 to 4 blocks); other records of that logger stay."""
+    import logging
+
+    from rollout._pool import WorkerError
+    from rollout.ppo._cli import _worker_errors_unlogged
+
+    logger = logging.getLogger("jax._src.callback")
+
+    def log(error):
+        try:
+            raise error
+        except Exception:
+            logger.exception("jax.pure_callback failed")
+
+    with caplog.at_level(logging.ERROR, logger="jax._src.callback"):
+        with _worker_errors_unlogged():
+            log(WorkerError("on_cpu worker 0 was killed"))
+            log(ValueError("a bug of the user's"))
+        log(WorkerError("outside the CLI"))
+    assert [r.exc_info[1].args[0] for r in caplog.records] == [
+        "a bug of the user's",
+        "outside the CLI",
+    ]
+
+
 def test_cli_mistakes_are_one_line_exit_2_before_any_compile(tmp_path, capsys):
     a_file = tmp_path / "file.txt"
     a_file.write_text("keep me")

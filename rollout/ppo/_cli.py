@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -495,7 +495,11 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
             # A jitted call stops at the next PBT step (exploit/explore runs between calls).
             k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
             state, metrics = learner.update(state, k)
-            host = to_host(metrics)  # the only gather
+            try:
+                host = to_host(metrics)  # the only gather
+            except Exception:  # a worker's error on one device: the others may still run
+                _settle((state, metrics))
+                raise
             new_rows = _rows(host, done, k, cfg.batch_size)
             diverged = _diverged(host, done)
             if diverged is not None:  # its rows up to the diverged update, in the usual form
@@ -526,6 +530,25 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
     if run is not None and rows:
         run.finish()
     return state, rows
+
+
+def _settle(outputs: Any, timeout: float = 5.0) -> None:
+    """Waits, up to ``timeout`` seconds, for every device's part of a call that failed: the
+    error comes from the first device that failed while the others may still run their part
+    (an ``on_cpu`` worker killed under one device's rows), and a process that exited then was
+    aborted by XLA or crashed in its finalisation (exit 134 after the error line). Not for
+    long: a device left waiting in a collective for a failed one never ends its part."""
+    import jax
+
+    def wait() -> None:
+        for leaf in jax.tree.leaves(outputs):
+            for shard in getattr(leaf, "addressable_shards", ()):
+                with contextlib.suppress(Exception):  # the failed devices' own errors
+                    shard.data.block_until_ready()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout)
 
 
 def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict[str, Any]]:
@@ -935,6 +958,28 @@ def _process_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=None)
 
 
+@contextlib.contextmanager
+def _worker_errors_unlogged() -> Iterator[None]:
+    """Keeps JAX's log of a callback that failed with a worker's error off stderr: the run
+    ends with that error's one line, and each device's callback logged its whole traceback
+    before it (``--debug`` shows them)."""
+    import logging
+
+    from rollout._pool import WorkerError
+    from rollout.hostenv._group import HostEnvError
+
+    def keep(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, WorkerError | HostEnvError)
+
+    logger = logging.getLogger("jax._src.callback")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m rollout.ppo`` and the ``ensemble-ppo`` console script.
 
@@ -944,8 +989,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     traceback).
     """
     args = build_parser().parse_args(argv)
+    quiet = contextlib.nullcontext() if args.debug else _worker_errors_unlogged()
     try:
-        with _Signals() as signals:
+        with _Signals() as signals, quiet:
             return _main(args, signals)
     except Interrupted as e:
         print(e if e.out is None else f"{e.stopped}; {_resume_hint(args)}", file=sys.stderr)
