@@ -918,6 +918,7 @@ class NNXTrainStep:
         self.make_optimizer: Callable[[], nnx.Optimizer] | None = None
         functools.update_wrapper(self, loss_fn, updated=())
         self._programs = ProgramCache()
+        self._layouts: dict[Any, list[NamedSharding]] = {}  # see _program
 
     def init(self) -> nnx.Optimizer:
         """The per-member optimizer of a step made by ``ens.train_step(loss_fn, tx)``."""
@@ -969,9 +970,14 @@ class NNXTrainStep:
         leaves, treedef = jax.tree.flatten(states)
         pinned = None
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-            pinned = _kept_shardings(ens, states)
-            if len(pinned) != len(leaves):  # a Variable of several arrays: each where it is
-                pinned = [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
+            # Kept by layout (shapes and shardings), as the linen step keeps its own: a step is
+            # called again and again with the arrays of the last, and the pass over every
+            # Variable that finds where each goes is then done once.
+            layout = (treedef, ens.rules, tuple((np.shape(x), getattr(x, "sharding", None))
+                                                for x in leaves))  # fmt: skip
+            pinned = self._layouts.get(layout)
+            if pinned is None:
+                pinned = self._layouts[layout] = _kept_shardings(ens, states)
         key = (scan, treedef, None if pinned is None else tuple(pinned))
 
         def make() -> Any:
@@ -1102,7 +1108,11 @@ def _kept_shardings(ens: NNXEnsemble, states: Any) -> list[NamedSharding]:
         own = lambda: _leaf_sharding(path, np.shape(x), names, ens.mesh, ens.n, rules)
         return kept_sharding(x, ens.mesh, ens.n, ens.rules, own)
 
-    return [kept(path, v) for path, v in variables]
+    pinned = [kept(path, v) for path, v in variables]
+    leaves = jax.tree.leaves(states)
+    if len(pinned) != len(leaves):  # a Variable of several arrays: each where it is
+        return [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
+    return pinned
 
 
 class _Static:
