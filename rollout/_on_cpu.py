@@ -279,6 +279,24 @@ def _with_timeout(work: Callable[[], Any], timeout: float, message: str) -> Any:
     return box["out"]
 
 
+# Executions abandoned at a timeout, by any wrapper: XLA queues later programs on this process's
+# CPU devices behind them, so every in-process call with a timeout waits for them first.
+_abandoned: list[threading.Thread] = []
+_abandoned_lock = threading.Lock()
+
+
+def _wait_for_abandoned(timeout: float) -> bool:
+    """Waits up to ``timeout`` s in all for every abandoned execution; True when none runs."""
+    deadline = time.monotonic() + timeout
+    with _abandoned_lock:
+        pending = list(_abandoned)
+    for thread in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        return not any(t.is_alive() for t in pending)
+
+
 class _InProcess:
     """``jit(shard_map(fn))`` over W CPU devices of this process."""
 
@@ -286,13 +304,12 @@ class _InProcess:
         self.num_workers = workers
         self._lock = threading.Lock()
         self._compiled = _LRU(cache_size)
-        self._late: threading.Thread | None = None  # an execution abandoned at its timeout
 
     def run(self, flat_fn, key, nb, batched, shared, chunk, weak, timeout=None, message=""):
         """Run on the CPU devices. ``timeout``: seconds the execution may take (compiling is not
         counted, nor waiting up to ``timeout`` for an execution abandoned at an earlier
-        timeout), else :class:`WorkerTimeout` with ``message``; the late execution is abandoned
-        and later calls still run."""
+        timeout, by this wrapper or another), else :class:`WorkerTimeout` with ``message``; the late
+        execution is abandoned and later calls still run."""
         compiled, shardings = self._compile(flat_fn, key, nb, batched, shared, chunk, weak)
         args = [jax.device_put(a, s) for a, s in zip([*batched, *shared], shardings)]
 
@@ -301,20 +318,17 @@ class _InProcess:
 
         if timeout is None:
             return work()
-        late = self._late
-        if late is not None:
-            late.join(timeout)  # this call would queue behind it: its own clock starts after
-            if late.is_alive():
-                raise WorkerTimeout(
-                    f"on_cpu(executor='inprocess'): an execution abandoned at an earlier "
-                    f"timeout still held the CPU devices after another {timeout:g} s; this "
-                    "call did not start"
-                )
-            self._late = None
+        # This call would queue behind an abandoned execution: its own clock starts after.
+        if not _wait_for_abandoned(timeout):
+            raise WorkerTimeout(
+                "on_cpu(executor='inprocess'): an execution abandoned at an earlier timeout "
+                f"still held the CPU devices after another {timeout:g} s; this call did not start"
+            )
         try:
             return _with_timeout(work, timeout, message)
         except WorkerTimeout as e:
-            self._late = getattr(e, "late", None)
+            with _abandoned_lock:
+                _abandoned.append(e.late)
             raise
 
     def _compile(self, flat_fn, key, nb, batched, shared, chunk, weak):
@@ -1163,10 +1177,11 @@ def on_cpu(
         (compiling a new batch shape is not counted), a positive finite number or ``None``.
         A call over it raises :class:`WorkerTimeout` within 1 s of it; the process executor
         kills its workers (they restart on the next call), the in-process one abandons the late
-        execution: the next call waits up to its own ``timeout`` for it to end before its clock
-        starts (else a :class:`WorkerTimeout` saying it did not start), and an interpreter
-        exiting while it still runs is aborted by XLA. The wrapper stays usable. Default: no limit,
-        except 300 s for in-process calls from CPU callers (see above).
+        execution: the next call (of any in-process wrapper) waits up to its own ``timeout`` for
+        it to end before its clock starts (else a :class:`WorkerTimeout` saying it did not
+        start), and an interpreter exiting while it still runs is aborted by XLA. The wrapper
+        stays usable. Default: no limit, except 300 s for in-process calls from CPU callers
+        (see above).
       cache_size: compiled programs (one per batch shape) kept per wrapper, in this process and
         in each worker; the least recently used is dropped beyond it (default 32).
 

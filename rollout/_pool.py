@@ -145,8 +145,9 @@ class ProcessPool:
     # ------------------------------------------------------------------ lifecycle
     @property
     def pids(self) -> list[int]:
-        """Process ids of the running workers (empty before the first call and after close)."""
-        return [w.pid for w in self._workers]
+        """Process ids of the running workers (empty before the first call and after close;
+        while workers start, those started so far)."""
+        return [w.pid for w in self._workers if w is not None]
 
     def _spawn(self, indices: Sequence[int]) -> None:
         """Start workers at these indices (replacing what is there) and wait until they are up.

@@ -574,6 +574,33 @@ def test_worker_killed_while_idle_is_replaced():
     assert f.pids == [] and not started & set(workers_of(os.getpid(), "on_cpu"))
 
 
+@pytest.mark.timeout(120)
+def test_pids_read_while_workers_start():
+    """A monitor thread reading ``pids`` during the first call saw the pool's empty slots
+    (AttributeError on None) instead of the workers started so far."""
+    f = on_cpu(lambda x: x * 2, workers=W, executor="process")
+    seen, errors, done = [], [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            try:
+                seen.append(list(f.pids))
+            except Exception as e:  # the failure under test
+                errors.append(repr(e))
+                return
+
+    monitor = threading.Thread(target=poll)
+    monitor.start()
+    try:
+        np.testing.assert_array_equal(f(jnp.ones((4,))), 2.0)
+    finally:
+        done.set()
+        monitor.join()
+        f.close()
+    assert errors == []
+    assert seen and all(all(isinstance(pid, int) for pid in pids) for pids in seen)
+
+
 # ------------------------------------------------------------------------------ executors
 
 
