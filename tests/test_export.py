@@ -366,6 +366,22 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
 
 
+@pytest.mark.timeout(120)
+def test_episodes_beyond_memory_are_one_line_before_any_allocation(cartpole, tmp_path, capsys):
+    """Pure-JAX envs run all episodes at once: --episodes 200000000 of CartPole was a
+    RESOURCE_EXHAUSTED traceback after trying to allocate 107 GB (exit 1)."""
+    learner, state = cartpole
+    export.export_members(learner, state, tmp_path, members=[0, 1])
+    assert evaluate.main([str(tmp_path), "--episodes", "200000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.match(r"error: 200,000,000 episodes of cartpole run at once and need about "
+                    r"[\d,.]+ GB, more than the [\d,.]+ GB of this host's free memory; evaluate "
+                    r"fewer episodes \(about [\d,]+ fit\)", err[0]), err  # fmt: skip
+    fit = int(re.search(r"about ([\d,]+) fit", err[0]).group(1).replace(",", ""))
+    assert evaluate.main([str(tmp_path), "--episodes", str(min(fit // 4, 64))]) == 0
+
+
 def test_envpool_evaluation_seeds_past_int32_are_refused_not_wrapped():
     with pytest.raises(ValueError, match=r"seeds 2147483646\.\.2147483648 do not fit; use a "
                        r"--seed below 2147483645"):  # fmt: skip

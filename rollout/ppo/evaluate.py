@@ -9,7 +9,8 @@ initial states (drawn from ``--seed``), so the rows compare policies, not luck; 
 env's step ``t`` of episode ``i`` draws its randomness from ``fold_in(reset key i, t)``.
 
 Episodes of pure-JAX envs (the project's own, ``gymnax:`` and ``brax:`` ids) run all ``N`` at
-once, jitted; ``envpool:`` ids run all ``N`` at once in one EnvPool pool (env ``i`` seeded
+once, jitted (an ``N`` whose program needs more memory than is free is refused before any
+episode runs); ``envpool:`` ids run all ``N`` at once in one EnvPool pool (env ``i`` seeded
 ``seed + i``, as in training); ``gymnasium:`` ids run in gymnasium, one after another, each
 cut after ``--max-steps`` steps if it has not ended (default: the env's own time limit, or
 10,000 steps for an env without one). The env
@@ -133,6 +134,40 @@ def _member_returns(members: Sequence[Any], ensemble: bool, env_id: str, keys: A
                     kwargs: dict[str, Any], max_steps: int | None) -> np.ndarray:  # fmt: skip
     """:func:`episode_returns` of member ``members[0]`` (or the ensemble policy of all),
     compiled once per runner key (a policy closing over its arrays compiled every call)."""
+    run, arrays = _runner(members, ensemble, env_id, kwargs, max_steps)
+    return np.asarray(run(arrays, keys), np.float64)
+
+
+def _refuse_too_many_episodes(members: Sequence[Any], env_id: str, kwargs: dict[str, Any],
+                              max_steps: int | None, seed: int, episodes: int) -> None:  # fmt: skip
+    """The episodes of a functional env run all at once: refuses a count whose program (the
+    ensemble's, the largest) needs more memory than there is (a huge ``--episodes`` was a
+    RESOURCE_EXHAUSTED traceback). Only compiles: nothing is allocated."""
+    import jax
+
+    from ensemble import compiled_memory
+    from rollout._devices import available_memory
+
+    keys = jax.eval_shape(lambda: reset_keys(seed, episodes))
+    run, arrays = _runner(members, len(members) > 1, env_id, kwargs, max_steps)
+    need = compiled_memory(run, arrays, keys).peak + keys.size * 8  # + the keys' making
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        have, where = available_memory(), "this host's free memory"
+    else:
+        have, where = (device.memory_stats() or {}).get("bytes_limit"), device.device_kind
+    if have is not None and need > have:
+        fit = max(1, int(episodes * have / need))
+        raise ValueError(
+            f"{episodes:,} episodes of {env_id} run at once and need about {need / 1e9:,.1f} "
+            f"GB, more than the {have / 1e9:,.1f} GB of {where}; evaluate fewer episodes "
+            f"(about {fit:,} fit), in several runs with different seeds if you need more."
+        )
+
+
+def _runner(members: Sequence[Any], ensemble: bool, env_id: str, kwargs: dict[str, Any],
+            max_steps: int | None) -> tuple[Callable[..., Any], list[Any]]:  # fmt: skip
+    """The jitted episodes of :func:`_member_returns` and the members' arrays it takes."""
     import dataclasses
     import json
 
@@ -154,8 +189,7 @@ def _member_returns(members: Sequence[Any], ensemble: bool, env_id: str, keys: A
         run = _RUNNERS[key] = jax.jit(returns)
         if len(_RUNNERS) > 32:  # many runs evaluated in one process: keep the newest
             del _RUNNERS[next(iter(_RUNNERS))]
-    arrays = [(m.params, m.obs_mean, m.obs_var) for m in members]
-    return np.asarray(run(arrays, keys), np.float64)
+    return run, [(m.params, m.obs_mean, m.obs_var) for m in members]
 
 
 def make_kwargs(meta: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +347,7 @@ def evaluate(
     kwargs = make_kwargs(members[0].meta)
     check_env(members, kwargs)
     if is_functional(env_id):
+        _refuse_too_many_episodes(members, env_id, kwargs, max_steps, seed, episodes)
         keys = reset_keys(seed, episodes)
         out = {name: _member_returns([m], False, env_id, keys, kwargs, max_steps)
                for name, m in zip(policies, members)}  # fmt: skip
