@@ -533,11 +533,12 @@ _PARTLY_MANUAL_CALLBACK = "callbacks are only supported in spmd computations whe
 
 
 @contextlib.contextmanager
-def explained_errors() -> Iterator[None]:
+def explained_errors(plain: str = _PLAIN_MEMBER) -> Iterator[None]:
     """Re-raises JAX's errors that name neither their cause nor a way out: a
     ``jax.debug.print`` / ``jax.debug.callback`` inside a member (``_DEBUG_CALLBACK_BUG``), a
     ``jax.pure_callback`` / ``io_callback`` there (``_PARTLY_MANUAL_CALLBACK``), and a member
-    run op by op (``_EAGER_SHARD_MAP``); other errors pass unchanged."""
+    run op by op (``_EAGER_SHARD_MAP``); other errors pass unchanged. ``plain``: how to run one
+    member's code outside the ensemble, named in the messages."""
     try:
         yield
     except NotImplementedError as e:
@@ -549,7 +550,7 @@ def explained_errors() -> Iterator[None]:
             "only (its 'data' and 'model' axes stay automatic), and JAX puts host callbacks "
             "only where every mesh axis is manual. Call it outside the member, on the stacked "
             "outputs of the ensemble call (in the same jitted step), or run one member as the "
-            f"plain model: {_PLAIN_MEMBER}."
+            f"plain model: {plain}."
         ) from e
     except ValueError as e:
         if _EAGER_SHARD_MAP not in str(e):
@@ -560,12 +561,12 @@ def explained_errors() -> Iterator[None]:
                 "jax_debug_nans / jax_debug_infs: an ensemble call's output holds a NaN or an "
                 "inf. JAX looks for the op that made it by running the call op by op, which an "
                 f"ensemble member cannot do with jax {jax.__version__}; find it in the member "
-                f"run as the plain model under the same flag: {_PLAIN_MEMBER}."
+                f"run as the plain model under the same flag: {plain}."
             ) from None
         raise RuntimeError(
             "ensemble calls run compiled only (each member is a shard_map over the member "
             "axis), so they do not run under jax.disable_jit(); call them outside it, or step "
-            f"through one member as the plain model: {_PLAIN_MEMBER}."
+            f"through one member as the plain model: {plain}."
         ) from None
     except TypeError as e:
         if _DEBUG_CALLBACK_BUG not in str(e):
@@ -575,7 +576,7 @@ def explained_errors() -> Iterator[None]:
             f"with jax {jax.__version__} (its lowering inside a partly manual shard_map calls "
             "lax.axis_index wrongly: the error above). To look at a value, return it (or sow "
             "it, mutable=['intermediates']) and print it outside the call, or run one member "
-            f"as the plain model outside the ensemble: {_PLAIN_MEMBER}."
+            f"as the plain model outside the ensemble: {plain}."
         ) from e
 
 

@@ -532,6 +532,44 @@ def test_env_on_cpu_learns_exactly_like_env_on_device():
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(240)
+def test_close_waits_for_a_dispatched_update_before_stopping_the_cpu_workers():
+    """close() right after an update was dispatched returned with no workers; the update's env
+    steps then started a new pool, left running until the interpreter exited."""
+    import os
+    import time
+
+    from subprocess_env import workers_of
+
+    before = set(workers_of(os.getpid(), "on_cpu"))  # other tests' pools in this process
+    learner = Learner(_tiny("cartpole", 2, env_on="cpu"), devices=jax.devices()[:2])
+    state, metrics = learner.update(learner.init(), 2)
+    jax.block_until_ready(metrics)
+    state, metrics = learner.update(state, 2)  # dispatched (compiled above), not waited for
+    learner.close()
+    jax.block_until_ready(metrics)
+    time.sleep(1.0)  # a pool started by the late env steps would be up by now
+    assert learner.envs.pids == []
+    assert set(workers_of(os.getpid(), "on_cpu")) <= before
+
+
+def test_a_debug_print_in_an_env_is_explained_with_how_to_run_the_env_alone():
+    """JAX's own error was `axis_index() takes 1 positional argument but 2 were given`."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Printing(envs.CartPole):
+        def step(self, state, action, key, params=None):
+            out = super().step(state, action, key, params)
+            jax.debug.print("reward {r}", r=out[2])
+            return out
+
+    cfg = dataclasses.replace(_tiny("cartpole", 2), env="printing")
+    learner = Learner(cfg, env=envs.AutoReset(Printing()), devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"jax\.debug\.print .* step its env alone, "
+                       r"jax\.jit\(env\.step\)"):  # fmt: skip
+        learner.update(learner.init(), 1)
+
+
 @pytest.mark.parametrize("env", ["pendulum", "cartpole"])
 def test_values_batched_after_the_rollout_equal_values_computed_at_each_step(env, monkeypatch):
     """An MLP's critic is apart from its actor, so the rollout runs the actor alone and V comes

@@ -13,6 +13,7 @@ the input shardings so the donated buffers are reused in place.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
+from ensemble._core import explained_errors
 from rollout.ppo import _env as envlib
 from rollout.ppo import _networks as nets
 from rollout.ppo._config import PPOConfig
@@ -250,6 +252,7 @@ class Learner:
         self._init_program: Any = None  # kept: train(..., learner=) reuses what it compiled
         self._state_shardings: Any = None
         self._pbt_step: Any = None
+        self._dispatched: Any = None  # the latest update's metrics: close() waits for them
 
     # ------------------------------------------------------------------ state
 
@@ -267,7 +270,7 @@ class Learner:
         if self._init_program is None:
             shardings = self.state_shardings()
             self._init_program = jax.jit(self._init_state, out_shardings=shardings)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), _explained():
             return self._init_program(params, member_keys, hparams)
 
     def _init_state(self, params, member_keys, hparams) -> TrainState:
@@ -356,12 +359,13 @@ class Learner:
         if program is None:
             program = self._programs[k] = self._compile_updates(k)
         _refuse_donated(state)
-        with jax.set_mesh(self.mesh):
-            return program(state)
+        with jax.set_mesh(self.mesh), _explained():
+            state, self._dispatched = program(state)
+        return state, self._dispatched
 
     def lower(self, state: TrainState, num_updates: int = 1) -> jax.stages.Lowered:
         """The lowered update program (``.compile().memory_analysis()``, ``.as_text()``)."""
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), _explained():
             return self._compile_updates(num_updates).lower(state)
 
     def _compile_updates(self, k: int) -> Callable[..., Any]:
@@ -694,10 +698,14 @@ class Learner:
     def close(self) -> None:
         """Stops the env worker processes (``env_on='cpu'``, host envs); also done at exit.
 
-        The envs wait first for the updates already dispatched (JAX runs them asynchronously)
-        to finish their env steps: closing under a running update would make it restart them.
+        It waits first for the updates already dispatched (JAX runs them asynchronously) to
+        finish their env steps: closing under a running update would make it restart them.
         ``with Learner(config) as learner:`` closes it at the end of the block.
         """
+        if self._dispatched is not None:  # a callback's env steps are no effect to wait for
+            with contextlib.suppress(Exception):  # a failed update: its caller has the error
+                jax.block_until_ready(self._dispatched)
+            self._dispatched = None
         self.envs.close()
 
     def __enter__(self) -> Learner:
@@ -708,6 +716,15 @@ class Learner:
 
 
 _HPARAMS = ("learning_rate", "ent_coef", "clip_coef")
+
+
+def _explained() -> Any:
+    """JAX's unexplained errors of code inside a member (a ``jax.debug.print`` in an env's
+    step), explained with how to run that code alone."""
+    return explained_errors(
+        plain="step its env alone, jax.jit(env.step)(env_state, action, key), or apply its "
+        "network alone, learner.network.apply({'params': params}, obs)"
+    )
 
 
 def _normalized(adv: jax.Array) -> jax.Array:
