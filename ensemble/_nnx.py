@@ -972,9 +972,10 @@ class NNXTrainStep:
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
             # Kept by layout (shapes and shardings), as the linen step keeps its own: a step is
             # called again and again with the arrays of the last, and the pass over every
-            # Variable that finds where each goes is then done once.
-            layout = (treedef, ens.rules, tuple((np.shape(x), getattr(x, "sharding", None))
-                                                for x in leaves))  # fmt: skip
+            # Variable that finds where each goes is then done once. One step serves any
+            # ensemble: host arrays have no sharding, so the ensemble's own mesh is in the key.
+            placed = tuple((np.shape(x), getattr(x, "sharding", None)) for x in leaves)
+            layout = (treedef, ens.mesh, ens.n, ens.rules, placed)
             pinned = self._layouts.get(layout)
             if pinned is None:
                 pinned = self._layouts[layout] = _kept_shardings(ens, states)

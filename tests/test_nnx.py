@@ -951,3 +951,27 @@ def test_the_step_keeps_the_state_where_it_is_and_compiles_once():
         nnx.update(opt, put_back(nnx.state(opt)))
         step(ens, opt, x)
         assert [s.spec for s in placed()] == [s.spec for s in before]
+
+
+def test_one_step_serves_two_ensembles_on_other_devices_with_host_state():
+    """The step kept where the state goes by shapes and shardings; host arrays have none, so
+    a second ensemble on other devices got the first one's placement (JAX refused the call:
+    "incompatible devices")."""
+    devices = jax.devices()
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    step = nnx_train_step(loss)
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    for rngs, on in ((0, devices[:4]), (1, devices[4:])):
+        ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=rngs), 4, rngs=rngs, devices=on)
+        opt = nnx_optimizer(ens, optax.sgd(0.1))
+        plain = nnx.clone(ens.member(0))
+        nnx.update(ens, host(nnx.state(ens)))
+        nnx.update(opt, host(nnx.state(opt)))
+        losses = step(ens, opt, x)
+        got = {d for a in jax.tree.leaves(nnx.state(ens)) for d in a.sharding.device_set}
+        assert got == set(on)
+        want, grads = nnx.value_and_grad(loss)(plain, x)
+        nnx.Optimizer(plain, optax.sgd(0.1), wrt=nnx.Param).update(plain, grads)
+        np.testing.assert_allclose(float(losses[0]), float(want), rtol=1e-6)
+        np.testing.assert_allclose(ens.member(0).kernel[...], plain.kernel[...], rtol=1e-6)

@@ -441,6 +441,55 @@ def test_a_state_that_cannot_fit_in_memory_is_refused_before_anything_is_made(
     assert not (out / "run.json").exists()
 
 
+def test_an_update_whose_activations_cannot_fit_is_refused_before_the_state_is_made(
+    tmp_path, monkeypatch, capsys
+):
+    """--hidden 4000000 passed the state check (its parameters fit) and the update's
+    activations got the process killed by the OS with no word (exit 137); 16777216 was a
+    RESOURCE_EXHAUSTED traceback that left run.json and its lock behind (exit 1)."""
+    import rollout._devices
+    from rollout.ppo import main
+    from rollout.ppo._learner import StateTooLarge
+
+    cfg = PPOConfig.for_env("cartpole", members=2, hidden=(2048,))
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    program = learner._compile_updates(cfg.updates_per_call)
+    peak = ensemble.compiled_memory(program, learner.state_shapes()).peak  # per device
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: 2 * peak - 1)
+    Learner(cfg, devices=jax.devices()[:2])  # the state alone fits
+    out = tmp_path / "run"
+    argv = ["--hidden", "2048", "--members", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        f"error: an update ({cfg.updates_per_call} per call) of 2 member(s) with hidden=(2048,) "
+        "and 4 envs x 128 steps needs about"
+    ), err
+    assert not out.exists()
+    # The Python API: refused at the first call of that many updates, the state kept.
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: None)
+    state = learner.init()
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: 1000)
+    with pytest.raises(StateTooLarge, match=r"give narrower hidden layers, fewer members"):
+        learner.update(state, 2)
+    monkeypatch.setattr(rollout._devices, "available_memory", lambda: None)
+    learner.update(state, 2)  # not donated to the refused call
+
+
+def test_the_cli_compiles_its_update_program_once(tmp_path, caplog):
+    """The memory check compiles the first call's program before the state exists; from
+    unplaced shapes, the call then compiled it again (2.3 s more for CartPole)."""
+    import logging
+
+    from rollout.ppo import main
+
+    argv = ["--members", "2", "--total-steps", "2048", "--out", str(tmp_path / "run")]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        assert main([*argv, "--no-progress"]) == 0
+    compiled = [r.getMessage() for r in caplog.records]
+    assert len([c for c in compiled if "compilation of jit(updates)" in c]) == 1, compiled
+
+
 def test_the_accelerator_memory_check_reads_a_device_of_this_process():
     """On accelerators the check reads one device's bytes_limit. It read the mesh's first
     device, which in a multi-process run is process 0's: every other process failed with

@@ -237,11 +237,21 @@ def _device_layout(learner: Any) -> dict[str, Any]:
 
 
 def _learner_for(config: Any, devices: Any) -> Any:
+    from rollout.ppo import _checkpoint as ckpt
+    from rollout.ppo import _pbt
     from rollout.ppo._learner import Learner, StateTooLarge
 
+    learner = None
     try:
-        return Learner(config, devices=devices)
+        learner = Learner(config, devices=devices)
+        # The first call's program, compiled now (the call reuses it) and refused before the
+        # state takes memory where its activations cannot fit.
+        k = _pbt.chunk(config, 0, min(config.updates_per_call, config.num_updates))
+        learner._program(k, ckpt.restore_targets(learner), live=False)  # shapes, placed
+        return learner
     except StateTooLarge as e:  # a mistake in --hidden or --members: exit 2
+        if learner is not None:
+            learner.close()
         if _FOR_CLI.get():
             raise UsageError(str(e)) from None
         raise

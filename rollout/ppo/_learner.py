@@ -355,13 +355,24 @@ class Learner:
         _refuse_debug_nans()
         if k <= 0:
             raise ValueError(f"num_updates must be positive, got {k}.")
-        program = self._programs.get(k)
-        if program is None:
-            program = self._programs[k] = self._compile_updates(k)
         _refuse_donated(state)
+        program = self._program(k, state, live=True)
         with jax.set_mesh(self.mesh), _explained():
             state, self._dispatched = program(state)
         return state, self._dispatched
+
+    def _program(self, k: int, state: Any, live: bool) -> Callable[..., Any]:
+        """The jitted program of ``k`` updates, compiled for ``state`` (arrays, or shapes) and
+        refused where it cannot fit in memory (:class:`StateTooLarge`); the call reuses it.
+        ``live``: the state's arrays already hold their memory."""
+        program = self._programs.get(k)
+        if program is None:
+            program = self._compile_updates(k)
+            with jax.set_mesh(self.mesh), _explained():
+                need = ensemble.compiled_memory(program, state)
+            _refuse_an_update_too_big(need, self.mesh, self.config, k, live)
+            self._programs[k] = program
+        return program
 
     def lower(self, state: TrainState, num_updates: int = 1) -> jax.stages.Lowered:
         """The lowered update program (``.compile().memory_analysis()``, ``.as_text()``)."""
@@ -794,30 +805,55 @@ class StateTooLarge(ValueError):
     """The members' state cannot fit in memory (a mistake in ``hidden`` or ``members``)."""
 
 
+def _memory_here(mesh: Mesh) -> tuple[int | None, str, bool]:
+    """(bytes, its description, on CPU): this host's free memory where the members are on CPU
+    devices (they share it), else the memory of one device of this process (others refuse
+    ``memory_stats``)."""
+    from rollout._devices import available_memory
+
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return available_memory(), "this host's free memory", True
+    local = mesh.local_devices[0]
+    have = (local.memory_stats() or {}).get("bytes_limit")
+    return have, f"the memory of one {local.device_kind}", False
+
+
 def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConfig) -> None:
     """Refuses widths whose parameters, gradients and Adam moments cannot fit: on CPU, the OS
     killed the process for memory with no word (``--hidden 100000000``)."""
-    from rollout._devices import available_memory
-
     obs = jax.ShapeDtypeStruct((1, *spec.obs_shape), jnp.float32)
     # The key made inside the trace: nothing is placed on a device (a transfer guard holds).
     shapes = jax.eval_shape(lambda o: network.init(jax.random.key(0), o), obs)
     per_member = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    devices = list(mesh.devices.flat)
-    if all(d.platform == "cpu" for d in devices):  # this host's members share its memory
-        here = config.members * len(mesh.local_devices) // len(devices)
-        have, where = available_memory(), "this host's free memory"
-    else:  # one device's members; a device of this process (others refuse memory_stats)
+    have, where, cpu = _memory_here(mesh)
+    if cpu:  # this host's members
+        here = config.members * len(mesh.local_devices) // mesh.devices.size
+    else:  # one device's members
         here = max(1, config.members // mesh.shape["ensemble"])
-        local = mesh.local_devices[0]
-        have = (local.memory_stats() or {}).get("bytes_limit")
-        where = f"the memory of one {local.device_kind}"
     need = 4 * per_member * here  # the parameters, their gradients, Adam's two moments
     if have is not None and need > have:
         raise StateTooLarge(
             f"hidden={tuple(config.hidden)} needs at least {need / 1e9:,.1f} GB for {here} "
             f"member(s)' parameters, gradients and Adam moments, more than the "
             f"{have / 1e9:,.1f} GB of {where}; give narrower hidden layers or fewer members."
+        )
+
+
+def _refuse_an_update_too_big(
+    memory: ensemble.CompiledMemory, mesh: Mesh, config: PPOConfig, k: int, live: bool
+) -> None:
+    """Refuses an update program whose activations cannot fit: the state fitted, and the
+    rollout batch x width of every layer then made the OS kill the process with no word
+    (``--hidden 4000000``, exit 137) or was a RESOURCE_EXHAUSTED traceback (16777216)."""
+    have, where, cpu = _memory_here(mesh)
+    per_device = memory.peak - (memory.argument if live and cpu else 0)  # live: taken already
+    need = per_device * (len(mesh.local_devices) if cpu else 1)
+    if have is not None and need > have:
+        raise StateTooLarge(
+            f"an update ({k} per call) of {config.members} member(s) with hidden="
+            f"{tuple(config.hidden)} and {config.num_envs} envs x {config.num_steps} steps needs "
+            f"about {need / 1e9:,.1f} GB, more than the {have / 1e9:,.1f} GB of {where}; give "
+            "narrower hidden layers, fewer members, or fewer envs or steps per update."
         )
 
 
