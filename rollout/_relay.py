@@ -14,7 +14,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 _recent: collections.deque[Exception] = collections.deque(maxlen=16)
 _lock = threading.Lock()
@@ -46,6 +48,35 @@ def finish_dispatched() -> None:
         jax.effects_barrier()
     except Exception:
         pass
+
+
+def wait_for_outputs(outputs: Any, after_failure: float = 5.0) -> bool:
+    """Waits until every device's part of the call that made ``outputs`` has ended: all of it
+    while no part has failed; once one has (an ``on_cpu`` worker killed under its rows), up to
+    ``after_failure`` s more, since a device left waiting in a collective for the failed one
+    never ends its part. True when every part ended. Errors are not raised: the caller of the
+    call gets them."""
+    import jax
+
+    leaves = jax.tree.leaves(outputs)
+    pending = [s.data for x in leaves for s in getattr(x, "addressable_shards", ())]
+    deadline = None
+    while pending:
+        waiting = []
+        for part in pending:
+            try:
+                if not part.is_ready():
+                    waiting.append(part)
+                elif deadline is None:
+                    part.block_until_ready()  # ended: raises here if it failed
+            except Exception:  # a failed part (or a deleted, donated one)
+                deadline = deadline or time.monotonic() + after_failure
+        pending = waiting
+        if pending and deadline is not None and time.monotonic() > deadline:
+            return False
+        if pending:
+            time.sleep(0.005)
+    return True
 
 
 def _drop_failed_tokens() -> None:

@@ -546,19 +546,14 @@ def _settle(outputs: Any, timeout: float = 5.0) -> None:
     """Waits, up to ``timeout`` seconds, for every device's part of a call that failed: the
     error comes from the first device that failed while the others may still run their part
     (an ``on_cpu`` worker killed under one device's rows), and a process that exited then was
-    aborted by XLA or crashed in its finalisation (exit 134 after the error line). Not for
-    long: a device left waiting in a collective for a failed one never ends its part."""
-    import jax
+    aborted by XLA or crashed in its finalisation (exit 134 after the error line). Where parts
+    still run after that (a device waits in a collective for the failed one), the process will
+    end without finalising the interpreter (see ``exit_process``)."""
+    from ensemble._exit import device_work_left_running
+    from rollout._relay import wait_for_outputs
 
-    def wait() -> None:
-        for leaf in jax.tree.leaves(outputs):
-            for shard in getattr(leaf, "addressable_shards", ()):
-                with contextlib.suppress(Exception):  # the failed devices' own errors
-                    shard.data.block_until_ready()
-
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
-    waiter.join(timeout)
+    if not wait_for_outputs(outputs, after_failure=timeout):
+        device_work_left_running()
 
 
 def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ the input shardings so the donated buffers are reused in place.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
 from ensemble._core import explained_errors
+from rollout._relay import wait_for_outputs
 from rollout.ppo import _env as envlib
 from rollout.ppo import _networks as nets
 from rollout.ppo._config import PPOConfig
@@ -714,8 +714,7 @@ class Learner:
         ``with Learner(config) as learner:`` closes it at the end of the block.
         """
         if self._dispatched is not None:  # a callback's env steps are no effect to wait for
-            with contextlib.suppress(Exception):  # a failed update: its caller has the error
-                jax.block_until_ready(self._dispatched)
+            wait_for_outputs(self._dispatched)  # a failed one's parts: not forever
             self._dispatched = None
         self.envs.close()
 
