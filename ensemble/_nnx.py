@@ -171,8 +171,9 @@ class NNXEnsemble(nnx.Module):
         Called eagerly, the whole ensemble call is compiled once (``nnx.jit``; array inputs are
         traced, other inputs are static). Inside ``nnx.jit`` / ``nnx.grad`` it simply traces.
         Only the Variables the call changes are written back (BatchNorm statistics, rng
-        counts), so, like a plain module, an ensemble whose call changes none (eval mode) also
-        works closed over by ``jax.jit`` or ``jax.grad``.
+        counts; a Variable read through a lifted transform such as ``nnx.remat`` comes back as a
+        new array too), each where it was, so, like a plain module, an ensemble whose call
+        changes none (eval mode) also works closed over by ``jax.jit`` or ``jax.grad``.
         """
         args, kwargs = _take_rngs((args, kwargs))
         state = nnx.state(self.members)
@@ -486,11 +487,31 @@ _PROGRAMS = ProgramCache()
 
 
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
-    def call(ens: NNXEnsemble, dynamic: list) -> Any:
-        args, kwargs = join_static(dynamic, static)
-        return ens._map(_call_module, args, kwargs, ens.in_axes)
+    """The call jitted over the ensemble's state, returning the outputs and only the Variables
+    it changed, kept where they were: through ``nnx.jit``, every Variable came back, so each
+    call copied all the parameters and the compiler placed the copies (a bias built whole on a
+    member's devices came back split over 'model', unlike its optimizer moments)."""
+    graphdef, state = nnx.split(ens)
+    leaves, treedef = jax.tree.flatten(state)
+    placed = tuple((np.shape(x), _placement(x)) for x in leaves)
 
-    return _PROGRAMS.get_or_make(static, lambda: nnx.jit(call))(ens, dynamic)
+    def make() -> Any:
+        pinned = _kept_shardings(ens, state)
+
+        def call(leaves: list, dynamic: list) -> Any:
+            module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            args, kwargs = join_static(dynamic, static)
+            out = module._map(_call_module, args, kwargs, module.in_axes)
+            new = jax.tree.leaves(nnx.state(module))
+            return out, [None if a is b else jax.lax.with_sharding_constraint(a, s)
+                         for a, b, s in zip(new, leaves, pinned, strict=True)]  # fmt: skip
+
+        return jax.jit(call)
+
+    program = _PROGRAMS.get_or_make((static, _Static(graphdef), treedef, placed), make)
+    out, new = program(leaves, dynamic)
+    _write_back(ens, state, [x is not None for x in new], [x for x in new if x is not None])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1114,6 +1135,19 @@ def _kept_shardings(ens: NNXEnsemble, states: Any) -> list[NamedSharding]:
     if len(pinned) != len(leaves):  # a Variable of several arrays: each where it is
         return [kept_sharding(x, ens.mesh, ens.n, ens.rules) for x in leaves]
     return pinned
+
+
+def _placement(x: Any) -> Any:
+    """Where ``x`` is, for a cache key: a spec's trailing ``None`` (meaning the same) dropped;
+    the compiler writes ``P('ensemble', 'model')`` for the ``P('ensemble', 'model', None)`` it
+    was given."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return sharding.mesh, spec, sharding.memory_kind
 
 
 class _Static:
