@@ -168,8 +168,9 @@ class NNXEnsemble(nnx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every member on the inputs; outputs get a leading member axis of size n.
 
-        Called eagerly, the whole ensemble call is compiled once (``nnx.jit``; array inputs are
-        traced, other inputs are static). Inside ``nnx.jit`` / ``nnx.grad`` it simply traces.
+        Called eagerly, the whole ensemble call is compiled once (jitted over the ensemble's
+        state; array inputs are traced, other inputs are static). Inside ``nnx.jit`` /
+        ``nnx.grad`` it simply traces.
         Only the Variables the call changes are written back (BatchNorm statistics, rng
         counts; a Variable read through a lifted transform such as ``nnx.remat`` comes back as a
         new array too), each where it was, so, like a plain module, an ensemble whose call
@@ -480,8 +481,8 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
         return None
 
 
-# One nnx.jit program per static configuration, at most ProgramCache.size: as one nnx.jit with
-# the static part as a static argument, every new Python value (scale=float(t) each call)
+# One program per static configuration (and state layout), at most ProgramCache.size: as one
+# jit with the static part as a static argument, every new Python value (scale=float(t) each call)
 # stayed compiled forever, host memory growing by a program per call.
 _PROGRAMS = ProgramCache()
 
