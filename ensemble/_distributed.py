@@ -461,8 +461,8 @@ def orbax_logs_held(level: int = logging.ERROR, about: str | None = None) -> Ite
     naming it that orbax's threads log after the block raised are dropped too.
     """
     loggers, hold = [logging.getLogger(name) for name in _ORBAX_LOGGERS], _HoldOrbaxLogs(level)
-    for logger in loggers:
-        logger.addFilter(hold)
+    for logger in loggers:  # first: a block inside another holds its own records
+        logger.filters.insert(0, hold)
     try:
         yield
     except BaseException:
@@ -496,21 +496,39 @@ def stored_metadata(path: str) -> Any:
     flipped bit) raised a KeyError, so an intact checkpoint could not be read. A restore into
     given shardings never needs that file: it is then read through a view of the checkpoint
     without it (links to the other files; nothing is copied or changed). Where that fails too
-    (another file is damaged, the view cannot be made), the first error stands."""
+    (another file is damaged, the view cannot be made), the first error stands. Damage that
+    is not valid JSON, orbax only logs, leaving out the leaves' metadata (so no shape or dtype
+    could be checked): the view is read then too, and that warning is dropped if it works."""
     import orbax.checkpoint as ocp
 
+    sharding_file = os.path.isfile(os.path.join(path, _SHARDING_FILE))
+    failed: Exception | None = None
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.metadata(path)
+        with orbax_logs_held(logging.WARNING), ocp.StandardCheckpointer() as checkpointer:
+            found = checkpointer.metadata(path)
+            if found.item_metadata is None and sharding_file:
+                raise _NoLeafMetadata(found)  # its warning held back, dropped by the raise
+            return found
+    except _NoLeafMetadata as e:
+        found = e.args[0]
     except Exception as e:
-        if not os.path.isfile(os.path.join(path, _SHARDING_FILE)):
+        if not sharding_file:
             raise
-        failed = e
+        found, failed = None, e
     try:
         with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.metadata(view)
+            viewed = checkpointer.metadata(view)
     except Exception:
+        viewed = None
+    if viewed is not None and viewed.item_metadata is not None:
+        return viewed
+    if failed is not None:
         raise failed from None  # naming the checkpoint, not the view
+    return found
+
+
+class _NoLeafMetadata(Exception):
+    """Orbax read a checkpoint's metadata without its leaves' (``args[0]``: what it read)."""
 
 
 _SHARDING_FILE = "_sharding"  # orbax's record of the shardings a checkpoint was written with

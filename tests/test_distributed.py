@@ -339,6 +339,29 @@ def test_a_damaged_sharding_record_is_skipped_and_other_damage_still_named(tmp_p
     assert not list(views.iterdir())  # the views are gone
 
 
+def test_a_sharding_record_that_is_no_json_still_gives_the_leaves_metadata(tmp_path, caplog):
+    """Orbax logs such damage (three "Failed to get item metadata" warnings on a resume that
+    worked) and reads the metadata without the leaves', so no shape or dtype was checked:
+    another member count was restored as orbax's own error, not the one line naming it."""
+    import logging
+
+    from ensemble._distributed import orbax_logs_held, stored_metadata
+
+    n = jax.device_count()
+    x = distributed.member_batch_from_local(np.arange(2.0 * n).reshape(n, 2), make_mesh(n), n)
+    path = Path(distributed.save_checkpoint(tmp_path / "c", {"x": x}, metadata={"k": 1}))
+    (path / "_sharding").write_text('{"x": "not json"}')
+    with caplog.at_level(logging.WARNING):
+        assert stored_metadata(str(path)).item_metadata["x"].shape == (n, 2)
+        with orbax_logs_held(logging.WARNING):  # as a run's resume reads it: the outer block
+            np.testing.assert_array_equal(distributed.restore_checkpoint(path, {"x": x})["x"], x)
+    assert not [r for r in caplog.records if "item metadata" in r.getMessage()]
+    small = make_mesh(n // 2, devices=jax.devices()[: n // 2])
+    half = jax.ShapeDtypeStruct((n // 2, 2), x.dtype, sharding=member_sharding(small, 2))
+    with pytest.raises(ValueError, match=rf"the checkpoint holds {n} members and like {n // 2};"):
+        distributed.restore_checkpoint(path, {"x": half})
+
+
 @pytest.mark.timeout(120)
 def test_restore_takes_the_params_alone_and_refuses_unplaced_leaves_in_one_line(tmp_path):
     """Params alone for inference (``partial=True``; without it one line, not orbax's dump of
