@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import ipaddress
 import itertools
 import json
@@ -324,7 +325,10 @@ def member_batch_from_local(local_data: Any, mesh: Mesh, n: int) -> Any:
     order): every leaf of ``local_data`` has a leading axis of ``len(process_local_members(mesh,
     n))``. The result is one global array per leaf, member axis sharded over the mesh's member
     axis, without any process holding another's data (``jax.make_array_from_process_local_data``).
-    The other axes are replicated over the devices of one member.
+    The other axes are replicated over the devices of one member. Collective: every process
+    calls it, and the processes' per-member shapes and dtypes are compared (one that differs,
+    a last partial batch on one process, say, is a ``ValueError`` on every process; unchecked,
+    each process built a global array of another shape).
 
     Example:
       >>> import numpy as np
@@ -344,10 +348,38 @@ def member_batch_from_local(local_data: Any, mesh: Mesh, n: int) -> Any:
                 f"(process {jax.process_index()}) holds members {members}, so every leaf needs "
                 f"a leading axis of {len(members)} (those members' data, in that order)."
             )
-        sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS))
-        return jax.make_array_from_process_local_data(sharding, leaf, (n, *leaf.shape[1:]))
+        return leaf
 
-    return jax.tree_util.tree_map_with_path(make, local_data)
+    local = jax.tree_util.tree_map_with_path(make, local_data)
+    _refuse_shapes_that_differ(local)
+    sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x, (n, *x.shape[1:])), local
+    )
+
+
+def _refuse_shapes_that_differ(local: Any) -> None:
+    """Raises on every process where the processes' leaves differ in per-member shape or dtype
+    (or structure): one checksum each, all-gathered."""
+    if jax.process_count() == 1:
+        return
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(local)
+    mine = [(jax.tree_util.keystr(p), x.shape[1:], str(x.dtype)) for p, x in leaves]
+    crc = zlib.crc32(repr((str(treedef), mine)).encode())
+    every = np.asarray(multihost_utils.process_allgather(np.asarray([crc], np.uint32)))
+    if not (every == every[0]).all():
+        others = sorted({int(i) for i in np.flatnonzero(every.reshape(-1) != crc)})
+        shown = ", ".join(f"{key or 'leaf'} {shape} {dtype}" for key, shape, dtype in mine)
+        raise ValueError(
+            f"member_batch_from_local: process {jax.process_index()}'s leaves (per member: "
+            f"{shown}) differ in shape or "
+            f"dtype from those of process(es) {others}; every process must pass the same "
+            "per-member shapes (a last, partial batch on one process: drop or pad it on all)."
+        )
 
 
 def gather_metrics_to_host(tree: Any) -> Any:
@@ -730,7 +762,7 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
     except Exception:  # pragma: no cover - depends on JAX internals
         return _differ_on_devices(fields)
     key, wait_ms = f"ensemble/settings/{next(_COMPARISONS)}", int(timeout_s * 1000)
-    mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in fields.items()}
+    mine = {k: _comparable(v) for k, v in fields.items()}
     put(f"{key}/{me}", json.dumps(mine))
     differ: set[str] = set()
     for other in range(count):
@@ -752,6 +784,22 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
     return sorted(differ)
 
 
+def _comparable(value: Any) -> str:
+    """``value`` as JSON; arrays (of NumPy, JAX, in lists and dicts too) by dtype, shape and a
+    digest of every element: ``str()`` of one of over 1,000 elements leaves its middle out, so
+    arrays that differed there compared equal. Other objects JSON cannot write: ``str()``."""
+
+    def other(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__array__"):
+            with contextlib.suppress(Exception):  # (typed PRNG keys: by str below)
+                a = np.ascontiguousarray(np.asarray(x))
+                digest = hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
+                return {"dtype": str(a.dtype), "shape": list(a.shape), "sha256": digest}
+        return str(x)
+
+    return json.dumps(value, sort_keys=True, default=other)
+
+
 def _differ_on_devices(fields: dict[str, Any]) -> list[str]:  # pragma: no cover
     """:func:`settings_that_differ` through an allgather of one checksum per name."""
     import zlib
@@ -761,7 +809,7 @@ def _differ_on_devices(fields: dict[str, Any]) -> list[str]:  # pragma: no cover
     if jax.process_count() == 1:
         return []
     names = sorted(fields)
-    mine = [zlib.crc32(json.dumps(fields[k], sort_keys=True, default=str).encode()) for k in names]
+    mine = [zlib.crc32(_comparable(fields[k]).encode()) for k in names]
     every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.uint32)))
     return sorted({names[j] for row in every for j in np.flatnonzero(row != every[0])})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -71,6 +72,54 @@ def test_launcher_sets_loopback_env_and_prefixes_output():
     assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
     assert all(f[1] == "3" and f[4] == "2" and f[5] == "gloo" for f in fields)
     assert sorted(err.splitlines()) == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+@pytest.mark.timeout(120)
+def test_settings_that_differ_compares_every_element_of_large_arrays():
+    """Arrays went through str(), which leaves the middle of one over 1,000 elements out: two
+    processes whose weights differed at element 1,000 were told they agree."""
+    script = (
+        "import os, numpy as np, jax.numpy as jnp\n"
+        "from ensemble import distributed\n"
+        "distributed.initialize()\n"
+        "w = np.zeros(2000)\n"
+        "if os.environ['ENSEMBLE_PROCESS_ID'] == '1': w[1000] = 1.0\n"
+        "same = {'lr': 3e-4, 'table': np.arange(5000), 'keys': jnp.arange(3000)}\n"
+        "print(distributed.settings_that_differ({'w': w, 'v': [w[:5]], **same}))\n"
+    )
+    code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=1)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[rank 0] ['w']", "[rank 1] ['w']"], out + err
+
+
+@pytest.mark.timeout(120)
+def test_member_batches_of_other_shapes_on_two_processes_are_refused_on_both():
+    """Process 0 passed 16 rows per member and process 1 12: each built a global array of its
+    own shape, and the next gather aborted a process in gloo (or a step ran on them)."""
+    script = (
+        "import os, numpy as np\n"
+        "from ensemble import distributed, make_mesh\n"
+        "distributed.initialize()\n"
+        "mesh = make_mesh(4)\n"
+        "rows = 12 if os.environ['ENSEMBLE_PROCESS_ID'] == '1' else 16\n"
+        "ok = distributed.member_batch_from_local(np.ones((2, 16, 3)), mesh, 4)\n"
+        "print(ok.shape)\n"
+        "try:\n"
+        "    distributed.member_batch_from_local({'x': np.ones((2, rows, 3))}, mesh, 4)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
+    assert code == 0, err
+    lines = sorted(line for line in out.splitlines() if re.match(r"\[rank \d\] (\(|refused)", line))
+    assert "[rank 0] (4, 16, 3)" in lines and "[rank 1] (4, 16, 3)" in lines, out + err
+    refused = [line for line in lines if "refused" in line]
+    assert len(refused) == 2, out + err
+    assert refused[0].startswith(
+        "[rank 0] refused: member_batch_from_local: process 0's leaves (per member: ['x'] "
+        "(16, 3) float64) differ in shape or dtype from those of process(es) [1]; every process"
+    )
+    assert refused[1].startswith("[rank 1] refused: member_batch_from_local: process 1's"), out
 
 
 @pytest.mark.timeout(60)
