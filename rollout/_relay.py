@@ -50,33 +50,47 @@ def finish_dispatched() -> None:
         pass
 
 
-def wait_for_outputs(outputs: Any, after_failure: float = 5.0) -> bool:
+def wait_for_outputs(outputs: Any, after_failure: float = 5.0) -> tuple[bool, Exception | None]:
     """Waits until every device's part of the call that made ``outputs`` has ended: all of it
     while no part has failed; once one has (an ``on_cpu`` worker killed under its rows), up to
     ``after_failure`` s more, since a device left waiting in a collective for the failed one
-    never ends its part. True when every part ended. Errors are not raised: the caller of the
-    call gets them."""
-    import jax
-
-    leaves = jax.tree.leaves(outputs)
-    pending = [s.data for x in leaves for s in getattr(x, "addressable_shards", ())]
-    deadline = None
+    never ends its part (reading the outputs in order waited on such a part until XLA aborted
+    the process, before reaching the failed one). Returns (every part ended, the first part's
+    error or None); nothing is raised. Deleted (donated) arrays are passed over."""
+    pending = [part for x in _live(outputs) for part in _parts(x)]
+    deadline, error = None, None
     while pending:
         waiting = []
         for part in pending:
             try:
+                if part.is_deleted():
+                    continue
                 if not part.is_ready():
                     waiting.append(part)
-                elif deadline is None:
+                elif error is None:
                     part.block_until_ready()  # ended: raises here if it failed
-            except Exception:  # a failed part (or a deleted, donated one)
+            except Exception as e:  # a failed part
+                error = error or e
                 deadline = deadline or time.monotonic() + after_failure
         pending = waiting
         if pending and deadline is not None and time.monotonic() > deadline:
-            return False
+            return False, error
         if pending:
-            time.sleep(0.005)
-    return True
+            time.sleep(0.002)
+    return True, error
+
+
+def _live(tree: Any) -> list[Any]:
+    import jax
+
+    return [x for x in jax.tree.leaves(tree) if not (hasattr(x, "is_deleted") and x.is_deleted())]
+
+
+def _parts(x: Any) -> list[Any]:
+    try:
+        return [shard.data for shard in getattr(x, "addressable_shards", ())]
+    except Exception:  # deleted meanwhile
+        return []
 
 
 def _drop_failed_tokens() -> None:

@@ -476,18 +476,24 @@ def test_an_update_whose_activations_cannot_fit_is_refused_before_the_state_is_m
     learner.update(state, 2)  # not donated to the refused call
 
 
-def test_the_cli_compiles_its_update_program_once(tmp_path, caplog):
+@pytest.mark.parametrize("env", ["cartpole", "gymnax:CartPole-v1"])
+def test_the_cli_compiles_its_update_program_once(env, tmp_path, caplog):
     """The memory check compiles the first call's program before the state exists; from
-    unplaced shapes, the call then compiled it again (2.3 s more for CartPole)."""
+    unplaced shapes (or without a gymnax state's weak types), the call then compiled it again
+    (2.3 s more for CartPole), as did a resumed run whose first call was smaller."""
     import logging
 
     from rollout.ppo import main
 
-    argv = ["--members", "2", "--total-steps", "2048", "--out", str(tmp_path / "run")]
-    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        assert main([*argv, "--no-progress"]) == 0
-    compiled = [r.getMessage() for r in caplog.records]
-    assert len([c for c in compiled if "compilation of jit(updates)" in c]) == 1, compiled
+    if env.startswith("gymnax:"):
+        pytest.importorskip("gymnax")
+    argv = ["--env", env, "--members", "2", "--out", str(tmp_path / "run"), "--no-progress"]
+    for steps, more in ((2048, []), (3072, ["--resume"])):  # the resumed run: 2 updates of 4
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+            assert main([*argv, "--total-steps", str(steps), *more]) == 0
+        compiled = [r.getMessage() for r in caplog.records]
+        assert len([c for c in compiled if "compilation of jit(updates)" in c]) == 1, compiled
 
 
 def test_the_accelerator_memory_check_reads_a_device_of_this_process():
@@ -600,6 +606,21 @@ def test_close_waits_for_a_dispatched_update_before_stopping_the_cpu_workers():
     time.sleep(1.0)  # a pool started by the late env steps would be up by now
     assert learner.envs.pids == []
     assert set(workers_of(os.getpid(), "on_cpu")) <= before
+
+
+def test_close_after_the_latest_metrics_were_deleted_still_stops_the_workers():
+    """wait_for_outputs read a deleted array's shards and raised, so close() never reached the
+    envs, and the CPU workers ran on until the interpreter exited."""
+    import os
+
+    from subprocess_env import workers_of
+
+    before = set(workers_of(os.getpid(), "on_cpu"))
+    learner = Learner(_tiny("cartpole", 2, env_on="cpu"), devices=jax.devices()[:2])
+    _, metrics = learner.update(learner.init(), 1)
+    metrics["value_loss"].delete()
+    learner.close()
+    assert learner.envs.pids == [] and set(workers_of(os.getpid(), "on_cpu")) <= before
 
 
 def test_a_debug_print_in_an_env_is_explained_with_how_to_run_the_env_alone():

@@ -186,7 +186,7 @@ def train(
     try:
         run = _Run(Path(out), config, resume, overwrite, warn) if out is not None else None
         if learner is None:
-            learner = _learner_for(config, devices)
+            learner = _learner_for(config, devices, fresh=not resume)
         with worker_errors():
             state, rows = run.open(learner) if run is not None else (learner.init(), [])
             if resume and on_resume is not None:
@@ -236,18 +236,28 @@ def _device_layout(learner: Any) -> dict[str, Any]:
     return {"devices": int(devices.size), "platform": str(devices.flat[0].platform)}
 
 
-def _learner_for(config: Any, devices: Any) -> Any:
-    from rollout.ppo import _checkpoint as ckpt
+def _learner_for(config: Any, devices: Any, fresh: bool) -> Any:
+    import jax
+
     from rollout.ppo import _pbt
     from rollout.ppo._learner import Learner, StateTooLarge
 
     learner = None
     try:
         learner = Learner(config, devices=devices)
-        # The first call's program, compiled now (the call reuses it) and refused before the
-        # state takes memory where its activations cannot fit.
-        k = _pbt.chunk(config, 0, min(config.updates_per_call, config.num_updates))
-        learner._program(k, ckpt.restore_targets(learner), live=False)  # shapes, placed
+        if fresh:  # (a resumed run's first call is checked when it is made: its size differs)
+            # The first call's program, compiled now for the state's shapes, weak types and
+            # placement (the call reuses it) and refused before the state takes memory where
+            # its activations cannot fit.
+            shapes = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=s, weak_type=x.weak_type
+                ),
+                learner.state_shapes(),
+                learner.state_shardings(),
+            )
+            k = _pbt.chunk(config, 0, min(config.updates_per_call, config.num_updates))
+            learner._program(k, shapes, live=False)
         return learner
     except StateTooLarge as e:  # a mistake in --hidden or --members: exit 2
         if learner is not None:
@@ -504,12 +514,9 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
                 raise _interrupt(run, state, len(rows), signum, done, learner)
             # A jitted call stops at the next PBT step (exploit/explore runs between calls).
             k = _pbt.chunk(cfg, done, min(cfg.updates_per_call, cfg.num_updates - done))
-            state, metrics = learner.update(state, k)
-            try:
-                host = to_host(metrics)  # the only gather
-            except Exception:  # a worker's error on one device: the others may still run
-                _settle((state, metrics))
-                raise
+            state, metrics = _update(learner, state, k)
+            _raise_a_failed_part(metrics)
+            host = to_host(metrics)  # the only gather
             new_rows = _rows(host, done, k, cfg.batch_size)
             diverged = _diverged(host, done)
             if diverged is not None:  # its rows up to the diverged update, in the usual form
@@ -542,18 +549,34 @@ def _loop(learner, state, rows, run, progress, checkpoint_every, on_update, stop
     return state, rows
 
 
-def _settle(outputs: Any, timeout: float = 5.0) -> None:
-    """Waits, up to ``timeout`` seconds, for every device's part of a call that failed: the
-    error comes from the first device that failed while the others may still run their part
-    (an ``on_cpu`` worker killed under one device's rows), and a process that exited then was
-    aborted by XLA or crashed in its finalisation (exit 134 after the error line). Where parts
-    still run after that (a device waits in a collective for the failed one), the process will
-    end without finalising the interpreter (see ``exit_process``)."""
+def _update(learner: Any, state: Any, k: int) -> tuple[Any, Any]:
+    """``learner.update``; an update that cannot fit in memory (checked at its first call, a
+    resumed run's) is a usage error on the command line: one line, exit 2."""
+    from rollout.ppo._learner import StateTooLarge
+
+    try:
+        return learner.update(state, k)
+    except StateTooLarge as e:
+        if _FOR_CLI.get():
+            raise UsageError(str(e)) from None
+        raise
+
+
+def _raise_a_failed_part(metrics: Any, timeout: float = 5.0) -> None:
+    """Waits for every device's part of the call; where one failed (an ``on_cpu`` worker
+    killed under its rows), raises its error after waiting up to ``timeout`` s for the others.
+    Read in order, the outputs waited on a part that waits in a collective for the failed one,
+    until XLA aborted the process (exit 134, no error line); a process that exited while parts
+    still ran was aborted or crashed in its finalisation. Parts still running then (in such a
+    collective): the process will end without finalising the interpreter (``exit_process``)."""
     from ensemble._exit import device_work_left_running
     from rollout._relay import wait_for_outputs
 
-    if not wait_for_outputs(outputs, after_failure=timeout):
-        device_work_left_running()
+    ended, error = wait_for_outputs(metrics, after_failure=timeout)
+    if error is not None:
+        if not ended:
+            device_work_left_running()
+        raise error
 
 
 def _rows(host: dict[str, Any], done: int, k: int, batch_size: int) -> list[dict[str, Any]]:

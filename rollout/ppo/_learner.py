@@ -713,10 +713,11 @@ class Learner:
         finish their env steps: closing under a running update would make it restart them.
         ``with Learner(config) as learner:`` closes it at the end of the block.
         """
-        if self._dispatched is not None:  # a callback's env steps are no effect to wait for
-            wait_for_outputs(self._dispatched)  # a failed one's parts: not forever
-            self._dispatched = None
-        self.envs.close()
+        dispatched, self._dispatched = self._dispatched, None
+        try:  # a callback's env steps are no effect to wait for; a failed update's: not forever
+            wait_for_outputs(dispatched)
+        finally:
+            self.envs.close()
 
     def __enter__(self) -> Learner:
         return self
