@@ -504,8 +504,7 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
             args, kwargs = join_static(dynamic, static)
             out = module._map(_call_module, args, kwargs, module.in_axes)
             new = jax.tree.leaves(nnx.state(module))
-            return out, [None if a is b else jax.lax.with_sharding_constraint(a, s)
-                         for a, b, s in zip(new, leaves, pinned, strict=True)]  # fmt: skip
+            return out, [_kept(a, b, s) for a, b, s in zip(new, leaves, pinned, strict=True)]
 
         return jax.jit(call)
 
@@ -1138,6 +1137,16 @@ def _kept_shardings(ens: NNXEnsemble, states: Any) -> list[NamedSharding]:
     return pinned
 
 
+def _kept(new: Any, old: Any, sharding: NamedSharding) -> Any:
+    """A Variable's value after the call: None where the call left it, else pinned where it was
+    (a value of another shape, a cache set to a scalar, goes where the compiler puts it)."""
+    if new is old:
+        return None
+    if np.shape(new) != np.shape(old):
+        return new
+    return jax.lax.with_sharding_constraint(new, sharding)
+
+
 def _placement(x: Any) -> Any:
     """Where ``x`` is, for a cache key: a spec's trailing ``None`` (meaning the same) dropped;
     the compiler writes ``P('ensemble', 'model')`` for the ``P('ensemble', 'model', None)`` it
@@ -1169,8 +1178,9 @@ class _Static:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Static):
             return False
-        try:
-            return bool(self.value == other.value)
+        try:  # by repr too: == says an attribute of 1, 1.0 and True (or -0.0 and 0.0) are
+            # the same, and a program traced with one gave another's dtype (or sign)
+            return bool(self.value == other.value) and repr(self.value) == repr(other.value)
         except Exception:  # an attribute whose == is no bool (a NumPy array): only itself
             return self.value is other.value
 

@@ -1015,3 +1015,45 @@ def test_a_call_writes_back_only_what_it_changed_where_it_was():
         assert moved == []
     assert all(a is b for a, b in zip(leaves(nnx.Param)[2:], params[2:]))  # l1, l2: not copied
     np.testing.assert_allclose(ens.member(1).bn.mean[...], plain[1].bn.mean[...], rtol=1e-5)
+
+
+def test_ensembles_whose_attributes_are_equal_but_not_alike_get_their_own_programs():
+    """Programs were kept by graphdef, whose == says 1, 1.0 and True (and 0.0, -0.0) are the
+    same: an ensemble got the output dtype (or sign) of one built before it."""
+
+    class Fill(nnx.Module):
+        def __init__(self, fill, rngs):
+            self.fill = fill
+            self.l = nnx.Linear(3, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.full((2,), self.fill), self.l(x) / self.fill
+
+    x = jnp.ones((1, 3))
+    for fill in (1, 1.0, True, 0.0, -0.0):
+        ens = ensemble.build(functools.partial(Fill, fill), 2)
+        full, y = ens(x)
+        want_full, want_y = ens.member(0)(x)
+        assert full.dtype == want_full.dtype, fill
+        np.testing.assert_array_equal(y[0], want_y)  # -0.0: the other infinity's sign
+
+
+def test_a_call_that_changes_a_variables_shape_writes_it_back():
+    """Pinned where the old value was, a cache set to a scalar was a with_sharding_constraint
+    error of JAX's (ens.map and the plain module take it)."""
+
+    class Last(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(3, 2, rngs=rngs)
+            self.last = nnx.Cache(jnp.zeros((3, 2)))
+
+        def __call__(self, x):
+            y = self.l(x)
+            self.last.set_value(y.mean())
+            return y
+
+    ens = ensemble.build(Last, 4)
+    x = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)
+    y = ens(x)
+    assert ens.members.last.get_value().shape == (4,)
+    np.testing.assert_allclose(ens.members.last.get_value(), y.mean(axis=(1, 2)), rtol=1e-6)
