@@ -54,6 +54,7 @@ import optax
 
 import ensemble
 import ensemble.debug
+from rollout._devices import beyond_free_memory
 from rollout.ppo._parser import OneLineParser, positive_int, writable_dir
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -422,6 +423,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"none of D={args.devices} fits {len(available)} devices / n={args.members}")
     apis = args.models if args.api is None else {"both": ["linen", "nnx"]}.get(args.api, [args.api])
     member_bytes = 4 * _member_params(args.input_dim, args.hidden, args.depth)
+    # Parameters, gradients and Adam's two moments: the least any way holds.
+    too_big = beyond_free_memory(4 * args.members * member_bytes, "the MLP members' state")
+    if too_big:
+        parser.error(f"{too_big}; give a smaller --hidden, --depth or --members")
     print(
         f"{args.members} members x {member_bytes / MB:.2f} MB = "
         f"{args.members * member_bytes / MB:.1f} MB of float32 parameters (MLP); D = {ds}",

@@ -71,6 +71,8 @@ def _available(kind: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout._devices import available_cores
+    from rollout._on_cpu import MAX_WORKERS_PER_CORE
     from rollout.ppo._parser import OneLineParser, positive_int, writable_dir
 
     p = OneLineParser(description=__doc__.split("\n\n")[0])
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error(f"--repeats must be >= 2 (the first start is reported apart), got {args.repeats}")
+    most = MAX_WORKERS_PER_CORE * available_cores()  # as on_cpu and the host envs allow
+    if args.workers > most:
+        p.error(f"--workers {args.workers} is more than {MAX_WORKERS_PER_CORE} per CPU core "
+                f"({available_cores()} cores); give at most {most}")  # fmt: skip
     if args.child:  # writes nothing, so takes no --out
         print(json.dumps(_child(args.child[0], args.workers, args.repeats)))
         return 0

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 import rollout
+from rollout._devices import beyond_free_memory
 from rollout.ppo._parser import OneLineParser
 
 # Before JAX starts: one CPU device (and thread) per core. On an accelerator host this only shapes
@@ -86,6 +87,11 @@ def parse(argv=None) -> tuple[argparse.Namespace, rollout.OnCpu]:
     for name in ("steps", "batch", "samples", "hidden", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    # The GRU's three weight matrices, and the states of every sample of every rollout.
+    need = 12 * args.hidden * (args.hidden + args.batch * args.samples)
+    too_big = beyond_free_memory(need, "the synthesiser's weights and states")
+    if too_big:
+        ap.error(f"{too_big}; give a smaller --hidden, --samples or --batch")
     devices = jax.devices()
     if args.batch % len(devices):
         ap.error(

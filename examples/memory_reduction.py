@@ -59,6 +59,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
+from rollout._devices import beyond_free_memory
 from rollout.ppo._parser import OneLineParser, writable_dir
 
 MB = 1e6
@@ -281,7 +282,10 @@ def _table(results: dict[str, dict[int, dict[str, Any]]], ds: list[int]) -> str:
     head = f"{'way':>8} {'D':>2} {'state MB':>9} {'init MB':>8} {'step MB':>8} "
     head += f"{'alias MB':>8} {'state/ideal':>11} {'step/ideal':>10} {'replicated':>10}"
     lines = [
-        "per-device memory (largest over the D devices used); ideal = ensemble's D=1 value / D",
+        "per-device memory (largest over the D devices used); ideal = ensemble's D=1 value / D"
+        if ds[0] == 1
+        else f"per-device memory (largest over the D devices used); ideal = ensemble's D={ds[0]} "
+        f"value x {ds[0]} / D",
         head,
         "-" * len(head),
     ]
@@ -355,12 +359,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.devices) < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
+    # Parameters, gradients and Adam's two moments, and the hidden activations: the least.
+    params = (args.input_dim + 2) * args.hidden + 1
+    need = 4 * args.members * (4 * params + args.batch * args.hidden)
+    too_big = beyond_free_memory(need, "the members' state and activations")
+    if too_big:
+        parser.error(f"{too_big}; give a smaller --hidden, --members or --batch")
     _simulate_cpu_devices(8)
     available = jax.devices()
     unfit = [d for d in args.devices if args.members % d]
     if unfit:
         parser.error(f"D={unfit} of --devices does not divide n={args.members}: give divisors")
-    ds = [d for d in args.devices if d <= len(available)]
+    ds = sorted({d for d in args.devices if d <= len(available)})  # each D once
     if not ds:
         parser.error(f"none of D={args.devices} fits the {len(available)} devices here")
     if len(ds) < len(args.devices):  # (the default's D=8 on a host of 4 GPUs)

@@ -44,6 +44,16 @@ def available_cores() -> int:
 _CGROUP = "/sys/fs/cgroup"  # cgroup v2: this process's limits, in a container
 
 
+def beyond_free_memory(need: int, what: str) -> str | None:
+    """One line refusing ``need`` bytes of ``what`` where they exceed :func:`available_memory`
+    (None where they fit, or it cannot be read): for scripts' size flags, whose typos were
+    a RESOURCE_EXHAUSTED traceback, or an abort inside XLA."""
+    have = available_memory()
+    if have is None or need <= have:
+        return None
+    return f"{what}: at least {need / 1e9:,.1f} GB, more than this host's {have / 1e9:,.1f} GB free"
+
+
 def available_memory() -> int | None:
     """Bytes of host memory this process may still take: the kernel's ``MemAvailable``, or the
     cgroup's limit less its use (page cache, which the kernel reclaims, not counted) where that

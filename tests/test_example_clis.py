@@ -51,6 +51,12 @@ MISTAKES = [
     ("benchmarks/ppo.py", ["--members", "0"], "--members: expected an integer >= 1"),
     ("benchmarks/worker_start.py", ["--repeats", "1"], "--repeats must be >= 2"),
     ("benchmarks/worker_start.py", ["--out", "/proc/x"], CANNOT_CREATE),
+    # Sizes past this host's memory: a RESOURCE_EXHAUSTED traceback, or an abort in XLA
+    # (overflow in static extent product), or 4,919 processes started, before.
+    ("benchmarks/memory.py", ["--hidden", str(10**9)], "the MLP members' state: at least"),
+    ("examples/memory_reduction.py", ["--hidden", str(2 * 10**9)], "more than this host's"),
+    ("examples/cpu_rollout.py", ["--samples", str(10**9), "--batch", "8"], "weights and states"),
+    ("benchmarks/worker_start.py", ["--workers", "100000"], "more than 4 per CPU core"),
 ]
 
 
