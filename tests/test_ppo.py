@@ -638,6 +638,12 @@ def test_a_debug_print_in_an_env_is_explained_with_how_to_run_the_env_alone():
     with pytest.raises(TypeError, match=r"jax\.debug\.print .* step its env alone, "
                        r"jax\.jit\(env\.step\)"):  # fmt: skip
         learner.update(learner.init(), 1)
+    # The memory check compiles the update first: its errors are the call's own, not
+    # compiled_memory's advice to pass other arguments.
+    learner = Learner(_tiny("cartpole", 2), devices=jax.devices()[:2])
+    learner._compile_updates = lambda k: jax.jit(lambda state: jnp.zeros(3) + jnp.zeros(4))
+    with pytest.raises(TypeError, match=r"^add got incompatible shapes"):
+        learner.update(learner.init(), 1)
 
 
 @pytest.mark.parametrize("env", ["pendulum", "cartpole"])

@@ -368,9 +368,14 @@ class Learner:
         program = self._programs.get(k)
         if program is None:
             program = self._compile_updates(k)
-            with jax.set_mesh(self.mesh), _explained():
-                need = ensemble.compiled_memory(program, state)
-            _refuse_an_update_too_big(need, self.mesh, self.config, k, live)
+            with jax.set_mesh(self.mesh), _explained():  # its errors as the call's would be
+                compiled = program.lower(state).compile()
+            try:
+                need = ensemble.compiled_memory(compiled)
+            except RuntimeError:  # a backend without a memory analysis: nothing to check
+                need = None
+            if need is not None:
+                _refuse_an_update_too_big(need, self.mesh, self.config, k, live)
             self._programs[k] = program
         return program
 
