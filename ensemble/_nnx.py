@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -481,10 +482,12 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
         return None
 
 
-# One program per static configuration (and state layout), at most ProgramCache.size: as one
-# jit with the static part as a static argument, every new Python value (scale=float(t) each call)
-# stayed compiled forever, host memory growing by a program per call.
-_PROGRAMS = ProgramCache()
+# Per ensemble, one program per static configuration (and state layout), at most
+# ProgramCache.size: as one jit with the static part as a static argument, every new Python
+# value (scale=float(t) each call) stayed compiled forever, host memory growing by a program per
+# call. Kept per ensemble, so that many ensembles in one process (a sweep) are not taken for that.
+_PROGRAMS: weakref.WeakKeyDictionary[NNXEnsemble, ProgramCache] = weakref.WeakKeyDictionary()
+_PROGRAMS_KEPT = 64
 
 
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
@@ -508,7 +511,8 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
 
         return jax.jit(call)
 
-    program = _PROGRAMS.get_or_make((static, _Static(graphdef), treedef, placed), make)
+    programs = _PROGRAMS.setdefault(ens, ProgramCache(_PROGRAMS_KEPT))
+    program = programs.get_or_make((static, _Static(graphdef), treedef, placed), make)
     out, new = program(leaves, dynamic)
     _write_back(ens, state, [x is not None for x in new], [x for x in new if x is not None])
     return out

@@ -252,19 +252,24 @@ def test_a_python_number_new_every_call_keeps_a_bounded_number_of_nnx_programs(m
     grew ~1.7 MB a call, calls slowed down); now the least recently used are dropped, with
     one warning saying to pass the number as an array."""
     from ensemble import _nnx
-    from ensemble._core import ProgramCache
 
-    monkeypatch.setattr(_nnx, "_PROGRAMS", ProgramCache(size=3))
+    monkeypatch.setattr(_nnx, "_PROGRAMS_KEPT", 3)
     ens = ensemble.build(Scaled, D)
     x = jnp.ones((2, 3))
     with pytest.warns(UserWarning, match="compiled its 4th program") as record:
         outs = [ens(x, scale=float(t)) for t in range(6)]
-    assert len(record) == 1 and len(_nnx._PROGRAMS) == 3
+    assert len(record) == 1 and len(_nnx._PROGRAMS[ens]) == 3
     assert record[0].filename == __file__
     ref = ens.member(2)(x)
     for t, out in enumerate(outs):
         np.testing.assert_allclose(out[2], ref * t, rtol=1e-6)
     np.testing.assert_allclose(ens(x, scale=0.0)[2], 0.0)  # dropped, compiled again: same
+    # Kept per ensemble: other ensembles' programs neither count nor push these out.
+    others = [ensemble.build(Scaled, D) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for other in others:
+            other(x, scale=1.0)
 
 
 class _TupleCarry(nnx.Module):
