@@ -14,6 +14,7 @@ How this relates to the other devices:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # Small ops on one thread per device. Nothing else: XLA stops reading XLA_FLAGS at the first word
 # that is not a --flag, so the often-copied "intra_op_parallelism_threads=1" (not an XLA flag)
@@ -42,6 +43,16 @@ def available_cores() -> int:
 
 
 _CGROUP = "/sys/fs/cgroup"  # cgroup v2: this process's limits, in a container
+
+
+def memory_of(devices: Any, local: Any) -> tuple[int | None, str, bool]:
+    """(bytes, their description, on CPU) for programs on ``devices``: this host's free memory
+    where they are CPU devices (they share it), else the memory of ``local``, one of them of
+    this process (others refuse ``memory_stats``); None bytes where it cannot be read."""
+    if all(d.platform == "cpu" for d in devices):
+        return available_memory(), "this host's free memory", True
+    have = (local.memory_stats() or {}).get("bytes_limit")
+    return have, f"the memory of one {local.device_kind}", False
 
 
 def beyond_free_memory(need: int, what: str) -> str | None:

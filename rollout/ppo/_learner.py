@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ensemble
 from ensemble._core import explained_errors
+from rollout._devices import memory_of
 from rollout._relay import wait_for_outputs
 from rollout.ppo import _env as envlib
 from rollout.ppo import _networks as nets
@@ -810,19 +811,6 @@ class StateTooLarge(ValueError):
     """The members' state cannot fit in memory (a mistake in ``hidden`` or ``members``)."""
 
 
-def _memory_here(mesh: Mesh) -> tuple[int | None, str, bool]:
-    """(bytes, its description, on CPU): this host's free memory where the members are on CPU
-    devices (they share it), else the memory of one device of this process (others refuse
-    ``memory_stats``)."""
-    from rollout._devices import available_memory
-
-    if all(d.platform == "cpu" for d in mesh.devices.flat):
-        return available_memory(), "this host's free memory", True
-    local = mesh.local_devices[0]
-    have = (local.memory_stats() or {}).get("bytes_limit")
-    return have, f"the memory of one {local.device_kind}", False
-
-
 def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConfig) -> None:
     """Refuses widths whose parameters, gradients and Adam moments cannot fit: on CPU, the OS
     killed the process for memory with no word (``--hidden 100000000``)."""
@@ -830,7 +818,7 @@ def _refuse_a_state_too_big(network: Any, spec: Any, mesh: Mesh, config: PPOConf
     # The key made inside the trace: nothing is placed on a device (a transfer guard holds).
     shapes = jax.eval_shape(lambda o: network.init(jax.random.key(0), o), obs)
     per_member = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    have, where, cpu = _memory_here(mesh)
+    have, where, cpu = memory_of(mesh.devices.flat, mesh.local_devices[0])
     if cpu:  # this host's members
         here = config.members * len(mesh.local_devices) // mesh.devices.size
     else:  # one device's members
@@ -850,7 +838,7 @@ def _refuse_an_update_too_big(
     """Refuses an update program whose activations cannot fit: the state fitted, and the
     rollout batch x width of every layer then made the OS kill the process with no word
     (``--hidden 4000000``, exit 137) or was a RESOURCE_EXHAUSTED traceback (16777216)."""
-    have, where, cpu = _memory_here(mesh)
+    have, where, cpu = memory_of(mesh.devices.flat, mesh.local_devices[0])
     per_device = memory.peak - (memory.argument if live and cpu else 0)  # live: taken already
     need = per_device * (len(mesh.local_devices) if cpu else 1)
     if have is not None and need > have:
