@@ -784,6 +784,16 @@ def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> li
     return sorted(differ)
 
 
+def leave_together() -> None:
+    """Every process of the run leaves it together, for a refusal every one of them reached
+    (:func:`settings_that_differ` gives each the same answer): each waits at JAX's shutdown
+    barrier for the others, then process 0 stops the coordinator. A process that exited alone
+    took the coordinator with it (process 0) and a peer still printing its own refusal aborted
+    in gRPC (exit 134). A no-op for a single process; JAX is left unjoined."""
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+
+
 def _comparable(value: Any) -> str:
     """``value`` as JSON; arrays (of NumPy, JAX, in lists and dicts too) by dtype, shape and a
     digest of every element: ``str()`` of one of over 1,000 elements leaves its middle out, so

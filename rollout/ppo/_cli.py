@@ -437,6 +437,7 @@ def _check_same_config(config: Any, checkpoint_every: int | None = None) -> None
         fields["checkpoint_every"] = checkpoint_every
     differ = distributed.settings_that_differ(fields)
     if differ:
+        distributed.leave_together()  # (every process refuses; the run cannot go on)
         raise UsageError(
             "the processes of this run were started with different settings (these differ "
             f"between them: {', '.join(differ)}); start every process with the same arguments."
@@ -449,16 +450,19 @@ def _check_same_config(config: Any, checkpoint_every: int | None = None) -> None
 _PER_PROCESS_ARGS = ("process_id", "coordinator", "no_progress", "debug", "log", "log_interval")
 
 
-def _check_same_args(args: argparse.Namespace) -> None:
+def _check_same_args(args: argparse.Namespace, config: Any) -> None:
     """Every process of a run gets the same arguments. Compared before any collective between
     devices, so also those that are not the config's: a --checkpoint-every of its own made one
     process save while the others trained (both waited forever, deaf to signals); a --devices
-    of its own failed in gloo after 45 s, leaving a run.json behind."""
+    of its own failed in gloo after 45 s, leaving a run.json behind. A config flag counts by
+    the value it resolved to: ``--seed 0`` on one process and no --seed on another agree."""
     from ensemble import _distributed as distributed
 
     fields = {k: v for k, v in vars(args).items() if k not in _PER_PROCESS_ARGS}
+    fields |= {arg: getattr(config, field) for arg, field in _CONFIG_FLAGS}
     differ = distributed.settings_that_differ(fields)
     if differ:
+        distributed.leave_together()  # (every process refuses; the run cannot go on)
         flags = ", ".join("--" + name.replace("_", "-") for name in differ)
         raise UsageError(
             f"the processes of this run were started with different arguments ({flags}); "
@@ -1384,7 +1388,7 @@ def _join_and_compare(args: argparse.Namespace, joining: Any, config: Any) -> An
     in a later collective. Before any process makes --out: a process the launcher stops once
     another is refused would leave it behind."""
     info = _join(args, joining)
-    _check_same_args(args)
+    _check_same_args(args, config)
     _check_same_config(config)  # (train() checks it for the Python API)
     return info
 
