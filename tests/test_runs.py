@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -240,6 +241,29 @@ def test_a_hand_edited_run_json_is_named_not_resumed_under_another_config(tmp_pa
         ]
     (out / "run.json").write_text(text)  # as it was: the older checkpoints' shorter total_steps
     _run(_tiny(total_steps=3 * 32), out, resume=True)  # are the run growing, not an edit
+
+
+def test_a_run_json_field_of_another_type_is_one_line(tmp_path):
+    """Fields read before the config is built: "devices": "two" was Python's ValueError on a
+    resume, "config": "x" an AttributeError (a traceback from the export), and "devices": 1.5
+    resumed on 1 device."""
+    out = tmp_path / "run"
+    _run(_tiny(total_steps=2 * 32), out)
+    record = json.loads((out / "run.json").read_text())
+    for key, value, said in (
+        ("devices", "two", "devices 'two' is not a device count"),
+        ("devices", 1.5, "devices 1.5 is not a device count"),
+        ("devices", True, "devices True is not a device count"),
+        ("config", "x", "config 'x' is not a JSON object of settings"),
+        ("run_id", 7, "run_id 7 is not the run's id, a string"),
+        ("platform", ["cpu"], "platform ['cpu'] is not a platform name"),
+    ):
+        (out / "run.json").write_text(json.dumps({**record, key: value}))
+        with pytest.raises(ckpt.RunDirError, match=re.escape(f"is unreadable ({said}")):
+            ckpt.inspect(out)
+        with pytest.raises(export.NotAnExport, match=re.escape(f"({said}); restore it.")):
+            export.export_run(out, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
 
 
 def test_a_damaged_metrics_row_is_named_and_a_failed_write_leaves_nothing_behind(

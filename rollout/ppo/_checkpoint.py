@@ -183,13 +183,29 @@ def inspect(out: str | os.PathLike) -> RunDir:
     if (out / RUN_FILE).exists():
         try:
             record = json.loads((out / RUN_FILE).read_text())
-            if not isinstance(record, dict) or "run_id" not in record or "config" not in record:
-                raise ValueError("no run_id / config")
+            _check_record(record)
         except (OSError, ValueError) as e:
             raise RunDirError(
                 f"{out / RUN_FILE} is unreadable ({e}); move it away or use --overwrite."
             ) from e
     return RunDir(out, record, files, legacy)
+
+
+def _check_record(record: Any) -> None:
+    """The fields of ``run.json`` that are read before its config is: a hand-edited one of
+    another type ("devices": "two", "config": "x") was an AttributeError or ValueError of
+    Python's, and "devices": 1.5 resumed on 1 device."""
+    if not isinstance(record, dict) or "run_id" not in record or "config" not in record:
+        raise ValueError("no run_id / config")
+    if not isinstance(record["run_id"], str) or not record["run_id"]:
+        raise ValueError(f"run_id {record['run_id']!r} is not the run's id, a string")
+    if not isinstance(record["config"], dict):
+        raise ValueError(f"config {record['config']!r} is not a JSON object of settings")
+    devices, platform = record.get("devices"), record.get("platform")
+    if devices is not None and (type(devices) is not int or devices < 1):
+        raise ValueError(f"devices {devices!r} is not a device count")
+    if platform is not None and not isinstance(platform, str):
+        raise ValueError(f"platform {platform!r} is not a platform name")
 
 
 def _is_legacy(ckpt: Path) -> bool:

@@ -908,7 +908,8 @@ def export_run(
     try:
         found = ckpt.inspect(run)
     except ckpt.RunDirError as e:  # its wording names training's --out; export has none
-        raise NotAnExport(str(e).replace("--out ", "", 1)) from None
+        said = str(e).replace("--out ", "", 1)
+        raise NotAnExport(said.replace("move it away or use --overwrite", "restore it")) from None
     if found.record is None:
         what = "has no run.json" if run.is_dir() else "does not exist"
         raise NotAnExport(f"{run} {what}: give the --out directory of a training run.")
