@@ -54,6 +54,7 @@ from ensemble._core import (
     join_static,
     split_loss,
     split_static,
+    typed,
 )
 from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
 from ensemble._mesh import (
@@ -1182,11 +1183,24 @@ class _Static:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Static):
             return False
-        try:  # by repr too: == says an attribute of 1, 1.0 and True (or -0.0 and 0.0) are
-            # the same, and a program traced with one gave another's dtype (or sign)
-            return bool(self.value == other.value) and repr(self.value) == repr(other.value)
+        try:  # by the attributes' types too: == says an attribute of 1, 1.0 and True (or
+            # -0.0 and 0.0) are the same, repr that 1 and bfloat16(1) are, and a program
+            # traced with one gave another's dtype (or sign)
+            return (
+                bool(self.value == other.value)
+                and repr(self.value) == repr(other.value)
+                and _typed_attributes(self.value) == _typed_attributes(other.value)
+            )
         except Exception:  # an attribute whose == is no bool (a NumPy array): only itself
             return self.value is other.value
+
+
+def _typed_attributes(graphdef: Any) -> Any:
+    """A graphdef's static attributes with the type of every part (:func:`typed`)."""
+    attributes = getattr(graphdef, "attributes", None)
+    if not isinstance(attributes, list):
+        return None
+    return tuple((k, type(a), typed(getattr(a, "value", None))) for k, a in attributes)
 
 
 def _member_grads(step: NNXTrainStep, wrt: Any) -> Callable[..., Any]:

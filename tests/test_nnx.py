@@ -1038,6 +1038,40 @@ def test_ensembles_whose_attributes_are_equal_but_not_alike_get_their_own_progra
         np.testing.assert_array_equal(y[0], want_y)  # -0.0: the other infinity's sign
 
 
+def test_an_attribute_changed_to_one_that_prints_the_same_gets_its_own_program():
+    """``bfloat16(1) == 1`` and both print as ``1``: after the attribute was changed, the
+    ensemble's call and its train step ran the program traced with the old one (the old
+    rounding of ``scale / 3``), silently."""
+    import ml_dtypes
+
+    class Scaled(nnx.Module):
+        def __init__(self, rngs):
+            self.scale = 1
+            self.l = nnx.Linear(3, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l(x) * (self.scale / 3)
+
+    def loss_fn(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    x = jnp.linspace(0.5, 1.5, 24).reshape(8, 3)
+    ens = ensemble.build(Scaled, 2)
+    step = ens.train_step(loss_fn, optax.sgd(0.0))  # parameters stay: losses comparable
+    opt = step.init()
+    for scale in (1, ml_dtypes.bfloat16(1), 1.0, np.float16(1), 1):
+        ens.members.scale = scale
+        plain = [ens.member(i) for i in range(2)]
+        for m in plain:
+            m.scale = scale
+        want = np.stack([m(x) for m in plain])
+        # (bfloat16's scale / 3 differs from float32's by 4e-3 relative)
+        np.testing.assert_allclose(ens(x), want, rtol=1e-6, err_msg=repr(type(scale)))
+        want_loss = np.float32([loss_fn(m, x) for m in plain])
+        got = step(ens, opt, x)
+        np.testing.assert_allclose(got, want_loss, rtol=1e-6, err_msg=repr(type(scale)))
+
+
 def test_a_call_that_changes_a_variables_shape_writes_it_back():
     """Pinned where the old value was, a cache set to a scalar was a with_sharding_constraint
     error of JAX's (ens.map and the plain module take it)."""
