@@ -382,6 +382,33 @@ def test_episodes_beyond_memory_are_one_line_before_any_allocation(cartpole, tmp
     assert evaluate.main([str(tmp_path), "--episodes", str(min(fit // 4, 64))]) == 0
 
 
+@pytest.mark.timeout(120)
+def test_members_that_fit_are_evaluated_and_the_margin_is_only_on_the_episodes(
+    cartpole, tmp_path, capsys, monkeypatch
+):
+    """The margin for XLA's low figure of the episodes' scan was taken on the members' arrays
+    too: 5 members of 12,000-unit layers (1.7 GB) were refused even 1 episode, with "evaluate
+    fewer episodes (about 1 fit)", although they ran in 6.6 GB."""
+    import rollout._devices as devices
+    from ensemble import compiled_memory
+
+    learner, state = cartpole
+    export.export_members(learner, state, tmp_path, members=[0, 1])
+    members = evaluate._load(str(tmp_path))
+    run, arrays = evaluate._runner(members, True, "cartpole", {}, None)
+    memory = compiled_memory(run.lower(arrays, evaluate.reset_keys(0, 1)).compile())
+    grows = evaluate._ANALYSIS_MARGIN * (memory.peak - memory.argument) + 8
+    assert evaluate._ANALYSIS_MARGIN * memory.peak > memory.argument + grows  # (the old need)
+    monkeypatch.setattr(devices, "available_memory", lambda: memory.argument + grows)
+    assert evaluate.main([str(tmp_path), "--episodes", "1"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(devices, "available_memory", lambda: memory.argument + grows - 9)
+    assert evaluate.main([str(tmp_path), "--episodes", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GB of them the members)" in err[0], err
+    assert "evaluate one member at a time (give its member_<i> directory)" in err[0], err
+
+
 def test_envpool_evaluation_seeds_past_int32_are_refused_not_wrapped():
     with pytest.raises(ValueError, match=r"seeds 2147483646\.\.2147483648 do not fit; use a "
                        r"--seed below 2147483645"):  # fmt: skip

@@ -154,19 +154,31 @@ def _refuse_too_many_episodes(members: Sequence[Any], env_id: str, kwargs: dict[
     keys = jax.eval_shape(lambda: reset_keys(seed, episodes))
     run, arrays = _runner(members, len(members) > 1, env_id, kwargs, max_steps)
     compiled = run.lower(arrays, keys).compile()  # its errors as the call's would be
-    try:  # XLA's own figure for this scan was 5.1x under what it allocated (CartPole on CPU:
-        # 105 against 537 bytes an episode): taken with a margin
-        need = _ANALYSIS_MARGIN * compiled_memory(compiled).peak + keys.size * 8
+    try:
+        memory = compiled_memory(compiled)
     except RuntimeError:  # a backend without a memory analysis: nothing to check
         return
+    # XLA's own figure for the episodes' scan was 5.1x under what it allocated (CartPole on
+    # CPU: 105 against 537 bytes an episode): taken with a margin. The members' arrays (the
+    # program's arguments) are as large for 1 episode as for many: taken as they are.
+    fixed = memory.argument
+    grows = _ANALYSIS_MARGIN * max(memory.peak - memory.argument, 0) + keys.size * 8
     have, where, _ = memory_of(jax.devices()[:1], jax.devices()[0])
-    if have is not None and need > have:
-        fit = max(1, int(episodes * have / need))
+    if have is None or fixed + grows <= have:
+        return
+    fit = int(episodes * (have - fixed) / grows)
+    said = f"{episodes:,} episodes of {env_id} run at once and need about"
+    if fit < 1:
         raise ValueError(
-            f"{episodes:,} episodes of {env_id} run at once and need about {need / 1e9:,.1f} "
-            f"GB, more than the {have / 1e9:,.1f} GB of {where}; evaluate fewer episodes "
-            f"(about {fit:,} fit), in several runs with different seeds if you need more."
+            f"{said} {(fixed + grows) / 1e9:,.1f} GB ({fixed / 1e9:,.1f} GB of them the "
+            f"members), more than the {have / 1e9:,.1f} GB of {where}; evaluate one member at a "
+            "time (give its member_<i> directory) or on a host with more memory."
         )
+    raise ValueError(
+        f"{said} {(fixed + grows) / 1e9:,.1f} GB, more than the {have / 1e9:,.1f} GB of "
+        f"{where}; evaluate fewer episodes (about {fit:,} fit), in several runs with different "
+        "seeds if you need more."
+    )
 
 
 def _runner(members: Sequence[Any], ensemble: bool, env_id: str, kwargs: dict[str, Any],
