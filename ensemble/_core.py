@@ -351,7 +351,8 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
             "ensemble's mesh; replicate it on yours first: jax.sharding.reshard(x, "
             "jax.sharding.NamedSharding(your_mesh, jax.sharding.PartitionSpec()))."
         )
-    _refuse_placement(f"{what}{path}", leaf.sharding, mesh, order, member_major)
+    # (a scalar, such as an optimizer's step count, has no member axis to keep split)
+    _refuse_placement(f"{what}{path}", leaf.sharding, mesh, order, member_major and leaf.ndim > 0)
 
 
 def _refuse_placement(what: str, sharding: Any, mesh: Mesh, order: Any, member_major: bool) -> None:

@@ -48,6 +48,7 @@ from ensemble._core import (
     check_live,
     check_member_major,
     check_not_donated,
+    check_on_mesh,
     check_shared_kwargs,
     check_stacked_inputs,
     explained_errors,
@@ -497,6 +498,7 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
     call copied all the parameters and the compiler placed the copies (a bias built whole on a
     member's devices came back split over 'model', unlike its optimizer moments)."""
     graphdef, state = nnx.split(ens)
+    check_on_mesh(state, ens.mesh, "nnx.state(ens)", member_major=True)
     leaves, treedef = jax.tree.flatten(state)
     placed = tuple((np.shape(x), _placement(x)) for x in leaves)
 
@@ -1041,6 +1043,8 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
+        check_on_mesh(ens_state, ens.mesh, "nnx.state(ens)", member_major=True)
+        check_on_mesh(opt_state, ens.mesh, "nnx.state(optimizer)", member_major=True)
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         defs = _Static(ens_def), _Static(opt_def)

@@ -1072,6 +1072,30 @@ def test_an_attribute_changed_to_one_that_prints_the_same_gets_its_own_program()
         np.testing.assert_allclose(got, want_loss, rtol=1e-6, err_msg=repr(type(scale)))
 
 
+def test_state_moved_off_the_ensembles_devices_is_one_line_with_its_fix():
+    """State committed to one device (a device_put of nnx.state, as one does for a single
+    model) was JAX's "incompatible devices" error naming a leaf of an internal function."""
+    from ensemble.sharding import shard_members
+
+    ens = ensemble.build(lambda rngs: nnx.Linear(3, 2, rngs=rngs), 4)
+    x = jnp.ones((2, 3))
+    want = ens(x)
+    step = ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.0))
+    opt = step.init()
+    nnx.update(ens, jax.device_put(nnx.state(ens), jax.devices()[0]))
+    said = r"nnx.state\(ens\)\['members'\]\['bias'\].value is committed to device\(s\) 0, but"
+    with pytest.raises(ValueError, match=said + r".* \(ensemble.sharding.shard_members\(x, "):
+        ens(x)
+    with pytest.raises(ValueError, match=said):
+        step(ens, opt, x)
+    nnx.update(ens, shard_members(nnx.state(ens), ens.mesh, ens.n))  # the fix it names
+    np.testing.assert_array_equal(ens(x), want)
+    nnx.update(opt, jax.device_put(nnx.state(opt), jax.devices()[1]))
+    said = r"nnx.state\(optimizer\)\['step'\].value is committed to device\(s\) 1, .* "
+    with pytest.raises(ValueError, match=said + r"\(jax.device_put\(x, jax.sharding.NamedSharding"):
+        step(ens, opt, x)
+
+
 def test_a_call_that_changes_a_variables_shape_writes_it_back():
     """Pinned where the old value was, a cache set to a scalar was a with_sharding_constraint
     error of JAX's (ens.map and the plain module take it)."""
