@@ -765,11 +765,17 @@ class OnCpu:
     def _prepare(self, kind, flat_fn, nb, specs, out_specs, platform, eager) -> _Call:
         timeout, message = self.timeout, ""
         if kind == "inprocess":
-            if platform == "cpu" and not eager:
+            if platform == "cpu" and not eager and timeout is None:
                 # A CPU caller that looked single-device at trace time may not be: guard it.
-                timeout = timeout or _INPROCESS_GUARD_S
+                timeout = _INPROCESS_GUARD_S
                 message = f"on_cpu(executor='inprocess') did not finish within {timeout:g} s"
                 message += _DEADLOCK_HINT
+            elif platform == "cpu" and not eager:  # the user's own timeout: either may be it
+                message = (
+                    f"on_cpu(executor='inprocess') did not finish within timeout={timeout:g} s: "
+                    "the work took longer (raise timeout=), or a callback into JAX from a "
+                    "program on several CPU devices deadlocked (use executor='process' or 'auto')"
+                )
             elif timeout is not None:
                 message = (
                     f"on_cpu(executor='inprocess') did not finish within timeout={timeout:g} s "
@@ -1166,7 +1172,8 @@ def on_cpu(
         shardings of the inputs and from the ambient mesh; a multi-device CPU program whose
         inputs to ``fn`` all sit on one device is not detected. For CPU callers an in-process
         call that takes longer than ``timeout`` (default 300 s) is then reported as that
-        deadlock (a ``RuntimeError`` and a log line), but the program's other devices may stay
+        deadlock (a ``RuntimeError`` and a log line; with a ``timeout`` of yours, as that
+        deadlock or work longer than it), but the program's other devices may stay
         blocked in a collective, and XLA then aborts the process (about 40 s later, its
         rendezvous limit), so on CPU-only hosts prefer ``'auto'``.
         ``'auto'`` (default): ``'inprocess'`` when the caller runs on an accelerator and this
