@@ -430,11 +430,31 @@ def save_checkpoint(
 
     # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
+    _check_metadata(metadata)
     path = os.path.abspath(os.fspath(directory))
     with orbax_logs_held(about=path), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, tree, force=force, custom_metadata=metadata)
         checkpointer.wait_until_finished()
     return path
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Refuses, on every process and before anything is written, metadata JSON cannot write:
+    process 0 alone writes it, once the collective save has begun, so its TypeError (for a
+    NumPy integer, say) left the other processes waiting in the save, and a temporary folder
+    behind."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        what = type(metadata).__name__
+        raise ValueError(f"save_checkpoint: metadata must be a dict, not {what}.")
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"save_checkpoint: metadata is not JSON ({e}); use Python numbers, strings, lists and "
+            "dicts (x.item() or x.tolist() for NumPy and JAX values)."
+        ) from None
 
 
 #: The loggers orbax's records reach: its own (absl), and asyncio's "Task exception was never

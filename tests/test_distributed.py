@@ -408,6 +408,34 @@ def test_a_damaged_sharding_record_is_skipped_and_other_damage_still_named(tmp_p
     assert not list(views.iterdir())  # the views are gone
 
 
+def test_metadata_json_cannot_write_is_refused_before_anything_is_written(tmp_path):
+    x = jnp.ones(3)
+    for metadata, said in (({"step": np.int64(3)}, "is not JSON"), ([1], "must be a dict")):
+        with pytest.raises(ValueError, match=f"save_checkpoint: metadata {said}"):
+            distributed.save_checkpoint(tmp_path / "c", {"x": x}, metadata=metadata)
+        assert not list(tmp_path.iterdir())  # (orbax's temporary folder was left behind)
+
+
+@pytest.mark.timeout(120)
+def test_metadata_json_cannot_write_is_refused_on_every_process():
+    """Process 0 alone writes the metadata, once the collective save has begun: its TypeError
+    left process 1 waiting in the save until JAX aborted both (134, 120 s later)."""
+    script = (
+        "import tempfile, numpy as np, jax.numpy as jnp\n"
+        "from ensemble import distributed\n"
+        "distributed.initialize()\n"
+        "try:\n"
+        "    distributed.save_checkpoint(tempfile.mkdtemp() + '/c', {'x': jnp.ones(3)},\n"
+        "                                metadata={'step': np.int64(3)})\n"
+        "except ValueError as e:\n"
+        "    print('refused:', str(e).split(' (')[0])\n"
+    )
+    code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=1)
+    assert code == 0, err[-3000:]
+    said = "refused: save_checkpoint: metadata is not JSON"
+    assert sorted(out.splitlines()) == [f"[rank {r}] {said}" for r in range(2)], out + err
+
+
 def test_a_sharding_record_that_is_no_json_still_gives_the_leaves_metadata(tmp_path, caplog):
     """Orbax logs such damage (three "Failed to get item metadata" warnings on a resume that
     worked) and reads the metadata without the leaves', so no shape or dtype was checked:
