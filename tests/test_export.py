@@ -379,6 +379,11 @@ def test_episodes_beyond_memory_are_one_line_before_any_allocation(cartpole, tmp
                     r"[\d,.]+ GB, more than the [\d,.]+ GB of this host's free memory; evaluate "
                     r"fewer episodes \(about [\d,]+ fit\)", err[0]), err  # fmt: skip
     fit = int(re.search(r"about ([\d,]+) fit", err[0]).group(1).replace(",", ""))
+    # The episodes' keys are arguments of the program, not part of the members: counted as
+    # such, 10x the episodes gave 5x fewer "fit", and at 1e10 blamed the members.
+    assert evaluate.main([str(tmp_path), "--episodes", "2000000000"]) == 2
+    again = re.search(r"about ([\d,]+) fit", capsys.readouterr().err)
+    assert again and abs(int(again.group(1).replace(",", "")) - fit) < fit / 100, (again, fit)
     assert evaluate.main([str(tmp_path), "--episodes", str(min(fit // 4, 64))]) == 0
 
 

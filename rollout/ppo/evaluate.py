@@ -160,8 +160,9 @@ def _refuse_too_many_episodes(members: Sequence[Any], env_id: str, kwargs: dict[
         return
     # XLA's own figure for the episodes' scan was 5.1x under what it allocated (CartPole on
     # CPU: 105 against 537 bytes an episode): taken with a margin. The members' arrays (the
-    # program's arguments) are as large for 1 episode as for many: taken as they are.
-    fixed = memory.argument
+    # program's arguments, less the episodes' keys: 8 bytes each) are as large for 1 episode
+    # as for many: taken as they are.
+    fixed = max(memory.argument - keys.size * 8, 0)
     grows = _ANALYSIS_MARGIN * max(memory.peak - memory.argument, 0) + keys.size * 8
     have, where, _ = memory_of(jax.devices()[:1], jax.devices()[0])
     if have is None or fixed + grows <= have:
