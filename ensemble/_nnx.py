@@ -1190,13 +1190,14 @@ class _Static:
         try:  # by the attributes' types too: == says an attribute of 1, 1.0 and True (or
             # -0.0 and 0.0) are the same, repr that 1 and bfloat16(1) are, and a program
             # traced with one gave another's dtype (or sign)
-            return (
-                bool(self.value == other.value)
-                and repr(self.value) == repr(other.value)
-                and _typed_attributes(self.value) == _typed_attributes(other.value)
-            )
+            return bool(self.value == other.value) and self._typed == other._typed
         except Exception:  # an attribute whose == is no bool (a NumPy array): only itself
             return self.value is other.value
+
+    @functools.cached_property
+    def _typed(self) -> tuple[str, Any]:
+        # (once per key: a kept program's key is compared again on every call)
+        return repr(self.value), _typed_attributes(self.value)
 
 
 def _typed_attributes(graphdef: Any) -> Any:
