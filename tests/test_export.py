@@ -145,8 +145,8 @@ def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
     (path,) = export.export_members(learner, state, tmp_path, members=[0])
     meta_path = path / "member.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["action"] == {"low": [-2.0], "high": [2.0]}
-    meta["action"] = {"low": [0.0, -1.0, None], "high": [None, 1.0, None]}  # as box is written
+    assert meta["action"] == {"low": [-2.0], "high": [2.0], "start": None}
+    meta["action"] = {"low": [0.0, -1.0, None], "high": [None, 1.0, None], "start": None}
     written = export._metadata(learner.config, box, meta["network"], True, 0, 0, {})["action"]
     assert written == meta["action"]
     member = export.read_member(path)  # this box on a 1-dim action: a member in memory
@@ -154,6 +154,10 @@ def test_infinite_action_bounds_clip_only_the_finite_sides(pendulum, tmp_path):
     np.testing.assert_array_equal(member.clip_action(actions), want)
     meta_path.write_text(json.dumps(meta))  # in the file, it disagrees with the network
     with pytest.raises(export.NotAnExport, match=r"'action\.low' has 3 bounds but 'network\.acti"):
+        export.read_member(path)
+    meta["action"] = {"low": [-2.0], "high": [2.0], "start": [0]}  # a start: discrete only
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(export.NotAnExport, match=r"'action\.start' is a list, but 'network\.dis"):
         export.read_member(path)
 
 
@@ -171,21 +175,31 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
     (path,) = export.export_members(learner, state, tmp_path, members=[2])
     meta_path = path / "member.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["version"] == export.VERSION == 3
+    assert meta["version"] == export.VERSION == 4 and meta["action"]["start"] == [0]
     obs = _observations(learner)
-    want = np.asarray(export.read_member(path).head(obs))
+    member = export.read_member(path)
+    want, acts = np.asarray(member.head(obs)), np.asarray(member.act(obs))
     older = {k: v for k, v in meta["network"].items() if k != "action_groups"}  # (new in 3)
-    for version in (1, 2):  # what versions 1 (MLPs only) and 2 wrote
-        meta_path.write_text(json.dumps({**meta, "version": version, "network": older}))
-        np.testing.assert_array_equal(export.read_member(path).head(obs), want)
+    before_4 = {"low": None, "high": None}  # (action.start: new in 4)
+    for version in (1, 2, 3):  # what versions 1 (MLPs only), 2 and 3 wrote
+        network = meta["network"] if version == 3 else older
+        meta_path.write_text(json.dumps({**meta, "version": version, "network": network,
+                                         "action": before_4}))  # fmt: skip
+        member = export.read_member(path)
+        np.testing.assert_array_equal(member.head(obs), want)
+        np.testing.assert_array_equal(member.act(obs), acts)
+        assert member.action_start == (0,)
     odd = {**older, "action_groups": ["x"]}  # not a field of version 2: not read there
     meta_path.write_text(json.dumps({**meta, "version": 2, "network": odd}))
     assert export.read_member(path).action_groups == ()
     meta_path.write_text(json.dumps({**meta, "network": older}))
     with pytest.raises(export.NotAnExport, match=r"field 'network.action_groups' is missing"):
         export.read_member(path)
-    meta_path.write_text(json.dumps({**meta, "version": 4}))
-    with pytest.raises(export.NotAnExport, match=r"format version 4; .* reads 1, 2, 3"):
+    meta_path.write_text(json.dumps({**meta, "action": before_4}))
+    with pytest.raises(export.NotAnExport, match=r"field 'action.start' is missing"):
+        export.read_member(path)
+    meta_path.write_text(json.dumps({**meta, "version": 5}))
+    with pytest.raises(export.NotAnExport, match=r"format version 5; .* reads 1, 2, 3, 4"):
         export.read_member(path)
     meta_path.write_text(json.dumps({**meta, "network": {**meta["network"], "kind": "GRU"}}))
     with pytest.raises(export.NotAnExport, match=r"field 'network.kind' is \"GRU\", not 'Actor"):
@@ -618,8 +632,9 @@ def test_an_action_box_unlike_the_envs_is_refused(pendulum, tmp_path, capsys):
     export.export_members(learner, state, out, members=[0, 1])
     meta_path = out / "member_0" / "member.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["action"] == {"low": [-2.0], "high": [2.0]}
-    meta_path.write_text(json.dumps({**meta, "action": {"low": [-0.01], "high": [0.01]}}))
+    assert meta["action"] == {"low": [-2.0], "high": [2.0], "start": None}
+    meta_path.write_text(json.dumps({**meta, "action": {**meta["action"], "low": [-0.01],
+                                                         "high": [0.01]}}))  # fmt: skip
     assert evaluate.main([str(out), "--episodes", "1"]) == 2
     assert "field 'action' is {'low': [-0.01]" in capsys.readouterr().err
 
@@ -743,6 +758,9 @@ _EDITS = [
     (_with("obs_norm.clip", 0.5), "field 'obs_norm.clip' is 0.5, not 10 (training's clip)"),
     (_with("obs_norm.epsilon", 0.1), "field 'obs_norm.epsilon' is 0.1, not 1e-08 (training's"),
     (_with("action.low", [-1.0]), "field 'action.low' is a box, but 'network.discrete' is true"),
+    (_with("action.start", [0.5]), "field 'action.start' is [0.5], not null or a list of integ"),
+    (_with("action.start", [0, 1]), "field 'action.start' is 2 integers, but the discrete act"),
+    (_with("action.start", None), "field 'action.start' is null, but the discrete action has 1"),
     (_with("hparams", [0.1]), "field 'hparams' is [0.1], not an object of numbers"),
     (_with("network.kind", ["x"]), "field 'network.kind' is [\"x\"], not 'ActorCritic' or"),
     (

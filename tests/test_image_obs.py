@@ -173,7 +173,7 @@ def test_conv_members_train_alike_on_any_devices_and_export_exactly(which, tmp_p
         assert member.act(obs).shape == (3, 5)
     assert not np.allclose(heads[0], heads[1])
     meta = json.loads((paths[0] / "member.json").read_text())
-    assert meta["version"] == export.VERSION == 3 and meta["network"]["kind"] == "ImageActorCritic"
+    assert meta["version"] == export.VERSION == 4 and meta["network"]["kind"] == "ImageActorCritic"
     convs, dense = nets.TORSOS[which]
     assert meta["network"]["convs"] == [list(c) for c in convs]
     assert meta["network"]["dense"] == dense

@@ -124,7 +124,7 @@ def test_three_elements_learn_and_export_acts_per_element(tmp_path):
     assert abs(start - random_play) < 1.5 and end > random_play + 2.5, (start, end)
     paths = export.export_members(learner, state, tmp_path)
     meta = json.loads((paths[0] / "member.json").read_text())
-    assert meta["network"]["action_groups"] == list(GROUPS) and meta["version"] == 3
+    assert meta["network"]["action_groups"] == list(GROUPS) and meta["version"] == 4
     member = export.read_member(paths[0])
     obs = np.asarray(
         jax.vmap(lambda k: Match()._targets(k)[1])(jax.random.split(jax.random.key(3), 6))
@@ -133,7 +133,7 @@ def test_three_elements_learn_and_export_acts_per_element(tmp_path):
     logits, _ = learner.network.apply({"params": params}, jnp.asarray(obs))
     want = np.stack([np.argmax(p, -1) for p in nets.split_groups(np.asarray(logits), GROUPS)], -1)
     np.testing.assert_array_equal(member.act(obs), want)
-    assert member.act(obs).shape == (6, 3)
+    assert member.act(obs).shape == (6, 3) and meta["action"]["start"] == [0, 0, 0]
     meta["network"]["action_groups"] = [3, 2, 3]  # no longer adds up to action_dim 9
     (paths[0] / "member.json").write_text(json.dumps(meta))
     with pytest.raises(export.NotAnExport, match=r"'network.action_groups' adds up to 8"):

@@ -67,6 +67,7 @@ gym.register("Multi2D-v0", entry_point=Probe, kwargs={"act": spaces.MultiDiscret
              [2, 2]])})
 gym.register("Old-v0", entry_point=Probe, kwargs={"old_step": True})
 gym.register("Plain-v0", entry_point=Probe)
+gym.register("Exits-v0", entry_point=lambda: exit(4))
 gym.register("Scale-v0", entry_point=Probe, kwargs={"act": spaces.Box(-1, 1, (2,)), "scale": 10})
 '''
 
@@ -78,6 +79,7 @@ def probe_module(tmp_path_factory):
     where = tmp_path_factory.mktemp("newuser")
     (where / "nu_probe.py").write_text(MODULE)
     (where / "nu_broken.py").write_text("import gymnasium\nundefined_name + 1\n")
+    (where / "nu_exits.py").write_text("import sys\nsys.exit(3)\n")
     sys.path.insert(0, str(where))
     yield where
     sys.path.remove(str(where))
@@ -230,6 +232,16 @@ def test_an_env_scaling_its_action_in_place_steps_in_this_process_too():
             r"^gymnasium cannot make 'nu_broken:X-v0': importing 'nu_broken' "
             r"raised NameError: name 'undefined_name' is not defined$",
         ),
+        (  # a sys.exit ended the run with its code and no word
+            "nu_exits:X-v0",
+            {},
+            r"^gymnasium cannot make 'nu_exits:X-v0': importing 'nu_exits' raised SystemExit: 3$",
+        ),
+        (
+            "nu_probe:Exits-v0",
+            {},
+            r"^gymnasium cannot make 'nu_probe:Exits-v0' with \{\}: it raised SystemExit\(4\) ",
+        ),
         (
             "nu_probe:Start-v0",
             {"max_episode_steps": 0},
@@ -245,6 +257,7 @@ def test_an_env_scaling_its_action_in_place_steps_in_this_process_too():
 @pytest.mark.timeout(20)
 def test_bad_ids_and_make_kwargs_are_one_value_error_line(env_id, kwargs, message):
     """Each was a bare Python error naming neither the env nor the fix ("Empty module name",
+    a silent exit with the module's own code,
     an unpacking error, the module's own NameError, a bare AssertionError), a traceback from
     deep in the worker group ("timeout": "60") or an error at every reset (a negative one)."""
     with pytest.raises(ValueError, match=message) as e:
@@ -309,3 +322,50 @@ def test_an_id_registered_where_workers_cannot_see_it_says_how_to_register_it(pr
     assert lines[1].startswith("'Imported-v0' is not registered in the env worker processes ")
     assert lines[1].endswith("give the id as 'gymnasium:<module>:<id>', which every worker imports")
     assert lines[2] == "for_env gymnasium:Mine-v0", lines  # was refused, with advice it cannot take
+
+
+@pytest.mark.parametrize("env_id", ["Start-v0", "Multi-v0"])
+@pytest.mark.timeout(90)
+def test_an_exported_member_acts_in_the_env_s_own_action_space(env_id, tmp_path):
+    """An export records the space's ``start``: a member deployed on ``gymnasium.make(id)`` as
+    it is (without the learner's shift) steps the learner's argmax plus the start. ``act``
+    gave the index, which the ``Discrete(3, start=-1)`` env took as the wrong action, or
+    refused (2); ``evaluate`` still equals a plain loop of ``act``."""
+    import gymnasium
+    import jax.numpy as jnp
+
+    from rollout.ppo import Learner, PPOConfig, export
+    from rollout.ppo import _networks as nets
+    from rollout.ppo.evaluate import evaluate
+
+    name = f"gymnasium:nu_probe:{env_id}"
+    cfg = PPOConfig.for_env(name, members=2, total_steps=64, num_steps=32, num_envs=2)
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    try:
+        state = learner.init()
+        (path,) = export.export_members(learner, state, tmp_path, members=[1])
+        obs = np.random.default_rng(0).uniform(-1, 1, (64, 2)).astype(np.float32)
+        params = jax.device_get(export.member_arrays(state, 1)[0])
+        logits = np.asarray(learner.network.apply({"params": params}, jnp.asarray(obs))[0])
+    finally:
+        learner.close()
+    space = gymnasium.make(f"nu_probe:{env_id}").action_space
+    groups = learner.spec.action_groups
+    index = np.stack([p.argmax(-1) for p in nets.split_groups(logits, groups)], -1)
+    want = index + np.asarray(space.start) if groups else index[:, 0] + int(space.start)
+    member = export.read_member(path)
+    np.testing.assert_array_equal(member.act(obs), want)
+    assert (
+        json.loads((path / "member.json").read_text())["action"]["start"]
+        == np.ravel(space.start).tolist()
+    )
+    env = gymnasium.make(f"nu_probe:{env_id}")  # asserts each action is in its space
+    mine = []
+    for seed in range(3):
+        o, _ = env.reset(seed=seed)
+        done, total = False, 0.0
+        while not done:
+            o, r, term, trunc, _ = env.step(np.asarray(member.act(o[None]))[0])
+            total, done = total + r, term or trunc
+        mine.append(total)
+    np.testing.assert_allclose(evaluate([member], 3, seed=0)["member_1"], mine, rtol=1e-6)

@@ -156,12 +156,16 @@ class HostEnv:
     observation_space: Box = dataclasses.field(init=False)
     action_space: Space = dataclasses.field(init=False)
     max_episode_steps: int | None = dataclasses.field(init=False)
+    #: A discrete action space's first action(s), where not 0: ``gymnasium.spaces.Discrete(n,
+    #: start=k)`` -> ``(k,)``, a MultiDiscrete's ``start`` per element; ``()`` otherwise. The
+    #: policy picks indices from 0 (``action_space``); the workers add this before stepping.
+    action_start: tuple[int, ...] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         if self.backend not in ("gymnasium", "envpool"):
             raise ValueError(f"backend must be 'gymnasium' or 'envpool', got {self.backend!r}")
         _check_layer_kwargs(self.name, self.workers_per_device, self.timeout)
-        obs_space, act_space, limit = _probe(self.backend, self.env_id, dict(self.kwargs))
+        obs_space, act_space, limit, start = _probe(self.backend, self.env_id, dict(self.kwargs))
         if not _in_process(self):
             _check_picklable(self.name, dict(self.kwargs))
             if self.backend == "gymnasium":
@@ -170,6 +174,7 @@ class HostEnv:
         set_("observation_space", _space(obs_space, "observation", self.name))
         set_("action_space", _space(act_space, "action", self.name))
         set_("max_episode_steps", limit)
+        set_("action_start", start)
 
     @property
     def clips_rewards(self) -> bool:
@@ -240,8 +245,9 @@ def _check_envpool_ints(env_id: str, kwargs: dict[str, Any]) -> None:
             )
 
 
-def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None]:
-    """Observation space, action space and time limit of one env built in this process."""
+def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any, int | None, tuple]:
+    """Observation space, action space, time limit and discrete actions' start
+    (:func:`~rollout.hostenv._worker.action_start`) of one env built in this process."""
     if backend == "envpool":
         try:
             import envpool
@@ -268,7 +274,7 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
                 f"envpool cannot make {env_id!r} with {kwargs}: {type(e).__name__}: {why}"
             ) from None
         limit = getattr(spec.config, "max_episode_steps", None)
-        return spec.observation_space, spec.action_space, limit
+        return spec.observation_space, spec.action_space, limit, ()  # (_space: a start is refused)
     try:
         import gymnasium
     except ImportError:
@@ -277,9 +283,12 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
             "(gymnasium with MuJoCo), or pip install gymnasium."
         ) from None
 
+    from rollout.hostenv._worker import action_start
+
     del gymnasium  # imported above only to say how to install it
     env = make_gymnasium_or_explain(env_id, **kwargs)
     limit = env.spec.max_episode_steps if env.spec is not None else None
+    start = action_start(env)
     try:
         env.close()
     except Exception as e:
@@ -289,7 +298,7 @@ def _probe(backend: str, env_id: str, kwargs: dict[str, Any]) -> tuple[Any, Any,
             "makes one env here to read its spaces, then closes it; so do its workers at the "
             "end): fix the env's close()."
         ) from e
-    return env.observation_space, env.action_space, limit
+    return env.observation_space, env.action_space, limit, start
 
 
 def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:
@@ -304,6 +313,11 @@ def make_gymnasium_or_explain(env_id: str, **kwargs: Any) -> Any:
         return make_gymnasium(env_id, **kwargs)
     except (gymnasium.error.Error, ImportError) as e:  # (an env moved to another package)
         raise ValueError(f"gymnasium cannot make {env_id!r}: {e}") from None
+    except SystemExit as e:  # the run would end with the env's code, without a word
+        raise ValueError(
+            f"gymnasium cannot make {env_id!r} with {kwargs}: it raised SystemExit({e.code!r}) "
+            "(a sys.exit in the env's code)"
+        ) from None
     except (AssertionError, TypeError, ValueError) as e:
         # What gymnasium.make or the env's constructor refuse in the kwargs (gymnasium asserts
         # max_episode_steps > 0; a bare AssertionError named neither the env nor the kwargs).
@@ -332,7 +346,7 @@ def _import_env_module(env_id: str) -> None:
         )
     try:
         importlib.import_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # (a sys.exit in it: the run ended without a word)
         missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
         if missing is not None and (module + ".").startswith(missing + "."):
             return  # the module itself is missing: gymnasium's own message says so

@@ -186,22 +186,40 @@ def _actions_from_zero(env: Any) -> Any:
     0..n-1, and index i reaches the env as i + k. Without the shift a policy's 0 would be
     stepped as action 0, not the space's first action (or be outside the space, for k > 0).
     A MultiDiscrete's actions also reach it in its own dtype (int64 by default; the policy's
-    are int32), in the workers and in ``evaluate`` alike."""
+    are int32), in the workers and in ``evaluate`` alike. The wrapper keeps the shift as
+    ``action_start`` (see :func:`action_start`), which an exported member adds back."""
     import gymnasium
 
     space = env.action_space
     if isinstance(space, gymnasium.spaces.Discrete) and int(space.start) != 0:
         start, n = int(space.start), int(space.n)
-        return gymnasium.wrappers.TransformAction(
+        shifted = gymnasium.wrappers.TransformAction(
             env, lambda a: int(a) + start, gymnasium.spaces.Discrete(n)
         )
+        shifted.action_start = (start,)
+        return shifted
     if isinstance(space, gymnasium.spaces.MultiDiscrete):
         start, dtype = space.start.copy(), space.dtype
         zero = gymnasium.spaces.MultiDiscrete(space.nvec, dtype=dtype)
-        return gymnasium.wrappers.TransformAction(
+        shifted = gymnasium.wrappers.TransformAction(
             env, lambda a: (np.asarray(a) + start).astype(dtype), zero
         )
+        shifted.action_start = tuple(int(s) for s in np.ravel(start))
+        return shifted
     return env
+
+
+def action_start(env: Any) -> tuple[int, ...]:
+    """The shift :func:`_actions_from_zero` put on ``env``'s discrete actions: the env's first
+    action (per element of a MultiDiscrete); ``()`` where there is none (all start at 0)."""
+    import gymnasium
+
+    while isinstance(env, gymnasium.Wrapper):  # outside in; the env itself is never asked
+        start = vars(env).get("action_start")
+        if start is not None:
+            return start if any(start) else ()
+        env = env.env
+    return ()
 
 
 def _discrete_sizes(space: Any) -> int | np.ndarray | None:

@@ -41,6 +41,9 @@ class EnvSpec:
     #: A MultiDiscrete action's ``nvec`` (one categorical each, an action ``[len]``); ``()``
     #: for a single Discrete or a Box.
     action_groups: tuple[int, ...] = ()
+    #: The env's first discrete action, per group, where not 0 (a gymnasium ``Discrete(n,
+    #: start=k)``: ``(k,)``); the policy picks indices from 0, the env gets index + start.
+    action_start: tuple[int, ...] = ()
 
     @property
     def image(self) -> bool:
@@ -229,16 +232,18 @@ def spec_of(env: Any) -> EnvSpec:
     uint8 = np.dtype(getattr(obs_space, "dtype", np.float32)) == np.uint8
     dtype = np.uint8 if uint8 else np.float32
     space = env.action_space
+    start = tuple(getattr(env, "action_start", ()))  # host envs' (rollout.envs spaces have none)
     if isinstance(space, Discrete):
         if tuple(space.shape) != ():
             raise ValueError(
                 f"{name}: discrete actions of shape {tuple(space.shape)} are not supported: the "
                 "policy picks one action per env; use Discrete(n) (shape ())."
             )
-        return EnvSpec(obs_shape, True, int(space.num_actions), obs_scale=scale, obs_dtype=dtype)
+        n = int(space.num_actions)
+        return EnvSpec(obs_shape, True, n, None, None, scale, dtype, action_start=start)
     if isinstance(space, MultiDiscrete):
         nvec = tuple(space.nvec)
-        return EnvSpec(obs_shape, True, sum(nvec), None, None, scale, dtype, action_groups=nvec)
+        return EnvSpec(obs_shape, True, sum(nvec), None, None, scale, dtype, nvec, start)
     if not isinstance(space, Box):
         raise ValueError(
             f"{name}: action space {type(space).__module__}.{type(space).__qualname__} is not "

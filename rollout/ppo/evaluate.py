@@ -200,8 +200,8 @@ def _runner(members: Sequence[Any], ensemble: bool, env_id: str, kwargs: dict[st
         def returns(arrays, keys):
             filled = [dataclasses.replace(m, params=p, obs_mean=mu, obs_var=var)
                       for m, (p, mu, var) in zip(bare, arrays)]  # fmt: skip
-            return _episodes(ensemble_act(filled) if ensemble else filled[0].act, env, keys,
-                             max_steps)  # fmt: skip
+            policy = ensemble_act(filled) if ensemble else filled[0].policy_action
+            return _episodes(policy, env, keys, max_steps)
 
         run = _RUNNERS[key] = jax.jit(returns)
         if len(_RUNNERS) > 32:  # many runs evaluated in one process: keep the newest
@@ -357,7 +357,8 @@ def evaluate(
             f"evaluate got {twice} more than once (members of different exports?); pass each "
             "member of one export once (python -m rollout.ppo.evaluate checks an export whole)."
         )
-    policies = dict(zip(names, (m.act for m in members)))
+    # Indices from 0, as training's envs take them: make_gymnasium adds the space's start.
+    policies = dict(zip(names, (m.policy_action for m in members)))
     if len(members) > 1:
         policies["ensemble"] = ensemble_act(members)
     env_id = members[0].meta["env"]
@@ -597,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(format_table(results))
     if args.video:
-        policy = ensemble_act(members) if len(members) > 1 else members[0].act
+        policy = ensemble_act(members) if len(members) > 1 else members[0].policy_action
         try:
             note = record_video(policy, members[0].meta, args.video, args.seed, args.max_steps)
         except EnvFailed as e:

@@ -2,7 +2,7 @@
 
 :func:`export_members` writes, for each member ``i``, ``<directory>/member_<i>/`` with
 
-- ``member.json``: ``{"format": "rollout.ppo.member", "version": 3, "member": i, "env": ...,
+- ``member.json``: ``{"format": "rollout.ppo.member", "version": 4, "member": i, "env": ...,
   "gymnasium_id": ..., "env_steps": ..., "network": {...}, "obs_norm": {...}, "action": {...},
   "hparams": {...}, "config": {...}, "env_from_config": ..., "run_id": ...}``. ``run_id`` is
   the training run's (its ``run.json``) for :func:`export_run` (the CLI), ``null`` for
@@ -22,7 +22,10 @@
   ``obs_norm`` holds ``enabled``, ``clip`` (10) and ``epsilon`` (1e-8), training's; ``action``
   holds the continuous action box ``low`` / ``high``: one number per action dimension,
   ``null`` for an infinite bound (no clipping on that side of that dimension); the whole entry
-  is ``null`` for a discrete action or a side unbounded in every dimension.
+  is ``null`` for a discrete action or a side unbounded in every dimension; ``start`` holds a
+  discrete action's first action, one integer per categorical (gymnasium's ``Discrete(n,
+  start=k)``: ``[k]``; a MultiDiscrete's ``start`` per element; ``[0]`` for most envs), and
+  is ``null`` for a continuous action.
 - ``params.npz``: the network's arrays, named ``<layer>/<kernel|bias>``, plus ``log_std`` for
   continuous actions. ``ActorCritic``: ``actor_0``, ``actor_1``, ..., ``actor_out``,
   ``critic_0``, ..., ``critic_out``. ``ImageActorCritic``: ``convs_0``, ``convs_1``, ...
@@ -45,12 +48,15 @@ The policy is: ``z = clip((obs - mean) / sqrt(var + epsilon), -clip, clip)`` whe
   cross-correlation as in every deep-learning library); flattened in ``(H, W, C)`` order;
   ``h = relu(h @ dense.kernel + dense.bias)``; ``head = h @ actor_out.kernel + actor_out.bias``.
 
-The deterministic action is ``argmax(head)`` (discrete) or ``clip(head, low, high)``
+The deterministic action is ``argmax(head) + start`` (discrete: the argmax picks an index
+0..n-1, the env's actions are ``start``..``start + n - 1``) or ``clip(head, low, high)``
 (continuous: the mean of the Gaussian). A MultiDiscrete action space's ``nvec`` is
 ``action_groups`` (``[]`` otherwise): the head is then that many categoricals side by side
-(``action_dim`` is their sum), and the action is one argmax per group, an int vector of
-``len(action_groups)``. Versions 1 (vector observations only) and 2 are the same format without
-``action_groups`` (one categorical) and are still read.
+(``action_dim`` is their sum), and the action is one argmax per group plus that element's
+``start``, an int vector of ``len(action_groups)``. Versions 1 (vector observations only), 2
+(without ``action_groups``: one categorical) and 3 (without ``action.start``: read as 0; their
+``act`` gave the index, which the env's action is only where the space starts at 0) are still
+read.
 
 Each member is taken from its own shards (``ensemble.member``): exporting member ``i`` copies
 member ``i``'s arrays to the host and nothing else. With several processes, each process writes
@@ -113,9 +119,9 @@ __all__ = [
 ]
 
 FORMAT = "rollout.ppo.member"
-VERSION = 3
+VERSION = 4
 #: Format versions this module reads.
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: The learner's observation normalisation: clip and epsilon of ``Learner._normalize``.
 OBS_CLIP, OBS_EPSILON = 10.0, 1e-8
 _GYMNASIUM_IDS = {"cartpole": "CartPole-v1", "pendulum": "Pendulum-v1"}
@@ -380,16 +386,23 @@ def gymnasium_id(env: str) -> str | None:
     return _GYMNASIUM_IDS.get(env)
 
 
-def action_box(spec: Any) -> dict[str, list[float | None] | None]:
+def action_box(spec: Any) -> dict[str, list[float | None] | list[int] | None]:
     """``member.json``'s ``action`` of an env's spec: its box's bounds (null: unbounded, as JSON
-    has no infinity; both null for discrete actions)."""
+    has no infinity; both null for discrete actions) and a discrete action's ``start`` (one per
+    categorical; null for continuous actions)."""
 
     def bounds(a: Any) -> list[float | None] | None:
         if a is None or spec.discrete:
             return None
         return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float32).ravel()]
 
-    return {"low": bounds(spec.action_low), "high": bounds(spec.action_high)}
+    heads = max(1, len(spec.action_groups))
+    start = [int(k) for k in spec.action_start] or [0] * heads
+    return {
+        "low": bounds(spec.action_low),
+        "high": bounds(spec.action_high),
+        "start": start if spec.discrete else None,
+    }
 
 
 def _metadata(config, spec, network, normalize_obs, i, env_steps, hparams) -> dict[str, Any]:
@@ -443,6 +456,14 @@ class ExportedMember:
     def action_groups(self) -> tuple[int, ...]:
         """A MultiDiscrete action's ``nvec``; ``()`` for one categorical or a Box."""
         return tuple(_groups_of(self.meta))
+
+    @property
+    def action_start(self) -> tuple[int, ...]:
+        """A discrete action's first action per categorical (``action.start``; 0 in format
+        versions before 4); ``()`` for a Box."""
+        if not self.discrete:
+            return ()
+        return tuple(_start_of(self.meta))
 
     def normalize(self, obs: ArrayLike) -> jax.Array:
         norm = self.meta["obs_norm"]
@@ -501,7 +522,17 @@ class ExportedMember:
         return jnp.clip(action, low, high)  # None: unbounded on that side
 
     def act(self, obs: ArrayLike) -> jax.Array:
-        """Deterministic actions for raw observations: argmax (int32) or the clipped mean."""
+        """Deterministic actions for raw observations, as the env's ``step`` takes them: the
+        argmax plus the space's ``start`` (int32), or the clipped mean."""
+        action = self.policy_action(obs)
+        if self.discrete and any(self.action_start):
+            start = jnp.asarray(self.action_start if self.action_groups else self.action_start[0])
+            return action + _along(start.astype(action.dtype), action)
+        return action
+
+    def policy_action(self, obs: ArrayLike) -> jax.Array:
+        """:meth:`act` as the learner's policy picks it: discrete indices from 0 (int32; the
+        env's action less its ``start``, as training's envs take them), or the clipped mean."""
         head = self.head(obs)
         if self.discrete:
             return argmax_action(head, self.action_groups)
@@ -547,6 +578,7 @@ _int = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= lo
 _dims = lambda v, n=None: (
     isinstance(v, list) and (n is None or len(v) in n) and all(_int(d, 1) for d in v)
 )
+_int32 = lambda v: _int(v, -(2**31)) and v < 2**31
 _box = lambda v: v is None or (isinstance(v, list) and all(x is None or _num(x) for x in v))
 _object = (lambda v: isinstance(v, dict), "an object")
 #: member.json's fields: (dotted name, check, what it must be), parents before their fields.
@@ -582,6 +614,11 @@ _GROUPS_FIELD = (
     "network.action_groups",
     lambda v: isinstance(v, list) and all(_int(g, 1) for g in v),
     "a list of positive integers ([] but for a MultiDiscrete action)",
+)
+_START_FIELD = (
+    "action.start",
+    lambda v: v is None or (isinstance(v, list) and v != [] and all(_int32(k) for k in v)),
+    "null or a list of integers (a discrete action's first action per categorical)",
 )
 #: The fields of each network kind (its activation is part of the format).
 _NETWORK_FIELDS = {
@@ -629,7 +666,8 @@ def _check_fields(meta_path: Path, meta: Any) -> None:
     kind = _field(meta, "network.kind")  # (checked first in the loop; may be any JSON value)
     per_kind = _NETWORK_FIELDS.get(kind, ()) if isinstance(kind, str) else ()
     groups = (_GROUPS_FIELD,) if version >= 3 else ()  # (versions 1, 2: one categorical)
-    for name, ok, what in (*_FIELDS, *per_kind, *groups):
+    start = (_START_FIELD,) if version >= 4 else ()  # (versions 1-3: actions from 0)
+    for name, ok, what in (*_FIELDS, *per_kind, *groups, *start):
         value = _field(meta, name)
         if value is _MISSING:
             raise _edited(meta_path, f"field {name!r} is missing")
@@ -679,6 +717,31 @@ def _check_agreement(meta_path: Path, meta: dict[str, Any]) -> None:
     if meta["member"] >= config.members:
         what = f"is {meta['member']}, but 'config.members' is {config.members}"
         raise _edited(meta_path, f"field 'member' {what} (a member renamed or copied by hand?)")
+
+
+def _check_start(meta_path: Path, meta: dict[str, Any]) -> None:
+    """``action.start``: one per categorical of a discrete action, null for a continuous one."""
+    if meta["version"] < 4:
+        return
+    start, discrete = meta["action"]["start"], meta["network"]["discrete"]
+    heads = max(1, len(_groups_of(meta)))
+    if not discrete and start is not None:
+        what = "is a list, but 'network.discrete' is false (a continuous action has none)"
+        raise _edited(meta_path, f"field 'action.start' {what}")
+    if discrete and (start is None or len(start) != heads):
+        what = "null" if start is None else f"{len(start)} integers"
+        raise _edited(
+            meta_path,
+            f"field 'action.start' is {what}, but the discrete action has {heads} categorical(s) "
+            "(one start each)",
+        )
+
+
+def _start_of(meta: dict[str, Any]) -> list[int]:
+    """``action.start`` from version 4 on (versions 1-3: every categorical from 0)."""
+    if meta["version"] >= 4:
+        return meta["action"]["start"]
+    return [0] * max(1, len(_groups_of(meta)))
 
 
 def _groups_of(meta: dict[str, Any]) -> list[int]:
@@ -818,6 +881,7 @@ def read_member(directory: str | os.PathLike, device: jax.Device | None = None) 
     _check_arrays(meta_path, meta["network"], params, mean, var)
     _check_finite(path, params, mean, var)
     _check_obs_norm(meta_path, meta)  # after the arrays: an edited 'discrete' is named there
+    _check_start(meta_path, meta)  # (so too here)
     return ExportedMember(meta=meta, params=params, obs_mean=mean, obs_var=var, path=path)
 
 
@@ -827,7 +891,8 @@ def load_member(
     """The deterministic policy ``act(obs) -> action`` of an exported member (jittable).
 
     ``obs``: raw observations ``[..., *obs_shape]`` (normalisation is inside). Discrete:
-    ``argmax`` of the logits (int32); continuous: the Gaussian's mean clipped into the box.
+    ``argmax`` of the logits plus the action space's ``start`` (int32), the action the env's
+    ``step`` takes; continuous: the Gaussian's mean clipped into the box.
     """
     return read_member(directory, device).act
 
