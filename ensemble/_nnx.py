@@ -870,7 +870,9 @@ def nnx_optimizer(
     hyperparameters of a ``tx`` made with ``optax.inject_hyperparams``. The state (moments,
     counts, injected hyperparameters) is created under ``jax.jit(..., out_shardings=...)``.
     ``wrt``, an NNX filter, sees each member's own paths, as on the plain model (``('head',
-    'kernel')``, not the ensemble's ``('members', 'head', 'kernel')``).
+    'kernel')``, not the ensemble's ``('members', 'head', 'kernel')``), and so does ``tx``: the
+    label function of ``optax.multi_transform``, ``optax.masked``'s mask and ``adamw``'s get a
+    member's own tree, and the optimizer state is laid out as a member's parameters are.
 
     Example:
       >>> import jax.numpy as jnp, optax, ensemble
@@ -895,7 +897,7 @@ def nnx_optimizer(
             "selects some (the default, nnx.Param, trains the parameters). It sees each "
             "member's own paths, as on the plain model: ('head', 'kernel'), not ('members', ...)."
         )
-    member_tx = per_member(tx, ens.n, **hyperparams)
+    member_tx = _in_members_tx(per_member(tx, ens.n, **hyperparams))
     graphdef, ens_state = nnx.split(ens)
 
     def create(ens_state: Any) -> nnx.Optimizer:
@@ -1235,6 +1237,28 @@ class _InMembers:
         return inside and nnx.filterlib.to_predicate(self.filter)(path[1:], value)
 
 
+def _in_members_tx(tx: optax.GradientTransformationExtraArgs) -> Any:
+    """``tx`` on the ensemble's state as on one member's: ``nnx.Optimizer`` hands it the tree
+    under the ensemble's ``'members'`` (``{'members': {'head': ...}}``, all of it there, by
+    :class:`_InMembers`); ``tx`` gets what is inside, as the plain model's optimizer does, and
+    its updates go back under ``'members'``. A label function written for the plain model
+    (``path[0] == 'backbone'``) saw ``'members'`` first and silently sent every parameter to
+    another transform (a frozen backbone trained)."""
+
+    def inside(tree: Any) -> Any:
+        return None if tree is None else tree["members"]
+
+    def init_fn(params: Any) -> Any:
+        return tx.init(inside(params))
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        new, state = tx.update(inside(updates), state, inside(params), **extra)
+        # Leaf for leaf in the same order (all of them are under 'members'), in the given tree.
+        return jax.tree.unflatten(jax.tree.structure(updates), jax.tree.leaves(new)), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def _member_filter(wrt: Any) -> Any:
     return wrt.filter if isinstance(wrt, _InMembers) else wrt
 
@@ -1248,7 +1272,7 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
             f"{type(optimizer).__name__}."
         )
     update = getattr(getattr(optimizer, "tx", None), "update", None)
-    if getattr(update, "__code__", None) is not _PER_MEMBER:
+    if getattr(update, "__code__", None) not in _PER_MEMBER:
         # Its tx would see all members at once: clip_by_global_norm clipped each member by
         # the norm over every member, silently.
         raise ValueError(
@@ -1268,9 +1292,12 @@ def _check_pair(ens: Any, optimizer: Any) -> None:
     )
 
 
-#: The update of every per-member optax transformation (how an optimizer from nnx_optimizer
-#: is told from a plain nnx.Optimizer).
-_PER_MEMBER = per_member(optax.identity(), 1).update.__code__
+#: The updates of every per-member optax transformation, that of nnx_optimizer and
+#: per_member's own (how an optimizer of either is told from a plain nnx.Optimizer).
+_PER_MEMBER = (
+    _in_members_tx(per_member(optax.identity(), 1)).update.__code__,
+    per_member(optax.identity(), 1).update.__code__,
+)
 
 
 def nnx_train_step(

@@ -333,7 +333,7 @@ def test_optimizer_of_a_model_with_an_annotation_no_rule_maps_trains_like_plain_
     plain = [ens.member(i) for i in range(n)]
     tx = optax.adam(0.1)
     opt = nnx_optimizer(ens, tx)
-    mu = opt.opt_state[0].mu["members"]["l1"]["kernel"][...]
+    mu = opt.opt_state[0].mu["l1"]["kernel"][...]
     mp = layout.get("model_parallel", 1)
     assert {s.data.shape for s in mu.addressable_shards} == {(1, 3, 8 // mp)}  # 'hidden' split
     x = jax.random.normal(jax.random.key(1), (4, 3))
@@ -1115,3 +1115,71 @@ def test_a_call_that_changes_a_variables_shape_writes_it_back():
     y = ens(x)
     assert ens.members.last.get_value().shape == (4,)
     np.testing.assert_allclose(ens.members.last.get_value(), y.mean(axis=(1, 2)), rtol=1e-6)
+
+
+class _Backbone(nnx.Module):
+    def __init__(self, rngs):
+        self.backbone = nnx.Linear(3, 4, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.backbone(x)))
+
+
+def _by_path(path, _):
+    return "frozen" if path[0] == "backbone" else "train"
+
+
+def _plain_tree_labels():  # a label tree made on the plain model, as its optimizer takes it
+    plain = _Backbone(nnx.Rngs(0))
+    return nnx.map_state(_by_path, nnx.state(plain, nnx.Param))
+
+
+_FREEZING = [
+    lambda: optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "train": optax.adam(1e-2)},
+        lambda params: nnx.map_state(_by_path, params),
+    ),
+    lambda: optax.multi_transform(
+        {"frozen": optax.set_to_zero(), "train": optax.adam(1e-2)}, _plain_tree_labels()
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        *_FREEZING,
+        lambda: optax.masked(
+            optax.sgd(0.1), lambda p: nnx.map_state(lambda path, _: path[0] == "head", p)
+        ),
+        lambda: optax.adamw(
+            1e-2, weight_decay=0.5, mask=lambda p: nnx.map_state(lambda q, _: q[-1] == "kernel", p)
+        ),
+    ],
+    ids=["multi_transform-fn", "multi_transform-tree", "masked", "adamw-mask"],
+)
+def test_optax_label_and_mask_functions_see_a_members_own_paths(make_tx):
+    """A label function written for the plain model (``path[0] == 'backbone'``) saw the
+    ensemble's ``('members', 'backbone', ...)``: every parameter went to the other transform,
+    and the frozen backbone trained, silently (a label tree made on the plain model failed in
+    optax). Each member now equals the plain model under a plain ``nnx.Optimizer``."""
+    n = 4
+    ens = ensemble.build(_Backbone, n, rngs=1)
+    x = jax.random.normal(jax.random.key(2), (6, 3))
+    loss = lambda m, x: jnp.mean((m(x) - 1.0) ** 2)
+    plains = [ens.member(i) for i in range(n)]
+    step = ens.train_step(loss, make_tx())
+    opt = step.init()
+    for _ in range(3):
+        step(ens, opt, x)
+    for i, plain in enumerate(plains):
+        plain_opt = nnx.Optimizer(plain, make_tx(), wrt=nnx.Param)
+        for _ in range(3):
+            plain_opt.update(plain, nnx.grad(loss)(plain, x))
+        want, got = nnx.state(plain, nnx.Param), nnx.state(ens.member(i), nnx.Param)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    if make_tx in _FREEZING:  # and the frozen backbone did not move at all
+        before = nnx.state(ensemble.build(_Backbone, n, rngs=1).members.backbone)
+        assert jax.tree.all(jax.tree.map(np.array_equal, before, nnx.state(ens.members.backbone)))
