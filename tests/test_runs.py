@@ -720,6 +720,10 @@ def test_cli_resume_takes_the_saved_config_and_lists_what_differs(tmp_path, caps
     assert (
         json.loads((out / "run.json").read_text())["config"]["learning_rate"] == cfg.learning_rate
     )
+    # One of another length is not: it was taken as the saved value, and the run resumed.
+    capsys.readouterr()
+    line = _cli_error(["--out", str(out), "--resume", "--lr", f"{lr},{cfg.learning_rate}"], capsys)
+    assert "another config (learning_rate 0.00025 -> [0.00025, 0.00025, 0.00025])" in line
     # So is a setting the run left to the env (None), given as what it resolved to: CartPole
     # normalises neither observations nor rewards ("normalize_obs None -> False" before).
     flags = ["--no-normalize-obs", "--no-normalize-reward", "--no-progress"]

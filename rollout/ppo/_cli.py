@@ -1483,8 +1483,14 @@ def _config_from_args(args: argparse.Namespace, found: Any) -> Any:
                     refuse_changed(args.out, config_differences(record, changed))
             if "env_kwargs" in given:
                 given["env_kwargs"] = canonical_env_kwargs(given["env_kwargs"])
-            # A per-member list of the saved value (--lr 2.5e-4,2.5e-4 for 2.5e-4) is that value.
-            same = lambda k, v: isinstance(v, tuple) and all(x == getattr(saved, k) for x in v)
+            # A per-member list of the saved value (--lr 2.5e-4,2.5e-4 for 2.5e-4) is that value;
+            # one of another length is not (refused by validate, as on a fresh run).
+            members = given.get("members", saved.members)
+            same = lambda k, v: (
+                isinstance(v, tuple)
+                and len(v) == members
+                and all(x == getattr(saved, k) for x in v)
+            )
             given = {k: getattr(saved, k) if same(k, v) else v for k, v in given.items()}
             given = as_saved(found.record["config"], given, found.record)
             config = dataclasses.replace(saved, **given)
