@@ -219,7 +219,9 @@ class NNXEnsemble(nnx.Module):
         Its output equals row ``i`` of the ensemble's output. Its arrays stay on the device(s)
         that already held member ``i`` (no gather, no copy to other devices); move them with
         ``jax.device_put`` if needed. Variables are new objects: changing the member leaves the
-        ensemble untouched.
+        ensemble untouched. Its state is the same pytree as the factory's module made here;
+        a Variable with a sharding annotation keeps eager sharding off, so that what is made
+        from it (an optimizer's moments) needs no mesh.
 
         Example:
           >>> import numpy as np, jax.numpy as jnp, ensemble
@@ -235,7 +237,17 @@ class NNXEnsemble(nnx.Module):
         # metadata below leaves the ensemble's own Variables untouched.
         state = take_member(state, i, self.mesh, self.n)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
-        return nnx.merge(graphdef, state)
+        member = nnx.merge(graphdef, state)
+        # The ensemble made its Variables without eager sharding (placed by out_shardings);
+        # the factory's own module has the setting in effect, and a state whose metadata
+        # differs is another pytree (jax.tree.map of member and plain states failed). An
+        # annotated Variable keeps it off: eagerly, every Variable made from it (an
+        # optimizer's moments) would need a mesh its rules map, even for the member alone.
+        eager = nnx.using_eager_sharding()
+        for _, v in nnx.iter_graph(member):
+            if isinstance(v, nnx.Variable) and v.has_metadata("eager_sharding") and not _names(v):
+                v.set_metadata(eager_sharding=eager)
+        return member
 
     def train_step(
         self, loss_fn: Callable[..., Any], tx: optax.GradientTransformation, **options: Any
@@ -490,6 +502,12 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
 # call. Kept per ensemble, so that many ensembles in one process (a sweep) are not taken for that.
 _PROGRAMS: weakref.WeakKeyDictionary[NNXEnsemble, ProgramCache] = weakref.WeakKeyDictionary()
 _PROGRAMS_KEPT = 64
+#: Why a Variable of the ensemble can lack the member axis, and the fix.
+_MADE_AFTER_BUILD = (
+    "A Variable made on ens.members after build (init_cache, one assigned from outside) is "
+    "not per member: make it in the factory (e.g. call init_cache there), so that each "
+    "member gets its own."
+)
 
 
 def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
@@ -498,6 +516,7 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
     call copied all the parameters and the compiler placed the copies (a bias built whole on a
     member's devices came back split over 'model', unlike its optimizer moments)."""
     graphdef, state = nnx.split(ens)
+    check_member_major(state, ens.n, "nnx.state(ens)", _MADE_AFTER_BUILD)
     check_on_mesh(state, ens.mesh, "nnx.state(ens)", member_major=True)
     leaves, treedef = jax.tree.flatten(state)
     placed = tuple((np.shape(x), _placement(x)) for x in leaves)
@@ -1045,6 +1064,7 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)
+        check_member_major(ens_state, ens.n, "nnx.state(ens)", _MADE_AFTER_BUILD)
         check_on_mesh(ens_state, ens.mesh, "nnx.state(ens)", member_major=True)
         check_on_mesh(opt_state, ens.mesh, "nnx.state(optimizer)", member_major=True)
         donated = {"ensemble": ens_state, "optimizer": opt_state}

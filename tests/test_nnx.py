@@ -195,6 +195,13 @@ def test_member_i_equals_row_i(ens8):
         for leaf in jax.tree.leaves(nnx.state(member)):
             assert leaf.devices() == {jax.devices()[i]}
         np.testing.assert_allclose(member(x), y[i], rtol=1e-5, atol=1e-6)
+    # The same pytree as the factory's own module (its Variables' metadata differed: a
+    # jax.tree.map of the two states failed, and the graphdefs were unequal).
+    plain = mlp(nnx.Rngs(0))
+    plain.eval()  # as the ensemble is
+    assert nnx.graphdef(member) == nnx.graphdef(plain)
+    assert jax.tree.structure(nnx.state(member)) == jax.tree.structure(nnx.state(plain))
+    jax.tree.map(lambda a, b: a.shape == b.shape, nnx.state(member), nnx.state(plain))
 
 
 def test_dropout_masks_differ_per_member_and_eval_is_deterministic():
@@ -914,6 +921,10 @@ def test_an_annotation_naming_a_mesh_axis_splits_as_plain_flax_nnx_does():
     x = jnp.ones((3, 12))
     for i in range(2):  # the numbers are the plain member's
         np.testing.assert_allclose(ens(x)[i], ens.member(i)(x), rtol=1e-6)
+    member = ens.member(1)  # on its own 4 devices still
+    holders = {s.device for s in kernel.addressable_shards if s.index[0] == slice(1, 2, None)}
+    assert member.kernel[...].sharding.device_set == holders and len(holders) == 4
+    assert member.kernel[...].sharding.spec == P(None, "model")
 
 
 def test_the_step_keeps_the_state_where_it_is_and_compiles_once():
@@ -1183,3 +1194,22 @@ def test_optax_label_and_mask_functions_see_a_members_own_paths(make_tx):
     if make_tx in _FREEZING:  # and the frozen backbone did not move at all
         before = nnx.state(ensemble.build(_Backbone, n, rngs=1).members.backbone)
         assert jax.tree.all(jax.tree.map(np.array_equal, before, nnx.state(ens.members.backbone)))
+
+
+def test_a_cache_made_after_build_is_named_with_the_fix_not_blamed_on_the_input():
+    """``ens.members.init_cache(...)`` after build (as on a plain decode model) makes Variables
+    without the member axis: the call said "per-member input 0[0] has shape ()", a fix of the
+    user's input, which was fine. It names the Variable and says to make the cache in the
+    factory, for a call and for a train step."""
+    make = lambda rngs: nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=True, rngs=rngs
+    )
+    ens = ensemble.build(make, 4)
+    step = ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    opt = step.init()
+    ens.members.init_cache((2, 5, 8))
+    fix = r"\['cache_index'\].* has shape \(\); .* make it in the factory \(e.g. call init_cache"
+    with pytest.raises(ValueError, match=fix):
+        ens(jnp.ones((2, 1, 8)))
+    with pytest.raises(ValueError, match=fix):
+        step(ens, opt, jnp.ones((2, 1, 8)))
