@@ -189,6 +189,7 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
         np.testing.assert_array_equal(member.head(obs), want)
         np.testing.assert_array_equal(member.act(obs), acts)
         assert member.action_start == (0,)
+        evaluate.check_env([member], {})  # its action (no start) was refused as edited
     odd = {**older, "action_groups": ["x"]}  # not a field of version 2: not read there
     meta_path.write_text(json.dumps({**meta, "version": 2, "network": odd}))
     assert export.read_member(path).action_groups == ()
@@ -198,6 +199,16 @@ def test_format_version_1_still_reads_and_an_unknown_one_is_refused(cartpole, tm
     meta_path.write_text(json.dumps({**meta, "action": before_4}))
     with pytest.raises(export.NotAnExport, match=r"field 'action.start' is missing"):
         export.read_member(path)
+    # A start whose actions int32 cannot hold reads (as written), but act says what to do
+    # instead of wrapping round to -2**31 (outside the env's space).
+    for start, ok in ((2**31 - 2, True), (2**31 - 1, False), (2**33, False), (-(2**31), True)):
+        meta_path.write_text(json.dumps({**meta, "action": {**before_4, "start": [start]}}))
+        member = export.read_member(path)
+        if ok:
+            np.testing.assert_array_equal(np.asarray(member.act(obs), np.int64), acts + start)
+        else:
+            with pytest.raises(ValueError, match=r"beyond the int32 that act computes in"):
+                member.act(obs)
     meta_path.write_text(json.dumps({**meta, "version": 5}))
     with pytest.raises(export.NotAnExport, match=r"format version 5; .* reads 1, 2, 3, 4"):
         export.read_member(path)

@@ -422,6 +422,8 @@ def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
     has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale, spec.action_groups)
     box = export.action_box(spec)
     for m in members:
+        if m.meta["version"] < 4:  # (action.start is new in 4; evaluate's env adds the start)
+            box = {k: v for k, v in export.action_box(spec).items() if k != "start"}
         if m.meta["action"] != box and m.meta["network"]["discrete"] == spec.discrete:
             raise export.NotAnExport(
                 f"{where(m)}: field 'action' is {m.meta['action']}, but {env_id}'s action box "

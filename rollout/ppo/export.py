@@ -25,7 +25,8 @@
   is ``null`` for a discrete action or a side unbounded in every dimension; ``start`` holds a
   discrete action's first action, one integer per categorical (gymnasium's ``Discrete(n,
   start=k)``: ``[k]``; a MultiDiscrete's ``start`` per element; ``[0]`` for most envs), and
-  is ``null`` for a continuous action.
+  is ``null`` for a continuous action. (``act`` computes in int32: for actions beyond it,
+  it says to add ``start`` to ``policy_action`` in int64.)
 - ``params.npz``: the network's arrays, named ``<layer>/<kernel|bias>``, plus ``log_std`` for
   continuous actions. ``ActorCritic``: ``actor_0``, ``actor_1``, ..., ``actor_out``,
   ``critic_0``, ..., ``critic_out``. ``ImageActorCritic``: ``convs_0``, ``convs_1``, ...
@@ -526,9 +527,22 @@ class ExportedMember:
         argmax plus the space's ``start`` (int32), or the clipped mean."""
         action = self.policy_action(obs)
         if self.discrete and any(self.action_start):
+            self._check_int32()
             start = jnp.asarray(self.action_start if self.action_groups else self.action_start[0])
             return action + _along(start.astype(action.dtype), action)
         return action
+
+    def _check_int32(self) -> None:
+        """The env's actions must be int32 values, which ``act`` computes in (JAX's default)."""
+        sizes = self.action_groups or (self.meta["network"]["action_dim"],)
+        low = min(self.action_start)
+        high = max(k + n - 1 for k, n in zip(self.action_start, sizes))
+        if low < -(2**31) or high >= 2**31:
+            raise ValueError(
+                f"this member's env takes actions {low}..{high}, beyond the int32 that act "
+                "computes in: add action.start to policy_action(obs) in int64 yourself "
+                "(np.asarray(member.policy_action(obs), np.int64) + start)."
+            )
 
     def policy_action(self, obs: ArrayLike) -> jax.Array:
         """:meth:`act` as the learner's policy picks it: discrete indices from 0 (int32; the
@@ -578,7 +592,6 @@ _int = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= lo
 _dims = lambda v, n=None: (
     isinstance(v, list) and (n is None or len(v) in n) and all(_int(d, 1) for d in v)
 )
-_int32 = lambda v: _int(v, -(2**31)) and v < 2**31
 _box = lambda v: v is None or (isinstance(v, list) and all(x is None or _num(x) for x in v))
 _object = (lambda v: isinstance(v, dict), "an object")
 #: member.json's fields: (dotted name, check, what it must be), parents before their fields.
@@ -617,7 +630,7 @@ _GROUPS_FIELD = (
 )
 _START_FIELD = (
     "action.start",
-    lambda v: v is None or (isinstance(v, list) and v != [] and all(_int32(k) for k in v)),
+    lambda v: v is None or (isinstance(v, list) and v != [] and all(_int(k, -np.inf) for k in v)),
     "null or a list of integers (a discrete action's first action per categorical)",
 )
 #: The fields of each network kind (its activation is part of the format).
