@@ -88,6 +88,10 @@ def build(
             f"build got the linen Module class {model.__name__}; instantiate it: "
             f"ensemble.build({model.__name__}(...), n)."
         )
+    _check_same_on_every_process(
+        mesh, devices, kind="linen" if isinstance(model, nn.Module) else "nnx", n=n,
+        model_parallel=model_parallel, in_axes=in_axes, axis_name=axis_name,
+    )  # fmt: skip
     if isinstance(model, nn.Module):
         return LinenEnsemble(
             model,
@@ -128,3 +132,28 @@ def build(
         f"build needs a linen nn.Module instance or an NNX factory rngs -> nnx.Module, got "
         f"{type(model).__name__}."
     )
+
+
+def _check_same_on_every_process(
+    mesh: Mesh | None, devices: Sequence[jax.Device] | None, **settings: Any
+) -> None:
+    """An ensemble over the devices of several processes is built by all of them at once, the
+    same on each: with another ``n`` (or layout) on one, each process made global arrays of
+    its own shape, unchecked, and ran another program on them (a collective aborted in gloo,
+    naming nothing). Compared through JAX's coordinator before anything runs; an ensemble on
+    this process's devices alone is its own business."""
+    if jax.process_count() == 1:
+        return
+    spanned = list(mesh.devices.flat) if mesh is not None else list(devices or jax.devices())
+    if all(d.process_index == jax.process_index() for d in spanned):
+        return
+    from ensemble._distributed import settings_that_differ
+
+    settings = {k: repr(v) for k, v in settings.items()}
+    differ = settings_that_differ({**settings, "devices": sorted(d.id for d in spanned)})
+    if differ:
+        raise ValueError(
+            f"ensemble.build: the processes built an ensemble over their devices with "
+            f"different {', '.join(differ)}; every process builds the same ensemble (the "
+            "same n, model_parallel, devices or mesh, in_axes and axis_name), in the same order."
+        )

@@ -913,3 +913,38 @@ def test_train_in_two_processes_refuses_a_checkpoint_every_of_its_own(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "refused: the processes of this run were started with different settings (these " \
         "differ between them: checkpoint_every)" in proc.stdout, proc.stdout[-3000:]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
+    """Process 0 built 4 members and process 1 2 over the same 4 devices: even init ran, each
+    making global arrays of its own shape ((4, ...) on one, (2, ...) on the other), so every
+    later program was another one per process, where a collective aborts in gloo, naming
+    nothing. An ensemble on a process's own devices may differ."""
+    script = (
+        "import os, jax, jax.numpy as jnp, flax.linen as nn\n"
+        "from ensemble import build, distributed\n"
+        "distributed.initialize()\n"
+        "mine = build(nn.Dense(2), 2, devices=jax.local_devices())  # this process's own: free\n"
+        "n = 2 if os.environ['ENSEMBLE_PROCESS_ID'] == '1' else 4\n"
+        "try:\n"
+        "    build(nn.Dense(2), n)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+        "print('same:', build(nn.Dense(2), 4).n)\n"
+    )
+    code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
+    assert code == 0, err[-3000:]
+    lines = sorted(
+        line for line in out.splitlines() if re.match(r"\[rank \d\] (refused|same)", line)
+    )
+    assert lines == [
+        "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different n; every process builds the same ensemble (the same n, model_parallel, "
+        "devices or mesh, in_axes and axis_name), in the same order.",
+        "[rank 0] same: 4",
+        "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different n; every process builds the same ensemble (the same n, model_parallel, "
+        "devices or mesh, in_axes and axis_name), in the same order.",
+        "[rank 1] same: 4",
+    ], out + err
