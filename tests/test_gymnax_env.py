@@ -148,6 +148,31 @@ def test_gymnax_params_fields_take_values_the_env_can_run_with(kwargs, message):
         assert envs.make("gymnax:CartPole-v1", max_steps_in_episode=steps).max_episode_steps == 7
 
 
+@pytest.mark.parametrize(
+    "env_id, name, value, as_gymnax",
+    [
+        ("BernoulliBandit-misc", "max_steps_in_episode", 6, 6.0),  # a float field, JSON's 6
+        ("SpaceInvaders-MinAtar", "shot_cool_down", 5.0, 5),  # an int field, given 5.0
+    ],
+)
+@pytest.mark.timeout(120)
+def test_a_params_field_given_as_another_kind_of_number_steps_as_its_own_kind(
+    env_id, name, value, as_gymnax
+):
+    """``--env-kwargs '{"max_steps_in_episode": 6}'`` for a float field passed the check and
+    failed inside the env's step ("lax.select requires arguments to have the same dtypes")."""
+    B, T = 2, 8
+    env = envs.make(f"gymnax:{env_id}", **{name: value})
+    genv, params = gymnax.make(env_id)
+    params = params.replace(**{name: as_gymnax})
+    keys = jax.random.split(jax.random.key(0), (T + 1, B))
+    n = env.action_space.num_actions
+    actions = jax.random.randint(jax.random.key(1), (T, B), 0, n)
+    _, (mine, theirs) = jax.jit(_both, static_argnums=(0, 1))(env, genv, params, keys, actions)
+    for what, a, b in zip(("obs", "reward", "term", "trunc"), mine, theirs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+
+
 def test_gymnax_observations_come_in_their_spaces_dtype():
     """FourRooms-misc gives int32 positions for a float32 box: as float32, an action outside
     the space then gives NaN observations as for every other env."""

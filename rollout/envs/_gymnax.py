@@ -63,14 +63,16 @@ def _flat_space(space: Box) -> Box:
     return Box((size,), tuple(space.low), tuple(space.high), space.dtype)
 
 
-def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
+def _check_param(env_id: str, name: str, value: Any, default: Any) -> Any:
     """A value for a field of gymnax's ``EnvParams`` that the env can run with: a finite
     number of the default's kind (gymnax takes any value silently: a negative
-    ``max_steps_in_episode`` ended every episode after one step)."""
+    ``max_steps_in_episode`` ended every episode after one step), returned as that kind:
+    JSON's ``200`` for a float field (or ``5.0`` for an int one) failed deep in the env's
+    step on mixed dtypes ("lax.select requires arguments to have the same dtypes")."""
     where = f"gymnax:{env_id}: env kwarg {name}={value!r}"
     kind = np.asarray(default).dtype.kind
     if np.ndim(default) or kind not in "biuf":
-        return  # an array or a structure: gymnax's to judge
+        return value  # an array or a structure: gymnax's to judge
     try:  # Python, NumPy or JAX scalars alike
         given = np.asarray(value) if np.ndim(value) == 0 else None
     except Exception:
@@ -79,7 +81,7 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
     if kind == "b":
         if got != "b":
             raise ValueError(f"{where}: give true or false (the default is {default}).")
-        return
+        return value
     if got not in "iuf" or not np.isfinite(given):
         raise ValueError(f"{where}: give a finite number (the default is {default}).")
     if kind in "iu" and given != int(given):
@@ -97,6 +99,9 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> None:
         )
     if name == "max_steps_in_episode" and given < 1:
         raise ValueError(f"{where}: an episode needs at least one step.")
+    if isinstance(default, (int, float)):  # a Python number, as gymnax's defaults mostly are
+        return as_python(given)
+    return jnp.asarray(given, held)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,9 +157,11 @@ class GymnaxEnv(Env):
                 f"gymnax:{self.env_id}: {e}; kwargs go to gymnax.make, or set a field of its "
                 f"params ({', '.join(sorted(fields))})."
             ) from None
-        given = {k: v for k, v in kwargs.items() if k in fields}
-        for name, value in given.items():
-            _check_param(self.env_id, name, value, getattr(params, name))
+        given = {
+            k: _check_param(self.env_id, k, v, getattr(params, k))
+            for k, v in kwargs.items()
+            if k in fields
+        }
         return env, params.replace(**given)
 
     def _obs(self, obs: jax.Array) -> jax.Array:
