@@ -150,7 +150,10 @@ def _check_same_on_every_process(
     from ensemble._distributed import settings_that_differ
 
     settings = {k: repr(v) for k, v in settings.items()}
-    differ = settings_that_differ({**settings, "devices": sorted(d.id for d in spanned)})
+    # In order, and the mesh's shape: the same devices in another order are another ensemble
+    # (each process computed its own members in both slots, and the others never).
+    shape = list(mesh.devices.shape) if mesh is not None else None
+    differ = settings_that_differ({**settings, "devices": [d.id for d in spanned], "mesh": shape})
     if differ:
         raise ValueError(
             f"ensemble.build: the processes built an ensemble over their devices with "

@@ -416,8 +416,12 @@ def save_checkpoint(
     or a shared file system / bucket across hosts); each writes the shards it holds (nothing is
     gathered onto one host), process 0 writes the metadata. The checkpoint is written into a
     temporary sibling and renamed when complete, so ``directory`` either holds a whole
-    checkpoint or does not exist. ``metadata``: a JSON-able dict stored with it (read it back
-    with :func:`checkpoint_metadata`). Returns the absolute path once the write is complete.
+    checkpoint or does not exist. ``force=True`` replaces one already there only once the new
+    one is whole: it is written beside it (``<directory>.replacing``), then swapped in, the
+    old one kept as ``<directory>.replaced`` for the instant between the two renames (a save
+    killed then leaves it there, and reading ``directory`` says to rename it back).
+    ``metadata``: a JSON-able dict with string keys stored with it (read it back with
+    :func:`checkpoint_metadata`). Returns the absolute path once the write is complete.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -432,10 +436,51 @@ def save_checkpoint(
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
     _check_metadata(metadata)
     path = os.path.abspath(os.fspath(directory))
-    with orbax_logs_held(about=path), ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, tree, force=force, custom_metadata=metadata)
+    _check_not_cut_short(path)
+    # Over an existing checkpoint, orbax's force deleted it before writing: a save killed
+    # meanwhile lost the only checkpoint. Written beside it, then swapped in.
+    target = path + ".replacing" if force and os.path.exists(path) else path
+    with orbax_logs_held(about=target), ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(target, tree, force=force, custom_metadata=metadata)
         checkpointer.wait_until_finished()
+    if target != path:
+        _on_process_0_then_all(lambda: _swap_in(target, path), "save_checkpoint: swapped in")
     return path
+
+
+def _swap_in(new: str, path: str) -> None:
+    """``new`` becomes ``path``; the old ``path`` is removed once ``new`` is in its place."""
+    import shutil
+
+    old = path + ".replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_not_cut_short(path: str) -> None:
+    """A save with ``force`` killed between its two renames leaves the old checkpoint, whole,
+    as ``<path>.replaced`` and no ``path``: said, not taken for a missing checkpoint."""
+    old = path + ".replaced"
+    if not os.path.exists(path) and os.path.isdir(old):
+        raise FileNotFoundError(
+            f"{path} is missing, and {old} holds the checkpoint it replaced: a save over it "
+            f"was stopped between its two renames. Rename {old} back to {path} (the new "
+            f"checkpoint, if whole, is {path}.replacing)."
+        )
+
+
+def _on_process_0_then_all(fn: Any, what: str) -> None:
+    if jax.process_count() == 1:
+        fn()
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(what + " (written)")
+    if jax.process_index() == 0:
+        fn()
+    multihost_utils.sync_global_devices(what)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -455,6 +500,27 @@ def _check_metadata(metadata: Any) -> None:
             f"save_checkpoint: metadata is not JSON ({e}); use Python numbers, strings, lists and "
             "dicts (x.item() or x.tolist() for NumPy and JAX values)."
         ) from None
+    # JSON writes {7: 'x'} as {"7": "x"}: orbax refused a top-level one once it had deleted
+    # the checkpoint it replaced, and a nested one came back as another key.
+    key = _non_string_key(metadata)
+    if key is not None:
+        raise ValueError(
+            f"save_checkpoint: metadata key {key!r} is not a string (JSON keys are); use "
+            f"str keys, e.g. {str(key)!r}."
+        )
+
+
+def _non_string_key(tree: Any) -> Any:
+    """The first dict key in ``tree`` (dicts and lists within) that is not a str, else None."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(
+        tree, (list, tuple)) else ()  # fmt: skip
+    for key, value in items:
+        if isinstance(tree, dict) and not isinstance(key, str):
+            return key
+        found = _non_string_key(value)
+        if found is not None:
+            return found
+    return None
 
 
 #: The loggers orbax's records reach: its own (absl), and asyncio's "Task exception was never
@@ -538,6 +604,18 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """
 
     path = os.path.abspath(os.fspath(directory))
+    _check_not_cut_short(path)
+    meta_file = os.path.join(path, _METADATA_FILE)
+    try:  # orbax only logs a missing or damaged one, and reads no metadata: {} (given none)
+        with open(meta_file) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        if os.path.isdir(path):
+            raise ValueError(
+                f"checkpoint_metadata({path}): its metadata file {_METADATA_FILE} is missing or "
+                f"damaged ({type(e).__name__}), so the metadata saved with it cannot be read; "
+                "the arrays may still restore."
+            ) from None
     return dict(stored_metadata(path).custom_metadata or {})
 
 
@@ -584,6 +662,7 @@ class _NoLeafMetadata(Exception):
 
 
 _SHARDING_FILE = "_sharding"  # orbax's record of the shardings a checkpoint was written with
+_METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax's, holding save_checkpoint's metadata
 
 
 @contextlib.contextmanager
@@ -630,6 +709,7 @@ def restore_checkpoint(
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(directory))
+    _check_not_cut_short(path)
     like = _abstract(path, like)
     stored = stored_metadata(path).item_metadata
     _check_shapes(path, stored, like)

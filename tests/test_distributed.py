@@ -410,10 +410,72 @@ def test_a_damaged_sharding_record_is_skipped_and_other_damage_still_named(tmp_p
 
 def test_metadata_json_cannot_write_is_refused_before_anything_is_written(tmp_path):
     x = jnp.ones(3)
-    for metadata, said in (({"step": np.int64(3)}, "is not JSON"), ([1], "must be a dict")):
+    refused = (
+        ({"step": np.int64(3)}, "is not JSON"),
+        ([1], "must be a dict"),
+        ({7: "x"}, "key 7 is not a string"),  # orbax refused it after deleting (force) the old
+        ({"lr": [{0: 1e-3}]}, "key 0 is not a string"),  # it came back as "0"
+    )
+    for metadata, said in refused:
         with pytest.raises(ValueError, match=f"save_checkpoint: metadata {said}"):
             distributed.save_checkpoint(tmp_path / "c", {"x": x}, metadata=metadata)
         assert not list(tmp_path.iterdir())  # (orbax's temporary folder was left behind)
+    path = distributed.save_checkpoint(tmp_path / "c", {"x": x}, metadata={"step": 1})
+    for metadata, _ in refused:
+        with pytest.raises(ValueError):
+            distributed.save_checkpoint(path, {"x": x + 1}, force=True, metadata=metadata)
+        assert distributed.checkpoint_metadata(path) == {"step": 1}  # kept, whole
+
+
+@pytest.mark.timeout(120)
+def test_a_save_over_a_checkpoint_killed_midway_keeps_the_old_one(tmp_path):
+    """force=True let orbax delete the old checkpoint before writing the new one: a save
+    killed meanwhile left only a temporary folder, and the only checkpoint was gone."""
+    path = str(tmp_path / "c")
+    distributed.save_checkpoint(path, {"w": jnp.ones(4)}, metadata={"step": 1})
+    script = (
+        "import os, jax.numpy as jnp\n"
+        "from ensemble import _distributed as d\n"
+        "real = d._swap_in\n"
+        "def killed(new, path):\n"  # the new checkpoint is whole beside the old: killed here
+        "    os.kill(os.getpid(), 9)\n"
+        "d._swap_in = killed\n"
+        f"d.save_checkpoint({path!r}, {{'w': jnp.full(4, 2.0)}}, force=True,\n"
+        "                  metadata={'step': 2})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=clean_env(PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    back = distributed.restore_checkpoint(path, {"w": jnp.zeros(4)})
+    assert back["w"].tolist() == [1.0] * 4 and distributed.checkpoint_metadata(path) == {"step": 1}
+    distributed.save_checkpoint(path, {"w": jnp.full(4, 3.0)}, force=True, metadata={"step": 3})
+    assert distributed.restore_checkpoint(path, {"w": jnp.zeros(4)})["w"].tolist() == [3.0] * 4
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # the stale new one replaced, nothing left
+    # Killed between the two renames: the old one is whole under another name, and said so.
+    os.rename(path, path + ".replaced")
+    with pytest.raises(FileNotFoundError, match=r"holds the checkpoint it replaced: .* Rename"):
+        distributed.restore_checkpoint(path, {"w": jnp.zeros(4)})
+    with pytest.raises(FileNotFoundError, match=r"stopped between its two renames"):
+        distributed.checkpoint_metadata(path)
+
+
+def test_a_missing_or_damaged_metadata_file_is_said_not_read_as_none_given(tmp_path):
+    """Orbax only logged it, and checkpoint_metadata returned {}, the answer for a checkpoint
+    saved without metadata: a script reading meta.get("step", 0) resumed at step 0."""
+    path = distributed.save_checkpoint(tmp_path / "c", {"w": jnp.ones(2)}, metadata={"step": 5})
+    meta = os.path.join(path, "_CHECKPOINT_METADATA")
+    with open(meta) as f:
+        good = f.read()
+    for damage in ("", good[: len(good) // 2], None):
+        if damage is None:
+            os.remove(meta)
+        else:
+            with open(meta, "w") as f:
+                f.write(damage)
+        with pytest.raises(ValueError, match=r"_CHECKPOINT_METADATA is missing or damaged"):
+            distributed.checkpoint_metadata(path)
+    none_given = distributed.save_checkpoint(tmp_path / "d", {"w": jnp.ones(2)})
+    assert distributed.checkpoint_metadata(none_given) == {}
 
 
 @pytest.mark.timeout(120)
@@ -932,6 +994,12 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
         "except ValueError as e:\n"
         "    print('refused:', e)\n"
         "print('same:', build(nn.Dense(2), 4).n)\n"
+        "devices = jax.devices() if os.environ['ENSEMBLE_PROCESS_ID'] == '0' else (\n"
+        "    jax.devices()[2:] + jax.devices()[:2])  # the same devices in another order\n"
+        "try:\n"
+        "    build(nn.Dense(2), 4, devices=devices)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', str(e).split(';')[0])\n"
     )
     code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
     assert code == 0, err[-3000:]
@@ -940,9 +1008,13 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
     )
     assert lines == [
         "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different devices",
+        "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different n; every process builds the same ensemble (the same n, model_parallel, "
         "devices or mesh, in_axes and axis_name), in the same order.",
         "[rank 0] same: 4",
+        "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different devices",
         "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different n; every process builds the same ensemble (the same n, model_parallel, "
         "devices or mesh, in_axes and axis_name), in the same order.",

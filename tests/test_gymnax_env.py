@@ -173,6 +173,24 @@ def test_a_params_field_given_as_another_kind_of_number_steps_as_its_own_kind(
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
 
 
+@pytest.mark.timeout(120)
+def test_an_array_params_field_takes_a_json_list_and_refuses_another_shape():
+    """Acrobot's ``available_torque`` from ``--env-kwargs`` is a JSON list: it stayed a list,
+    and the step failed ("__index__() was called on traced array")."""
+    torque = [-2.0, 0.0, 2.0]
+    env = envs.make("gymnax:Acrobot-v1", available_torque=torque)
+    genv, params = gymnax.make("Acrobot-v1")
+    params = params.replace(available_torque=jnp.asarray(torque))
+    keys = jax.random.split(jax.random.key(0), (9, 2))
+    actions = jax.random.randint(jax.random.key(1), (8, 2), 0, 3)
+    _, (mine, theirs) = jax.jit(_both, static_argnums=(0, 1))(env, genv, params, keys, actions)
+    for what, a, b in zip(("obs", "reward", "term", "trunc"), mine, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=what)
+    for bad in ([1.0, 2.0], "x", [1.0, float("nan"), 0.0]):
+        with pytest.raises(ValueError, match=r"available_torque=.*give 3 finite numbers, shaped"):
+            envs.make("gymnax:Acrobot-v1", available_torque=bad)
+
+
 def test_gymnax_observations_come_in_their_spaces_dtype():
     """FourRooms-misc gives int32 positions for a float32 box: as float32, an action outside
     the space then gives NaN observations as for every other env."""

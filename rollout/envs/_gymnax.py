@@ -63,6 +63,22 @@ def _flat_space(space: Box) -> Box:
     return Box((size,), tuple(space.low), tuple(space.high), space.dtype)
 
 
+def _check_array_param(where: str, value: Any, default: Any) -> jax.Array:
+    """An array field (Acrobot's ``available_torque``) as an array of the default's shape and
+    dtype: a JSON list stayed a list, and the env's step failed on indexing it with a tracer."""
+    try:
+        given = np.asarray(value)
+    except Exception:
+        given = None
+    ok = given is not None and given.dtype.kind in "biuf" and given.shape == np.shape(default)
+    if not ok or not np.isfinite(given).all():
+        raise ValueError(
+            f"{where}: give {np.size(default)} finite numbers, shaped {list(np.shape(default))} "
+            f"(the default is {np.asarray(default).tolist()})."
+        )
+    return jnp.asarray(given, jax.dtypes.canonicalize_dtype(np.asarray(default).dtype))
+
+
 def _check_param(env_id: str, name: str, value: Any, default: Any) -> Any:
     """A value for a field of gymnax's ``EnvParams`` that the env can run with: a finite
     number of the default's kind (gymnax takes any value silently: a negative
@@ -71,8 +87,10 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> Any:
     step on mixed dtypes ("lax.select requires arguments to have the same dtypes")."""
     where = f"gymnax:{env_id}: env kwarg {name}={value!r}"
     kind = np.asarray(default).dtype.kind
+    if np.ndim(default) and kind in "biuf":
+        return _check_array_param(where, value, default)
     if np.ndim(default) or kind not in "biuf":
-        return value  # an array or a structure: gymnax's to judge
+        return value  # a structure: gymnax's to judge
     try:  # Python, NumPy or JAX scalars alike
         given = np.asarray(value) if np.ndim(value) == 0 else None
     except Exception:
