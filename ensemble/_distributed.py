@@ -453,10 +453,17 @@ def _swap_in(new: str, path: str) -> None:
     import shutil
 
     old = path + ".replaced"
-    shutil.rmtree(old, ignore_errors=True)
+
+    def remove(p: str) -> None:  # a link to a checkpoint goes, not what it links to
+        if os.path.islink(p) or os.path.isfile(p):
+            os.unlink(p)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+    remove(old)
     os.rename(path, old)
     os.rename(new, path)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
 
 
 def _check_not_cut_short(path: str) -> None:
@@ -502,25 +509,26 @@ def _check_metadata(metadata: Any) -> None:
         ) from None
     # JSON writes {7: 'x'} as {"7": "x"}: orbax refused a top-level one once it had deleted
     # the checkpoint it replaced, and a nested one came back as another key.
-    key = _non_string_key(metadata)
-    if key is not None:
+    bad, key = _non_string_key(metadata)
+    if bad:
         raise ValueError(
             f"save_checkpoint: metadata key {key!r} is not a string (JSON keys are); use "
             f"str keys, e.g. {str(key)!r}."
         )
 
 
-def _non_string_key(tree: Any) -> Any:
-    """The first dict key in ``tree`` (dicts and lists within) that is not a str, else None."""
+def _non_string_key(tree: Any) -> tuple[bool, Any]:
+    """``(True, key)`` for the first dict key in ``tree`` (dicts and lists within) that is not
+    a str (``None`` included), else ``(False, None)``."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(
         tree, (list, tuple)) else ()  # fmt: skip
     for key, value in items:
         if isinstance(tree, dict) and not isinstance(key, str):
-            return key
+            return True, key
         found = _non_string_key(value)
-        if found is not None:
+        if found[0]:
             return found
-    return None
+    return False, None
 
 
 #: The loggers orbax's records reach: its own (absl), and asyncio's "Task exception was never
@@ -605,17 +613,18 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
-    meta_file = os.path.join(path, _METADATA_FILE)
-    try:  # orbax only logs a missing or damaged one, and reads no metadata: {} (given none)
-        with open(meta_file) as f:
-            json.load(f)
+    if not os.path.isdir(path):  # orbax logged it and read no metadata: {} (given none)
+        raise FileNotFoundError(f"checkpoint_metadata: no checkpoint at {path}.")
+    try:  # so too for a missing or damaged metadata file
+        with open(os.path.join(path, _METADATA_FILE)) as f:
+            if not isinstance(json.load(f), dict):
+                raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        if os.path.isdir(path):
-            raise ValueError(
-                f"checkpoint_metadata({path}): its metadata file {_METADATA_FILE} is missing or "
-                f"damaged ({type(e).__name__}), so the metadata saved with it cannot be read; "
-                "the arrays may still restore."
-            ) from None
+        raise ValueError(
+            f"checkpoint_metadata({path}): its metadata file {_METADATA_FILE} is missing or "
+            f"damaged ({type(e).__name__}), so the metadata saved with it cannot be read; "
+            "the arrays may still restore."
+        ) from None
     return dict(stored_metadata(path).custom_metadata or {})
 
 

@@ -415,6 +415,7 @@ def test_metadata_json_cannot_write_is_refused_before_anything_is_written(tmp_pa
         ([1], "must be a dict"),
         ({7: "x"}, "key 7 is not a string"),  # orbax refused it after deleting (force) the old
         ({"lr": [{0: 1e-3}]}, "key 0 is not a string"),  # it came back as "0"
+        ({"a": {None: 1}}, "key None is not a string"),  # (None: "nothing found", once)
     )
     for metadata, said in refused:
         with pytest.raises(ValueError, match=f"save_checkpoint: metadata {said}"):
@@ -466,7 +467,7 @@ def test_a_missing_or_damaged_metadata_file_is_said_not_read_as_none_given(tmp_p
     meta = os.path.join(path, "_CHECKPOINT_METADATA")
     with open(meta) as f:
         good = f.read()
-    for damage in ("", good[: len(good) // 2], None):
+    for damage in ("", good[: len(good) // 2], "[]", None):
         if damage is None:
             os.remove(meta)
         else:
@@ -476,6 +477,22 @@ def test_a_missing_or_damaged_metadata_file_is_said_not_read_as_none_given(tmp_p
             distributed.checkpoint_metadata(path)
     none_given = distributed.save_checkpoint(tmp_path / "d", {"w": jnp.ones(2)})
     assert distributed.checkpoint_metadata(none_given) == {}
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):  # a mistyped path: {}
+        distributed.checkpoint_metadata(tmp_path / "typo")
+
+
+def test_a_forced_save_through_a_link_replaces_the_link_and_keeps_what_it_linked(tmp_path):
+    """The swap could not remove a link left at <path>.replaced: the second save failed."""
+    real, link = tmp_path / "run1", tmp_path / "latest"
+    distributed.save_checkpoint(real, {"w": jnp.ones(2)})
+    os.symlink(real, link)
+    for value in (2.0, 3.0):
+        distributed.save_checkpoint(link, {"w": jnp.full(2, value)}, force=True)
+        assert (
+            distributed.restore_checkpoint(link, {"w": jnp.zeros(2)})["w"].tolist() == [value] * 2
+        )
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run1"]
+    assert distributed.restore_checkpoint(real, {"w": jnp.zeros(2)})["w"].tolist() == [1.0] * 2
 
 
 @pytest.mark.timeout(120)
