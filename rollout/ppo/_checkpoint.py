@@ -544,7 +544,10 @@ def _restore_one(
 
     from ensemble.distributed import checkpoint_metadata, restore_checkpoint
 
-    meta = checkpoint_metadata(path)
+    try:
+        meta = checkpoint_metadata(path)
+    except ValueError:  # its metadata file missing or damaged (the message's path is long)
+        raise RunDirError("its metadata is unreadable (_CHECKPOINT_METADATA)") from None
     if meta.get("run_id") is None:
         raise RunDirError("its metadata is unreadable or has no run id")
     if meta.get("run_id") != record["run_id"]:
