@@ -87,10 +87,10 @@ def _check_param(env_id: str, name: str, value: Any, default: Any) -> Any:
     step on mixed dtypes ("lax.select requires arguments to have the same dtypes")."""
     where = f"gymnax:{env_id}: env kwarg {name}={value!r}"
     kind = np.asarray(default).dtype.kind
-    if np.ndim(default) and kind in "biuf":
-        return _check_array_param(where, value, default)
-    if np.ndim(default) or kind not in "biuf":
+    if kind not in "biuf":
         return value  # a structure: gymnax's to judge
+    if np.ndim(default):
+        return _check_array_param(where, value, default)
     try:  # Python, NumPy or JAX scalars alike
         given = np.asarray(value) if np.ndim(value) == 0 else None
     except Exception:

@@ -420,10 +420,10 @@ def check_env(members: Sequence[Any], kwargs: dict[str, Any]) -> None:
         return f"observations {tuple(shape)}{pixels} and {acts}"
 
     has = says(spec.obs_shape, spec.action_dim, spec.discrete, spec.obs_scale, spec.action_groups)
-    box = export.action_box(spec)
+    full = export.action_box(spec)
+    before_4 = {k: v for k, v in full.items() if k != "start"}  # (evaluate's env adds it)
     for m in members:
-        if m.meta["version"] < 4:  # (action.start is new in 4; evaluate's env adds the start)
-            box = {k: v for k, v in export.action_box(spec).items() if k != "start"}
+        box = full if m.meta["version"] >= 4 else before_4
         if m.meta["action"] != box and m.meta["network"]["discrete"] == spec.discrete:
             raise export.NotAnExport(
                 f"{where(m)}: field 'action' is {m.meta['action']}, but {env_id}'s action box "
