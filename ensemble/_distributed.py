@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import ipaddress
 import itertools
@@ -403,6 +404,67 @@ def gather_metrics_to_host(tree: Any) -> Any:
     return jax.tree_util.tree_map(to_host, tree)
 
 
+#: The key under which :func:`save_checkpoint` keeps its leaves' checksums in the metadata.
+_CHECKSUMS_KEY = "_ensemble_checksums"
+
+
+def row_checksums(leaves: list[jax.Array]) -> list[np.ndarray]:
+    """Per leaf, one 32-bit checksum per row of its leading axis (one for a scalar); collective.
+
+    Computed where the shards live (only the checksums come back), position-weighted over the
+    raw bits, so a zeroed, truncated or shuffled leaf does not pass for the saved one.
+    """
+    return gather_metrics_to_host(_checksum_program(per_leaf=False)(leaves))
+
+
+def _leaf_checksums(tree: Any) -> dict[str, int]:
+    """One checksum per JAX-array leaf of ``tree``, keyed by its path's names; collective.
+    (NumPy leaves are left out: without x64 a float64 one is read back as float32.)"""
+    named = [("/".join(_path_names(p)), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+    groups: dict[frozenset, list[tuple[str, jax.Array]]] = {}
+    for name, x in named:  # one program per set of devices: a jit takes no mix of them
+        if isinstance(x, jax.Array):
+            groups.setdefault(frozenset(x.sharding.device_set), []).append((name, x))
+    out = {}
+    for group in groups.values():
+        sums = gather_metrics_to_host(_checksum_program(per_leaf=True)([x for _, x in group]))
+        out.update({name: int(s) for (name, _), s in zip(group, sums)})
+    return out
+
+
+@functools.cache
+def _checksum_program(per_leaf: bool) -> Any:
+    import jax.numpy as jnp
+
+    def bits(x: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if x.dtype == jnp.bool_:
+            return x.astype(jnp.uint32)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):  # (no bitcast of complex)
+            x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        if jax.dtypes.itemsize_bits(x.dtype) < 8:  # int4, float4: exact in a byte-wide kind
+            x = x.astype(jnp.int8 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32)
+        size = jnp.dtype(x.dtype).itemsize
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32, 16: jnp.uint32}
+        return jax.lax.bitcast_convert_type(x, unsigned[size]).astype(jnp.uint32)
+
+    def rows(x: jax.Array) -> jax.Array:
+        b = bits(x)
+        b = b.reshape(1, -1) if x.ndim == 0 else b.reshape(x.shape[0], -1)
+        w = jnp.arange(b.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        # (w[None]: explicit ranks, also under jax_numpy_rank_promotion='raise')
+        return jnp.sum((b ^ (b >> 16)) * w[None], axis=1, dtype=jnp.uint32)
+
+    def leaf(x: jax.Array) -> jax.Array:  # the rows folded, each weighted (odd: none cancels)
+        r = rows(x)
+        w = jnp.arange(r.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        return jnp.sum(r * w, dtype=jnp.uint32)
+
+    one = leaf if per_leaf else rows
+    return jax.jit(lambda leaves: [one(x) for x in leaves])  # one compile per structure
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     tree: Any,
@@ -421,7 +483,9 @@ def save_checkpoint(
     old one kept as ``<directory>.replaced`` for the instant between the two renames (a save
     killed then leaves it there, and reading ``directory`` says to rename it back).
     ``metadata``: a JSON-able dict with string keys stored with it (read it back with
-    :func:`checkpoint_metadata`). Returns the absolute path once the write is complete.
+    :func:`checkpoint_metadata`). A checksum of each JAX-array leaf is stored too, and
+    :func:`restore_checkpoint` checks the leaves it reads against them, so a damaged data file
+    is an error, not other numbers. Returns the absolute path once the write is complete.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -440,8 +504,10 @@ def save_checkpoint(
     # Over an existing checkpoint, orbax's force deleted it before writing: a save killed
     # meanwhile lost the only checkpoint. Written beside it, then swapped in.
     target = path + ".replacing" if force and os.path.exists(path) else path
+    # Orbax keeps no checksum of the data: a damaged data file was read back as other numbers.
+    stored = {**(metadata or {}), _CHECKSUMS_KEY: _leaf_checksums(tree)}
     with orbax_logs_held(about=target), ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(target, tree, force=force, custom_metadata=metadata)
+        checkpointer.save(target, tree, force=force, custom_metadata=stored)
         checkpointer.wait_until_finished()
     if target != path:
         _on_process_0_then_all(lambda: _swap_in(target, path), "save_checkpoint: swapped in")
@@ -514,6 +580,11 @@ def _check_metadata(metadata: Any) -> None:
         raise ValueError(
             f"save_checkpoint: metadata key {key!r} is not a string (JSON keys are); use "
             f"str keys, e.g. {str(key)!r}."
+        )
+    if _CHECKSUMS_KEY in metadata:
+        raise ValueError(
+            f"save_checkpoint: metadata key {_CHECKSUMS_KEY!r} is the one the checkpoint keeps "
+            "its checksums under; name yours otherwise."
         )
 
 
@@ -625,7 +696,9 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"damaged ({type(e).__name__}), so the metadata saved with it cannot be read; "
             "the arrays may still restore."
         ) from None
-    return dict(stored_metadata(path).custom_metadata or {})
+    stored = dict(stored_metadata(path).custom_metadata or {})
+    stored.pop(_CHECKSUMS_KEY, None)
+    return stored
 
 
 def stored_metadata(path: str) -> Any:
@@ -698,11 +771,12 @@ def restore_checkpoint(
     same structure; each process reads only the shards it holds. The checkpoint may come from
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
-    ``ValueError``, as is a tree of another structure. ``partial=True`` reads only the leaves
-    ``like`` has (the params of a checkpoint that also holds the optimizer state, for
-    inference). NumPy leaves carry no placement: a run with one device (in all) reads them onto
-    it; with several, they are refused (place ``like`` first: arrays from ``ens.init`` /
-    ``step.init``, or ``jax.device_put``).
+    ``ValueError``, as is a tree of another structure; a leaf read that does not match the
+    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`. ``partial=True``
+    reads only the leaves ``like`` has (the params of a checkpoint that also holds the
+    optimizer state, for inference). NumPy leaves carry no placement: a run with one device
+    (in all) reads them onto it; with several, they are refused (place ``like`` first: arrays
+    from ``ens.init`` / ``step.init``, or ``jax.device_put``).
 
     Example (members written from one mesh, read back onto the same devices):
       >>> import tempfile, jax, numpy as np, ensemble
@@ -715,21 +789,33 @@ def restore_checkpoint(
       >>> list(restore_checkpoint(path, {"w": w}, partial=True))  # the params alone
       ['w']
     """
-    import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
     like = _abstract(path, like)
-    stored = stored_metadata(path).item_metadata
+    metadata = stored_metadata(path)
+    stored = metadata.item_metadata
     _check_shapes(path, stored, like)
+    out = _read(path, stored, like) if not partial else _read_partially(path, stored, like)
+    _check_sums(path, out, (metadata.custom_metadata or {}).get(_CHECKSUMS_KEY))
+    return out
+
+
+def _read(path: str, stored: Any, like: Any) -> Any:
+    import orbax.checkpoint as ocp
+
     with ocp.StandardCheckpointer() as checkpointer:
-        if not partial:
-            try:
-                return checkpointer.restore(path, like)
-            except ValueError as e:  # orbax's: the whole metadata tree, and a flag we lack
-                if "tree structures do not match" not in str(e):
-                    raise
-                raise ValueError(_structure_mismatch(path, stored, like)) from None
+        try:
+            return checkpointer.restore(path, like)
+        except ValueError as e:  # orbax's: the whole metadata tree, and a flag we lack
+            if "tree structures do not match" not in str(e):
+                raise
+            raise ValueError(_structure_mismatch(path, stored, like)) from None
+
+
+def _read_partially(path: str, stored: Any, like: Any) -> Any:
+    import orbax.checkpoint as ocp
+
     restore = ocp.checkpoint_utils.construct_restore_args(like)
     with ocp.PyTreeCheckpointer() as checkpointer:
         args = ocp.args.PyTreeRestore(item=like, restore_args=restore, partial_restore=True)
@@ -744,6 +830,28 @@ def restore_checkpoint(
             f"{_some(_leaf_names(stored), 6)}."
         )
     return out
+
+
+def _check_sums(path: str, out: Any, saved: dict[str, int] | None) -> None:
+    """The leaves read against the checksums saved with them (a checkpoint from before they
+    were kept has none)."""
+    if saved is None:
+        return
+    bad = [name for name, s in _leaf_checksums(out).items() if saved.get(name, s) != s]
+    if bad:
+        raise DamagedCheckpoint(path, bad)
+
+
+class DamagedCheckpoint(ValueError):
+    """Leaves read from a checkpoint that do not match the checksums saved with them."""
+
+    def __init__(self, path: str, leaves: list[str]) -> None:
+        more = f" (and {len(leaves) - 1} more leaves)" if len(leaves) > 1 else ""
+        super().__init__(
+            f"restore_checkpoint({path}): leaf {leaves[0]}{more} does not match the checksum "
+            "saved with it: the checkpoint's files are damaged. Restore an earlier checkpoint."
+        )
+        self.leaves = leaves
 
 
 def _abstract(path: str, like: Any) -> Any:

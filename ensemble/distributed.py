@@ -12,6 +12,7 @@ Example (alone, or as ``python -m ensemble.launch -n 2 --devices-per-process 2 -
 """
 
 from ensemble._distributed import (
+    DamagedCheckpoint,
     ProcessInfo,
     checkpoint_metadata,
     gather_metrics_to_host,
@@ -25,6 +26,7 @@ from ensemble._distributed import (
 )
 
 __all__ = [
+    "DamagedCheckpoint",
     "ProcessInfo",
     "checkpoint_metadata",
     "gather_metrics_to_host",

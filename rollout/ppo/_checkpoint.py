@@ -542,6 +542,7 @@ def _restore_one(
 ) -> tuple[Any, dict[str, Any]]:
     import jax
 
+    from ensemble._distributed import DamagedCheckpoint
     from ensemble.distributed import checkpoint_metadata, restore_checkpoint
 
     try:
@@ -572,7 +573,10 @@ def _restore_one(
         )
     # Read each leaf in the dtype it was saved in (an older version may have kept another one:
     # uint8 frames were float32), check it against its checksum, then cast it if exact.
-    state = restore_checkpoint(path, _as_saved(path, like, keys_as_saved))
+    try:
+        state = restore_checkpoint(path, _as_saved(path, like, keys_as_saved))
+    except DamagedCheckpoint as e:  # (its message's path is long)
+        raise RunDirError(f"checksum mismatch in {e.leaves[:3]}") from None
     sums = fingerprints(state)
     if sums != meta.get("checksums"):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
@@ -670,32 +674,9 @@ def fingerprints(tree: Any) -> list[list[int]]:
     """
     import jax
 
-    from ensemble.distributed import gather_metrics_to_host
+    from ensemble._distributed import row_checksums
 
-    sums = _fingerprint_program()(jax.tree_util.tree_leaves(tree))  # one compile per structure
-    return [[int(v) for v in s] for s in gather_metrics_to_host(sums)]
-
-
-@functools.cache
-def _fingerprint_program():
-    import jax
-    import jax.numpy as jnp
-
-    def bits(x):
-        if x.dtype == jnp.bool_:
-            return x.astype(jnp.uint32)
-        size = x.dtype.itemsize
-        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
-        return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-    def one(x):
-        b = bits(x)
-        b = b.reshape(1, -1) if x.ndim == 0 else b.reshape(x.shape[0], -1)
-        w = jnp.arange(b.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        # (w[None]: explicit ranks, also under jax_numpy_rank_promotion='raise')
-        return jnp.sum((b ^ (b >> 16)) * w[None], axis=1, dtype=jnp.uint32)
-
-    return jax.jit(lambda leaves: [one(x) for x in leaves])
+    return [[int(v) for v in s] for s in row_checksums(jax.tree_util.tree_leaves(tree))]
 
 
 # ---------------------------------------------------------------------- internals
