@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import ipaddress
 import itertools
@@ -411,58 +410,78 @@ _CHECKSUMS_KEY = "_ensemble_checksums"
 def row_checksums(leaves: list[jax.Array]) -> list[np.ndarray]:
     """Per leaf, one 32-bit checksum per row of its leading axis (one for a scalar); collective.
 
-    Computed where the shards live (only the checksums come back), position-weighted over the
-    raw bits, so a zeroed, truncated or shuffled leaf does not pass for the saved one.
+    Position-weighted over the raw bits, so a zeroed, truncated or shuffled leaf does not pass
+    for the saved one. Each process sums the shards it holds, on the host (no program to
+    compile), and the processes add their parts.
     """
-    return gather_metrics_to_host(_checksum_program(per_leaf=False)(leaves))
+    return _summed_over_processes([_shard_sums(x, per_row=True) for x in leaves])
 
 
 def _leaf_checksums(tree: Any) -> dict[str, int]:
-    """One checksum per JAX-array leaf of ``tree``, keyed by its path's names; collective.
-    (NumPy leaves are left out: without x64 a float64 one is read back as float32.)"""
-    named = [("/".join(_path_names(p)), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
-    groups: dict[frozenset, list[tuple[str, jax.Array]]] = {}
-    for name, x in named:  # one program per set of devices: a jit takes no mix of them
-        if isinstance(x, jax.Array):
-            groups.setdefault(frozenset(x.sharding.device_set), []).append((name, x))
-    out = {}
-    for group in groups.values():
-        sums = gather_metrics_to_host(_checksum_program(per_leaf=True)([x for _, x in group]))
-        out.update({name: int(s) for (name, _), s in zip(group, sums)})
-    return out
+    """One checksum per JAX-array leaf of ``tree`` (the rows' checksums folded), keyed by its
+    path's names; collective. NumPy leaves are left out (without x64 a float64 one is read
+    back as float32), as are empty ones (orbax refuses them)."""
+    named = [
+        (json.dumps(_path_names(p)), x)
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(x, jax.Array) and x.size
+    ]
+    sums = _summed_over_processes([_shard_sums(x, per_row=False) for _, x in named])
+    return {name: int(s[0]) for (name, _), s in zip(named, sums)}
 
 
-@functools.cache
-def _checksum_program(per_leaf: bool) -> Any:
-    import jax.numpy as jnp
+def _shard_sums(x: jax.Array, per_row: bool) -> np.ndarray:
+    """This process's part of ``x``'s checksum: per row, or the rows folded (``[1]``)."""
+    x = x.reshape(1) if x.ndim == 0 else x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    rows = np.zeros(x.shape[0], np.uint32)
+    strides = np.cumprod(((*x.shape[1:], 1))[::-1])[::-1][1:]  # a row's, in elements
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:  # each element once, over every process
+            continue
+        b = _bits(np.asarray(shard.data))  # [*block, e]: e 32-bit words per element
+        starts = [s.indices(d)[0] for s, d in zip(shard.index, x.shape)]
+        col = np.zeros(b.shape[1:-1], np.uint64)  # the element's place in its row
+        for k, (start, stride) in enumerate(zip(starts[1:], strides)):
+            place = (np.arange(b.shape[k + 1], dtype=np.uint64) + start) * np.uint64(stride)
+            col = col + place.reshape((-1,) + (1,) * (col.ndim - k - 1))
+        e = b.shape[-1]
+        word = col[..., None] * np.uint64(e) + np.arange(e, dtype=np.uint64)
+        w = (word * np.uint64(2654435761) + np.uint64(1)).astype(np.uint32)  # mod 2**32
+        mixed = (b ^ (b >> np.uint32(16))) * w[None]
+        rows[starts[0] : starts[0] + b.shape[0]] += mixed.reshape(b.shape[0], -1).sum(
+            axis=1, dtype=np.uint32
+        )
+    if per_row:
+        return rows
+    odd = np.arange(rows.size, dtype=np.uint32) * np.uint32(2) + np.uint32(1)  # none cancels
+    return np.array([(rows * odd).sum(dtype=np.uint32)], np.uint32)
 
-    def bits(x: jax.Array) -> jax.Array:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_:
-            return x.astype(jnp.uint32)
-        if jnp.issubdtype(x.dtype, jnp.complexfloating):  # (no bitcast of complex)
-            x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-        if jax.dtypes.itemsize_bits(x.dtype) < 8:  # int4, float4: exact in a byte-wide kind
-            x = x.astype(jnp.int8 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32)
-        size = jnp.dtype(x.dtype).itemsize
-        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32, 16: jnp.uint32}
-        return jax.lax.bitcast_convert_type(x, unsigned[size]).astype(jnp.uint32)
 
-    def rows(x: jax.Array) -> jax.Array:
-        b = bits(x)
-        b = b.reshape(1, -1) if x.ndim == 0 else b.reshape(x.shape[0], -1)
-        w = jnp.arange(b.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        # (w[None]: explicit ranks, also under jax_numpy_rank_promotion='raise')
-        return jnp.sum((b ^ (b >> 16)) * w[None], axis=1, dtype=jnp.uint32)
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a``'s raw bits as ``uint32`` words, ``[*a.shape, e]`` (e per element)."""
+    shape = a.shape
+    if a.dtype == np.bool_:
+        return a.astype(np.uint32)[..., None]
+    if np.iscomplexobj(a):
+        a = np.stack([a.real, a.imag], axis=-1)
+    if jax.dtypes.itemsize_bits(a.dtype) < 8:  # int4, float4: exact in a byte-wide kind
+        a = a.astype(np.int8 if jax.dtypes.issubdtype(a.dtype, np.integer) else np.float32)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32, 16: np.uint32}
+    words = np.ascontiguousarray(a)[..., None].view(unsigned[a.dtype.itemsize])
+    return words.astype(np.uint32).reshape((*shape, -1))
 
-    def leaf(x: jax.Array) -> jax.Array:  # the rows folded, each weighted (odd: none cancels)
-        r = rows(x)
-        w = jnp.arange(r.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-        return jnp.sum(r * w, dtype=jnp.uint32)
 
-    one = leaf if per_leaf else rows
-    return jax.jit(lambda leaves: [one(x) for x in leaves])  # one compile per structure
+def _summed_over_processes(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Each process's parts added up (mod 2**32) over the processes; collective."""
+    if jax.process_count() == 1 or not parts:
+        return parts
+    from jax.experimental import multihost_utils
+
+    flat = np.concatenate(parts).astype(np.uint32)
+    total = np.asarray(multihost_utils.process_allgather(flat)).sum(axis=0, dtype=np.uint32)
+    return np.split(total, np.cumsum([p.size for p in parts])[:-1])
 
 
 def save_checkpoint(
@@ -686,19 +705,26 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     _check_not_cut_short(path)
     if not os.path.isdir(path):  # orbax logged it and read no metadata: {} (given none)
         raise FileNotFoundError(f"checkpoint_metadata: no checkpoint at {path}.")
-    try:  # so too for a missing or damaged metadata file
-        with open(os.path.join(path, _METADATA_FILE)) as f:
-            if not isinstance(json.load(f), dict):
-                raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
+    damage = _metadata_file_damage(path)  # so too for a missing or damaged metadata file
+    if damage:
         raise ValueError(
             f"checkpoint_metadata({path}): its metadata file {_METADATA_FILE} is missing or "
-            f"damaged ({type(e).__name__}), so the metadata saved with it cannot be read; "
-            "the arrays may still restore."
-        ) from None
+            f"damaged ({damage}), so the metadata saved with it cannot be read."
+        )
     stored = dict(stored_metadata(path).custom_metadata or {})
     stored.pop(_CHECKSUMS_KEY, None)
     return stored
+
+
+def _metadata_file_damage(path: str) -> str | None:
+    """Why the checkpoint's metadata file cannot be read (orbax only logs it), or None."""
+    try:
+        with open(os.path.join(path, _METADATA_FILE)) as f:
+            if not isinstance(json.load(f), dict):
+                return "not a JSON object"
+    except (OSError, ValueError) as e:
+        return type(e).__name__
+    return None
 
 
 def stored_metadata(path: str) -> Any:
@@ -772,7 +798,8 @@ def restore_checkpoint(
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
     ``ValueError``, as is a tree of another structure; a leaf read that does not match the
-    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`. ``partial=True``
+    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`, as is a missing or
+    damaged metadata file, which holds the checksums. ``partial=True``
     reads only the leaves ``like`` has (the params of a checkpoint that also holds the
     optimizer state, for inference). NumPy leaves carry no placement: a run with one device
     (in all) reads them onto it; with several, they are refused (place ``like`` first: arrays
@@ -792,12 +819,18 @@ def restore_checkpoint(
 
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
+    damage = _metadata_file_damage(path) if os.path.isdir(path) else None
+    if damage:  # (orbax reads the arrays without it, and the checksums are in it)
+        raise DamagedCheckpoint(
+            path, f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so "
+            "what is read cannot be checked against the checksums saved there",
+        )  # fmt: skip
     like = _abstract(path, like)
     metadata = stored_metadata(path)
     stored = metadata.item_metadata
     _check_shapes(path, stored, like)
     out = _read(path, stored, like) if not partial else _read_partially(path, stored, like)
-    _check_sums(path, out, (metadata.custom_metadata or {}).get(_CHECKSUMS_KEY))
+    _check_sums(path, out, (metadata.custom_metadata or {}).get(_CHECKSUMS_KEY, _NONE_KEPT))
     return out
 
 
@@ -832,26 +865,34 @@ def _read_partially(path: str, stored: Any, like: Any) -> Any:
     return out
 
 
-def _check_sums(path: str, out: Any, saved: dict[str, int] | None) -> None:
-    """The leaves read against the checksums saved with them (a checkpoint from before they
-    were kept has none)."""
-    if saved is None:
+_NONE_KEPT = object()  # a checkpoint saved before checksums were kept
+
+
+def _check_sums(path: str, out: Any, saved: Any) -> None:
+    """The leaves read against the checksums saved with them."""
+    if saved is _NONE_KEPT:
         return
+    if not isinstance(saved, dict):
+        raise DamagedCheckpoint(path, f"its checksum record is damaged ({type(saved).__name__})")
     bad = [name for name, s in _leaf_checksums(out).items() if saved.get(name, s) != s]
     if bad:
-        raise DamagedCheckpoint(path, bad)
+        names = ["/".join(json.loads(name)) for name in bad]
+        more = f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""
+        raise DamagedCheckpoint(
+            path, f"leaf {names[0]}{more} does not match the checksum saved with it", names
+        )
 
 
 class DamagedCheckpoint(ValueError):
-    """Leaves read from a checkpoint that do not match the checksums saved with them."""
+    """A checkpoint whose leaves, as read, do not match the checksums saved with them (or whose
+    checksums cannot be read): its files are damaged. ``leaves``: the names of those leaves."""
 
-    def __init__(self, path: str, leaves: list[str]) -> None:
-        more = f" (and {len(leaves) - 1} more leaves)" if len(leaves) > 1 else ""
+    def __init__(self, path: str, what: str, leaves: list[str] | None = None) -> None:
         super().__init__(
-            f"restore_checkpoint({path}): leaf {leaves[0]}{more} does not match the checksum "
-            "saved with it: the checkpoint's files are damaged. Restore an earlier checkpoint."
+            f"restore_checkpoint({path}): {what}: the checkpoint's files are damaged. Restore "
+            "an earlier checkpoint."
         )
-        self.leaves = leaves
+        self.what, self.leaves = what, leaves or []
 
 
 def _abstract(path: str, like: Any) -> Any:

@@ -493,6 +493,9 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
     )
     tree = {"w": w, "flag": jnp.array([True, False]), "half": jnp.arange(5, dtype=jnp.bfloat16)}
     tree["key"], tree["z"] = jax.random.split(jax.random.key(0), 3), jnp.ones(2, jnp.complex64)
+    tree["a"], tree["a/b"] = {"b": w + 1}, jnp.ones(3)  # names that "/".join made one
+    explicit = jax.make_mesh((n,), ("m",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tree["e"] = jax.device_put(jnp.ones((n, 3)), jax.NamedSharding(explicit, jax.P("m")))
     path = distributed.save_checkpoint(tmp_path / "c", tree, metadata={"step": 5})
     assert distributed.checkpoint_metadata(path) == {"step": 5}  # the checksums kept apart
     small = make_mesh(n // 2, devices=jax.devices()[: n // 2])
@@ -510,7 +513,7 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
             raw[j] ^= 0xFF
         damaged.write_bytes(bytes(raw))
         for partial in (False, True):
-            like = {"w": w} if partial else tree
+            like = {"w": w, "a": {"b": w}} if partial else tree
             try:
                 back = distributed.restore_checkpoint(copy, like, partial=partial)
             except distributed.DamagedCheckpoint as e:
@@ -519,9 +522,27 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
                 refused += 1
                 continue
             np.testing.assert_array_equal(back["w"], w)  # what was read is the saved tree
+            np.testing.assert_array_equal(back["a"]["b"], w + 1)
     assert refused >= 2  # the largest data file holds w's values
     with pytest.raises(ValueError, match="the one the checkpoint keeps its checksums under"):
         distributed.save_checkpoint(tmp_path / "d", tree, metadata={"_ensemble_checksums": 1})
+    with pytest.raises(ValueError, match="Cannot save arrays with zero size"):  # orbax's line
+        distributed.save_checkpoint(tmp_path / "e", {"x": jnp.zeros((0, 3)), "w": w})
+
+
+def test_damaged_checksums_or_metadata_are_refused_not_taken_for_none_kept(tmp_path):
+    """The checks were skipped where the checksums could not be read (a metadata file that is
+    no JSON), and a record that was no dict was an AttributeError."""
+    path = Path(distributed.save_checkpoint(tmp_path / "c", {"w": jnp.ones(2)}))
+    meta = path / "_CHECKPOINT_METADATA"
+    good = json.loads(meta.read_text())
+    for record in ([1, 2], "x", 5):
+        meta.write_text(json.dumps({**good, "custom_metadata": {"_ensemble_checksums": record}}))
+        with pytest.raises(distributed.DamagedCheckpoint, match="its checksum record is damaged"):
+            distributed.restore_checkpoint(path, {"w": jnp.zeros(2)})
+    meta.write_bytes(b"\xff" + json.dumps(good).encode())
+    with pytest.raises(distributed.DamagedCheckpoint, match="_CHECKPOINT_METADATA is missing or"):
+        distributed.restore_checkpoint(path, {"w": jnp.zeros(2)})
 
 
 def test_a_checkpoint_saved_before_checksums_were_kept_still_restores(tmp_path):

@@ -576,7 +576,7 @@ def _restore_one(
     try:
         state = restore_checkpoint(path, _as_saved(path, like, keys_as_saved))
     except DamagedCheckpoint as e:  # (its message's path is long)
-        raise RunDirError(f"checksum mismatch in {e.leaves[:3]}") from None
+        raise RunDirError(f"checksum mismatch in {e.leaves[:3]}" if e.leaves else e.what) from None
     sums = fingerprints(state)
     if sums != meta.get("checksums"):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(like)]
