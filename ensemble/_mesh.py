@@ -479,6 +479,10 @@ def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:
     out = [x if _on_member_axis(x, mesh) else x[i] for x in leaves]
     if not split:
         return jax.tree.unflatten(treedef, out)
+    try:
+        one_device = jax.set_mesh(None)
+    except ValueError:  # under a trace (a jit or vmap closing over the arrays): in its program
+        return jax.tree.unflatten(treedef, [x[i] for x in leaves])
     axis = mesh.axis_names.index(MEMBER_AXIS)
     owner = i // (n // mesh.shape[MEMBER_AXIS])
     devices = np.take(mesh.devices, owner, axis=axis)  # e.g. the (data, model) block of member i
@@ -486,7 +490,7 @@ def take_member(tree: Any, i: int, mesh: Mesh, n: int) -> Any:
     types = mesh.axis_types[:axis] + mesh.axis_types[axis + 1 :]
     submesh = Mesh(devices, names, axis_types=types)
     pieces: dict[int, list[jax.Array]] = {k: [] for k in split}
-    with jax.set_mesh(None):  # each cut runs on one device, whatever mesh the caller has set
+    with one_device:  # each cut runs on one device, whatever mesh the caller has set
         for device in [d for d in devices.flat if d.process_index == jax.process_index()]:
             shards = [_shard_on(leaves[k], device) for k in split]
             row = np.int32(i - (shards[0].index[0].start or 0))

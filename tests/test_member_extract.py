@@ -94,3 +94,20 @@ def test_member_inside_the_partitioning_context(n):
         plain = nnx_ens.member(n - 1)
     np.testing.assert_array_equal(plain(x), nnx_ens(x)[n - 1])  # (on its devices, not the mesh)
     _check_member(got, variables, n - 1, _owners(ens.mesh, n, n - 1))
+
+
+def test_member_inside_a_jit_or_vmap_that_closes_over_the_variables():
+    """Closed over, the arrays are concrete under the trace: the cut per device raised
+    ``set_mesh can only be used outside of jax.jit`` (under vmap too), naming nothing."""
+    from flax import nnx
+
+    model, x = MLP(), jnp.ones((2, 5))
+    ens = ensemble.build(model, D)
+    variables = ens.init(jax.random.key(0), x)
+    want = model.apply(ens.member(variables, 3), x)
+    np.testing.assert_allclose(jax.jit(lambda x: model.apply(ens.member(variables, 3), x))(x), want)
+    one = jax.vmap(lambda x: model.apply(ensemble.member(variables, 3), x))(x[None])[0]
+    np.testing.assert_allclose(one, want)
+    nnx_ens = ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), D, rngs=nnx.Rngs(0))
+    alone = nnx_ens.member(3)(x)
+    np.testing.assert_allclose(jax.jit(lambda x: nnx_ens.member(3)(x))(x), alone)
