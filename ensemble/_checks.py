@@ -307,13 +307,15 @@ def assert_no_replicated_members(tree: Any, n: int, mesh: Mesh | None = None) ->
     members split over another mesh axis than ``'ensemble'`` (``P('data')``: each member on
     every 'data' device, twice the memory on a mesh of data 2). A leaf fails if some device
     holds all n members' rows, or more than ``ceil(n / E)`` of them on an ensemble mesh of
-    ``'ensemble'`` size E (``mesh``, else the mesh the leaf's own sharding names), unless the
-    ensemble is meant to fit on one device: ``n == 1``, a single device in total, or a
-    ``mesh`` whose ``'ensemble'`` axis has size 1 (without ``mesh``, leaf by leaf: the
+    ``'ensemble'`` size E (``mesh``, else the mesh the leaf's own sharding names), unless
+    every device is meant to hold the whole ensemble: ``n == 1``, a single device in total, or
+    a ``mesh`` whose ``'ensemble'`` axis has size 1 (without ``mesh``, leaf by leaf: the
     ensemble mesh the leaf's own sharding names, as ``ensemble.build(..., devices=[d])``
-    makes). Leaves without a leading n are skipped, but a tree with no such leaf fails
-    (nothing would be checked: often n given as the device count), and so does a donated
-    (deleted) array.
+    makes; on such a mesh of several 'data' or 'model' devices each of them holds (its part
+    of) every member, as that mesh asks: pass ``mesh=ensemble.make_mesh(n)`` to check against
+    one member block per device). Leaves without a leading n are skipped, but a tree with no
+    such leaf fails (nothing would be checked: often n given as the device count), and so does
+    a donated (deleted) array.
 
     Example:
       >>> import jax, jax.numpy as jnp, ensemble
