@@ -751,7 +751,7 @@ def stored_metadata(path: str) -> Any:
         found = e.args[0]
     except Exception as e:
         if not sharding_file:
-            raise
+            raise _as_damage(path, e) from e
         found, failed = None, e
     try:
         with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
@@ -761,8 +761,19 @@ def stored_metadata(path: str) -> Any:
     if viewed is not None and viewed.item_metadata is not None:
         return viewed
     if failed is not None:
-        raise failed from None  # naming the checkpoint, not the view
+        raise _as_damage(path, failed) from failed  # naming the checkpoint, not the view
     return found
+
+
+def _as_damage(path: str, e: Exception) -> Exception:
+    """Orbax's or TensorStore's error on reading a damaged file (a KeyError naming a JSON
+    field, ``DATA_LOSS``, a 60-line TensorStore spec) as one :class:`DamagedCheckpoint` line
+    naming the checkpoint; ``e`` itself where it says something else (memory, permission)."""
+    if isinstance(e, (DamagedCheckpoint, PermissionError)) or "RESOURCE_EXHAUSTED" in str(e):
+        return e
+    first = (str(e).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 120 else first[:117] + "..."
+    return DamagedCheckpoint(path, f"it cannot be read ({type(e).__name__}: {first})")
 
 
 class _NoLeafMetadata(Exception):
@@ -798,8 +809,8 @@ def restore_checkpoint(
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
     ``ValueError``, as is a tree of another structure; a leaf read that does not match the
-    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`, as is a missing or
-    damaged metadata file, which holds the checksums. ``partial=True``
+    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`, as are a missing or
+    damaged metadata file, which holds the checksums, and a file orbax cannot read. ``partial=True``
     reads only the leaves ``like`` has (the params of a checkpoint that also holds the
     optimizer state, for inference). NumPy leaves carry no placement: a run with one device
     (in all) reads them onto it; with several, they are refused (place ``like`` first: arrays
@@ -840,9 +851,9 @@ def _read(path: str, stored: Any, like: Any) -> Any:
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore(path, like)
-        except ValueError as e:  # orbax's: the whole metadata tree, and a flag we lack
+        except Exception as e:  # orbax's: the whole metadata tree, and a flag we lack
             if "tree structures do not match" not in str(e):
-                raise
+                raise _as_damage(path, e) from e
             raise ValueError(_structure_mismatch(path, stored, like)) from None
 
 
@@ -852,7 +863,10 @@ def _read_partially(path: str, stored: Any, like: Any) -> Any:
     restore = ocp.checkpoint_utils.construct_restore_args(like)
     with ocp.PyTreeCheckpointer() as checkpointer:
         args = ocp.args.PyTreeRestore(item=like, restore_args=restore, partial_restore=True)
-        out = checkpointer.restore(path, args=args)
+        try:
+            out = checkpointer.restore(path, args=args)
+        except Exception as e:
+            raise _as_damage(path, e) from e
     # A leaf the checkpoint lacks comes back as the shape struct given: refused, not returned.
     leaves = jax.tree_util.tree_leaves_with_path(out)
     absent = [p for p, x in leaves if not isinstance(x, jax.Array)]
@@ -889,8 +903,8 @@ class DamagedCheckpoint(ValueError):
 
     def __init__(self, path: str, what: str, leaves: list[str] | None = None) -> None:
         super().__init__(
-            f"restore_checkpoint({path}): {what}: the checkpoint's files are damaged. Restore "
-            "an earlier checkpoint."
+            f"checkpoint {path}: {what}: the checkpoint's files are damaged. Restore an "
+            "earlier checkpoint."
         )
         self.what, self.leaves = what, leaves or []
 

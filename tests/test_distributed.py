@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def test_member_batches_of_other_shapes_on_two_processes_are_refused_on_both():
     code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
     assert code == 0, err
     lines = sorted(line for line in out.splitlines() if re.match(r"\[rank \d\] (\(|refused)", line))
-    assert "[rank 0] (4, 16, 3)" in lines and "[rank 1] (4, 16, 3)" in lines, out + err
+    # (in out: Gloo's C++ writes its notes to stdout unsynchronised with Python, even mid-line)
+    assert "[rank 0] (4, 16, 3)" in out and "[rank 1] (4, 16, 3)" in out, out + err
     refused = [line for line in lines if "refused" in line]
     assert len(refused) == 2, out + err
     assert refused[0].startswith(
@@ -403,7 +405,7 @@ def test_a_damaged_sharding_record_is_skipped_and_other_damage_still_named(tmp_p
     (path / "_METADATA").mkdir()  # another file damaged too
     for tmp in (views, tmp_path / "gone"):
         monkeypatch.setattr("tempfile.tempdir", str(tmp))
-        with pytest.raises(IsADirectoryError, match=str(path / "_METADATA")):
+        with pytest.raises(distributed.DamagedCheckpoint, match=rf"\(IsADirectoryError: .*{path}"):
             distributed.checkpoint_metadata(path)
     assert not list(views.iterdir())  # the views are gone
 
@@ -543,6 +545,38 @@ def test_damaged_checksums_or_metadata_are_refused_not_taken_for_none_kept(tmp_p
     meta.write_bytes(b"\xff" + json.dumps(good).encode())
     with pytest.raises(distributed.DamagedCheckpoint, match="_CHECKPOINT_METADATA is missing or"):
         distributed.restore_checkpoint(path, {"w": jnp.zeros(2)})
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_damaged_files_orbax_reads_are_one_line_naming_the_checkpoint(tmp_path):
+    """A key renamed by a flipped bit in orbax's JSON files gave a bare KeyError (or orbax's
+    "unknown key"), and a data file's first byte flipped a 61-line TensorStore spec."""
+    n = jax.device_count()
+    rows = np.random.default_rng(0).standard_normal((n, 2000)).astype(np.float32)
+    w = distributed.member_batch_from_local(rows, make_mesh(n), n)
+    saved = Path(distributed.save_checkpoint(tmp_path / "c", {"w": w}, metadata={"step": 3}))
+    data = max(saved.glob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+    damages = [
+        ("_CHECKPOINT_METADATA", b'"metrics"', b'"metri9s"'),
+        ("_METADATA", b'"key_metadata"', b'"key_metadatb"'),
+        (str(data.relative_to(saved)), None, None),
+    ]
+    for i, (name, old, new) in enumerate(damages):
+        copy = tmp_path / f"d{i}"
+        shutil.copytree(saved, copy)
+        raw = (copy / name).read_bytes()
+        assert old is None or old in raw
+        raw = raw.replace(old, new) if old else bytes([raw[0] ^ 0x5A]) + raw[1:]
+        (copy / name).write_bytes(raw)
+        for partial in (False, True):
+            with pytest.raises(distributed.DamagedCheckpoint) as caught:
+                distributed.restore_checkpoint(copy, {"w": w}, partial=partial)
+            line = str(caught.value)
+            assert "\n" not in line and len(line) < 400, line
+            assert line.startswith(f"checkpoint {copy}: it cannot be read ("), line
+        if old:
+            with pytest.raises(distributed.DamagedCheckpoint, match="it cannot be read"):
+                distributed.checkpoint_metadata(copy)
 
 
 def test_a_checkpoint_saved_before_checksums_were_kept_still_restores(tmp_path):

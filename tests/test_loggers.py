@@ -451,3 +451,16 @@ def test_cli_a_logger_that_cannot_start_is_one_line_and_leaves_no_run_directory(
     assert (old / "wandb_run_id").read_text() == "abc123"
     # (and not the lock file this start made there)
     assert sorted(p.name for p in old.iterdir()) == ["tensorboard", "wandb_run_id"]
+
+
+def test_the_resume_hint_gives_the_log_interval_as_given():
+    """Written with ``:g``, 0.1234567 came back as 0.123457."""
+    import argparse
+
+    from rollout.ppo._cli import _resume_hint
+
+    args = argparse.Namespace(
+        out="run", log="tensorboard", log_interval=0.1234567, checkpoint_every=10
+    )
+    hint = _resume_hint(args)
+    assert hint.endswith("--log tensorboard --log-interval 0.1234567"), hint

@@ -1228,7 +1228,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     if args.log:
         words += ["--log", shlex.quote(args.log)]
     if args.log_interval is not None:
-        words += ["--log-interval", f"{args.log_interval:g}"]
+        words += ["--log-interval", repr(float(args.log_interval))]  # (:g kept 6 digits)
     if args.checkpoint_every != 10:
         words += ["--checkpoint-every", str(args.checkpoint_every)]
     return "continue with: " + " ".join(words)
