@@ -436,20 +436,18 @@ def _shard_sums(x: jax.Array, per_row: bool) -> np.ndarray:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     rows = np.zeros(x.shape[0], np.uint32)
-    strides = np.cumprod(((*x.shape[1:], 1))[::-1])[::-1][1:]  # a row's, in elements
+    weights: dict[tuple, np.ndarray] = {}  # by block and place in the row: shared by shards
     for shard in x.addressable_shards:
         if shard.replica_id != 0:  # each element once, over every process
             continue
         b = _bits(np.asarray(shard.data))  # [*block, e]: e 32-bit words per element
         starts = [s.indices(d)[0] for s, d in zip(shard.index, x.shape)]
-        col = np.zeros(b.shape[1:-1], np.uint64)  # the element's place in its row
-        for k, (start, stride) in enumerate(zip(starts[1:], strides)):
-            place = (np.arange(b.shape[k + 1], dtype=np.uint64) + start) * np.uint64(stride)
-            col = col + place.reshape((-1,) + (1,) * (col.ndim - k - 1))
-        e = b.shape[-1]
-        word = col[..., None] * np.uint64(e) + np.arange(e, dtype=np.uint64)
-        w = (word * np.uint64(2654435761) + np.uint64(1)).astype(np.uint32)  # mod 2**32
-        mixed = (b ^ (b >> np.uint32(16))) * w[None]
+        key = (b.shape[1:], tuple(starts[1:]))
+        if key not in weights:
+            weights[key] = _word_weights(x.shape[1:], b.shape[1:], starts[1:])
+        mixed = b >> np.uint32(16)
+        mixed ^= b
+        mixed *= weights[key][None]
         rows[starts[0] : starts[0] + b.shape[0]] += mixed.reshape(b.shape[0], -1).sum(
             axis=1, dtype=np.uint32
         )
@@ -457,6 +455,21 @@ def _shard_sums(x: jax.Array, per_row: bool) -> np.ndarray:
         return rows
     odd = np.arange(rows.size, dtype=np.uint32) * np.uint32(2) + np.uint32(1)  # none cancels
     return np.array([(rows * odd).sum(dtype=np.uint32)], np.uint32)
+
+
+def _word_weights(row: tuple, block: tuple, starts: list[int]) -> np.ndarray:
+    """``j * 2654435761 + 1`` for each word j of a row's ``block`` (words per element last),
+    the block starting at ``starts`` in a row of shape ``row``. All in uint32: only the
+    weights mod 2**32 count, and uint32 arithmetic wraps there."""
+    u = np.uint32
+    strides = np.cumprod((*row, 1)[::-1])[::-1][1:] % 2**32  # a row's, in elements
+    col = np.zeros(block[:-1], u)  # each element's place in its row
+    for k, (start, stride) in enumerate(zip(starts, strides)):
+        place = (np.arange(block[k], dtype=u) + u(start % 2**32)) * u(stride)
+        col += place.reshape((-1,) + (1,) * (col.ndim - k - 1))
+    e = block[-1]
+    word = col[..., None] * u(e) + np.arange(e, dtype=u)
+    return word * u(2654435761) + u(1)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
