@@ -716,8 +716,7 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
-    if not os.path.isdir(path):  # orbax logged it and read no metadata: {} (given none)
-        raise FileNotFoundError(f"checkpoint_metadata: no checkpoint at {path}.")
+    _check_is_checkpoint(path, "checkpoint_metadata")  # (orbax logged it and read {})
     damage = _metadata_file_damage(path)  # so too for a missing or damaged metadata file
     if damage:
         raise ValueError(
@@ -727,6 +726,16 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     stored = dict(stored_metadata(path).custom_metadata or {})
     stored.pop(_CHECKSUMS_KEY, None)
     return stored
+
+
+def _check_is_checkpoint(path: str, who: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{who}: no checkpoint at {path}.")
+    if not any(os.path.exists(os.path.join(path, f)) for f in (_METADATA_FILE, "_METADATA")):
+        raise FileNotFoundError(
+            f"{who}: {path} holds no checkpoint (no {_METADATA_FILE} or _METADATA in it); "
+            "give the checkpoint's own directory."
+        )
 
 
 def _metadata_file_damage(path: str) -> str | None:
@@ -766,9 +775,12 @@ def stored_metadata(path: str) -> Any:
         if not sharding_file:
             raise _as_damage(path, e) from e
         found, failed = None, e
-    try:
-        with _without_sharding_file(path) as view, ocp.StandardCheckpointer() as checkpointer:
-            viewed = checkpointer.metadata(view)
+    try:  # (its warnings would name the view, gone by then)
+        with orbax_logs_held(logging.WARNING), _without_sharding_file(path) as view:
+            with ocp.StandardCheckpointer() as checkpointer:
+                viewed = checkpointer.metadata(view)
+            if viewed.item_metadata is None:
+                raise _NoLeafMetadata(viewed)
     except Exception:
         viewed = None
     if viewed is not None and viewed.item_metadata is not None:
@@ -778,11 +790,21 @@ def stored_metadata(path: str) -> Any:
     return found
 
 
+# What orbax and TensorStore raise on reading a damaged file (a byte flipped, a file cut
+# short or deleted), seen in sweeps over every file of a checkpoint; other errors are the
+# caller's (a like whose sharding does not divide its shape, a partial tree of another type).
+_DAMAGE_TYPES = (KeyError, AttributeError, UnicodeDecodeError, json.JSONDecodeError, OSError)
+_DAMAGE_WORDS = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "Encountered error while reading",
+                 'Error opening "', "unknown key")  # fmt: skip
+
+
 def _as_damage(path: str, e: Exception) -> Exception:
     """Orbax's or TensorStore's error on reading a damaged file (a KeyError naming a JSON
     field, ``DATA_LOSS``, a 60-line TensorStore spec) as one :class:`DamagedCheckpoint` line
-    naming the checkpoint; ``e`` itself where it says something else (memory, permission)."""
-    if isinstance(e, (DamagedCheckpoint, PermissionError)) or "RESOURCE_EXHAUSTED" in str(e):
+    naming the checkpoint; ``e`` itself where it says something else."""
+    said = str(e)
+    damage = isinstance(e, _DAMAGE_TYPES) or any(word in said for word in _DAMAGE_WORDS)
+    if isinstance(e, (DamagedCheckpoint, PermissionError)) or not damage or "PERMISSION" in said:
         return e
     first = (str(e).strip().splitlines() or [""])[0]
     first = first if len(first) <= 120 else first[:117] + "..."
@@ -843,7 +865,8 @@ def restore_checkpoint(
 
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
-    damage = _metadata_file_damage(path) if os.path.isdir(path) else None
+    _check_is_checkpoint(path, "restore_checkpoint")  # a typo is not damage
+    damage = _metadata_file_damage(path)
     if damage:  # (orbax reads the arrays without it, and the checksums are in it)
         raise DamagedCheckpoint(
             path, f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so "

@@ -579,6 +579,28 @@ def test_damaged_files_orbax_reads_are_one_line_naming_the_checkpoint(tmp_path):
                 distributed.checkpoint_metadata(copy)
 
 
+def test_a_callers_mistake_is_its_own_error_not_called_damage(tmp_path):
+    """Every orbax error was taken for damage: a mistyped path, the run's folder given for
+    the checkpoint, a like that does not fit, were each 'the checkpoint's files are damaged.
+    Restore an earlier checkpoint'."""
+    n = jax.device_count()
+    w = distributed.member_batch_from_local(np.ones((n, 2), np.float32), make_mesh(n), n)
+    path = distributed.save_checkpoint(tmp_path / "run" / "c", {"w": w})
+    for wrong in (tmp_path / "run" / "typo", tmp_path / "run"):
+        for read in (lambda p: distributed.restore_checkpoint(p, {"w": w}),
+                     distributed.checkpoint_metadata):  # fmt: skip
+            with pytest.raises(FileNotFoundError, match=r"no checkpoint at|holds no checkpoint"):
+                read(wrong)
+    three = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("m",))
+    uneven = jax.ShapeDtypeStruct((n, 2), np.float32, sharding=jax.NamedSharding(three, jax.P("m")))
+    with pytest.raises(ValueError) as caught:  # JAX's: axis 0 is not divisible by 3
+        distributed.restore_checkpoint(path, {"w": uneven})
+    assert not isinstance(caught.value, distributed.DamagedCheckpoint), caught.value
+    with pytest.raises(TypeError, match="Type mismatch"):  # orbax's, naming the key
+        distributed.restore_checkpoint(path, {"w": {"x": w}}, partial=True)
+    np.testing.assert_array_equal(distributed.restore_checkpoint(path, {"w": w})["w"], w)
+
+
 def test_a_checkpoint_saved_before_checksums_were_kept_still_restores(tmp_path):
     import orbax.checkpoint as ocp
 
