@@ -147,9 +147,9 @@ def _check_same_on_every_process(
     spanned = list(mesh.devices.flat) if mesh is not None else list(devices or jax.devices())
     if all(d.process_index == jax.process_index() for d in spanned):
         return
-    from ensemble._distributed import settings_that_differ
+    from ensemble._distributed import numeric_jax_settings, settings_that_differ
 
-    settings = {k: repr(v) for k, v in settings.items()}
+    settings = {k: repr(v) for k, v in settings.items()} | numeric_jax_settings()
     # In order, and the mesh's shape: the same devices in another order are another ensemble
     # (each process computed its own members in both slots, and the others never).
     shape = list(mesh.devices.shape) if mesh is not None else None
@@ -158,5 +158,6 @@ def _check_same_on_every_process(
         raise ValueError(
             f"ensemble.build: the processes built an ensemble over their devices with "
             f"different {', '.join(differ)}; every process builds the same ensemble (the "
-            "same n, model_parallel, devices or mesh, in_axes and axis_name), in the same order."
+            "same n, model_parallel, devices or mesh, in_axes and axis_name), in the same order, "
+            "under the same JAX settings (JAX_ENABLE_X64, JAX_DEFAULT_PRNG_IMPL, ...)."
         )

@@ -1045,6 +1045,30 @@ def _path_names(path: tuple) -> tuple[str, ...]:
 _COMPARISONS = itertools.count()  # every process compares in the same order: one key each
 
 
+#: ``jax.config`` options that change what a program computes (its dtypes, random streams,
+#: matmul precision, type promotion): every process of a run needs the same ones, or each
+#: computes its own members another way (x64 on one process: half the members in float64).
+NUMERIC_JAX_SETTINGS = (
+    "jax_enable_x64",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_random_seed_offset",
+    "jax_default_matmul_precision",
+    "jax_numpy_dtype_promotion",
+    "jax_softmax_custom_jvp",
+)
+
+
+def numeric_jax_settings() -> dict[str, str]:
+    """The :data:`NUMERIC_JAX_SETTINGS` as in effect here, for :func:`settings_that_differ`."""
+    values = jax.config.values
+    return {
+        name: str(getattr(jax.config, name, values.get(name)))
+        for name in NUMERIC_JAX_SETTINGS
+        if name in values
+    }
+
+
 def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> list[str]:
     """The names in ``fields`` whose values differ between the processes of this run.
 

@@ -1031,6 +1031,9 @@ def test_a_process_waiting_for_its_coordinator_says_so(tmp_path):
         # Other devices on one process: a gloo timeout after 45 s, a run.json left behind.
         ("devices", "--total-steps 256 --devices $((2 - ENSEMBLE_PROCESS_ID))",
          "different arguments (--devices)"),
+        # x64 on one process: its members trained in float64, the others' in float32 (rc 0).
+        ("x64", "--total-steps 256 --x64-on-1",
+         "different settings (these differ between them: jax_enable_x64)"),
     ],
 )  # fmt: skip
 def test_processes_started_with_different_settings_are_refused_not_left_waiting(
@@ -1042,9 +1045,13 @@ def test_processes_started_with_different_settings_are_refused_not_left_waiting(
     out = shlex.quote(str(tmp_path / "run"))
     if args.endswith("--out-suffix"):
         args, out = args.removesuffix(" --out-suffix"), out + "_$ENSEMBLE_PROCESS_ID"
+    x64 = args.endswith("--x64-on-1")
+    args = args.removesuffix(" --x64-on-1")
     members = "" if "--members" in args else "--members 2 "
     ppo = (f"exec {shlex.quote(sys.executable)} -m rollout.ppo {members}--num-envs 2 "
            f"--num-steps 64 --no-progress --out {out} {args}")  # fmt: skip
+    if x64:
+        ppo = '[ "$ENSEMBLE_PROCESS_ID" = 1 ] && export JAX_ENABLE_X64=1; ' + ppo
     cmd = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--", "bash", "-c", ppo]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=200)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -1147,6 +1154,11 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
         "    build(nn.Dense(2), 4, devices=devices)\n"
         "except ValueError as e:\n"
         "    print('refused:', str(e).split(';')[0])\n"
+        "jax.config.update('jax_enable_x64', os.environ['ENSEMBLE_PROCESS_ID'] == '1')\n"
+        "try:  # its members would compute in float64, the others' in float32\n"
+        "    build(nn.Dense(2), 4)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', str(e).split(';')[0])\n"
     )
     code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
     assert code == 0, err[-3000:]
@@ -1157,13 +1169,19 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
         "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different devices",
         "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different jax_enable_x64",
+        "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different n; every process builds the same ensemble (the same n, model_parallel, "
-        "devices or mesh, in_axes and axis_name), in the same order.",
+        "devices or mesh, in_axes and axis_name), in the same order, under the same JAX "
+        "settings (JAX_ENABLE_X64, JAX_DEFAULT_PRNG_IMPL, ...).",
         "[rank 0] same: 4",
         "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different devices",
         "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
+        "with different jax_enable_x64",
+        "[rank 1] refused: ensemble.build: the processes built an ensemble over their devices "
         "with different n; every process builds the same ensemble (the same n, model_parallel, "
-        "devices or mesh, in_axes and axis_name), in the same order.",
+        "devices or mesh, in_axes and axis_name), in the same order, under the same JAX "
+        "settings (JAX_ENABLE_X64, JAX_DEFAULT_PRNG_IMPL, ...).",
         "[rank 1] same: 4",
     ], out + err

@@ -801,3 +801,20 @@ def test_advantages_that_are_all_equal_normalise_to_zero_not_to_rounding_noise()
     with Learner(cfg, devices=jax.devices()[:2], env=envs.AutoReset(_Always())) as learner:
         _, metrics = learner.update(learner.init(), 2)
     np.testing.assert_array_equal(np.asarray(metrics["policy_loss"]), 0.0)
+
+
+def test_the_devices_advice_across_processes_lists_only_counts_a_process_has():
+    """Under ensemble.launch --devices-per-process 2, --members 6 was told to give --devices 3,
+    which the next run refused (a process has 2)."""
+    from ensemble import layout
+    from rollout.ppo._cli import UsageError, _check_fits
+
+    for members, n_dev, procs in ((6, 4, 2), (12, 8, 2), (6, 8, 2), (9, 12, 3)):
+        with pytest.raises(UsageError) as caught:
+            _check_fits(members, n_dev, procs, on_cpu=True)
+        said = str(caught.value)
+        advice = said.split("give --devices ")[1].split(" (")[0].split(" or ")
+        assert advice, said
+        for per_process in map(int, advice):
+            assert per_process <= n_dev // procs, said
+            layout(members, per_process * procs)  # fits: no ValueError

@@ -432,7 +432,7 @@ def _check_same_config(config: Any, checkpoint_every: int | None = None) -> None
             "with the same arguments, and on CPU with the same --devices (without it, a "
             "process's CPU count sets its devices)."
         )
-    fields = config.to_dict()
+    fields = config.to_dict() | distributed.numeric_jax_settings()
     if checkpoint_every is not None:
         fields["checkpoint_every"] = checkpoint_every
     differ = distributed.settings_that_differ(fields)
@@ -440,7 +440,8 @@ def _check_same_config(config: Any, checkpoint_every: int | None = None) -> None
         distributed.leave_together()  # (every process refuses; the run cannot go on)
         raise UsageError(
             "the processes of this run were started with different settings (these differ "
-            f"between them: {', '.join(differ)}); start every process with the same arguments."
+            f"between them: {', '.join(differ)}); start every process with the same arguments "
+            "and JAX settings (JAX_ENABLE_X64, JAX_DEFAULT_PRNG_IMPL, ...)."
         )
 
 
@@ -1443,6 +1444,15 @@ def _check_fits(members: int, n_dev: int, procs: int, on_cpu: bool) -> None:
         divisors = [d for d in range(1, per + 1) if per % d == 0]
         where = f"{n_dev} devices" + (f" ({n_dev // procs} per process)" if procs > 1 else "")
         listed = ", ".join(map(str, divisors))
+        if procs > 1:  # a process has the devices the launcher gave it, no more
+            local = n_dev // procs
+            fits = [d for d in (*divisors, *range(2 * per, local + 1, per)) if d <= local]
+            raise UsageError(
+                f"--members {members} does not fit {where}: give --devices "
+                f"{' or '.join(map(str, fits))} (a process has {local}; ensemble.launch "
+                "--devices-per-process sets them), or --members a multiple of "
+                f"{local * procs}."
+            )
         raise UsageError(
             f"--members {members} does not fit {where}: give --devices a divisor of {per} "
             f"({listed}: several members per device) or a multiple of it ({per}, {2 * per}, "
