@@ -1060,7 +1060,12 @@ NUMERIC_JAX_SETTINGS = (
 
 
 def numeric_jax_settings() -> dict[str, str]:
-    """The :data:`NUMERIC_JAX_SETTINGS` as in effect here, for :func:`settings_that_differ`."""
+    """The :data:`NUMERIC_JAX_SETTINGS` as in effect here, for :func:`settings_that_differ`.
+
+    Example:
+      >>> numeric_jax_settings()["jax_enable_x64"]
+      'False'
+    """
     values = jax.config.values
     return {
         name: str(getattr(jax.config, name, values.get(name)))

@@ -12,6 +12,7 @@ Example (alone, or as ``python -m ensemble.launch -n 2 --devices-per-process 2 -
 """
 
 from ensemble._distributed import (
+    NUMERIC_JAX_SETTINGS,
     DamagedCheckpoint,
     ProcessInfo,
     checkpoint_metadata,
@@ -19,6 +20,7 @@ from ensemble._distributed import (
     initialize,
     is_main_process,
     member_batch_from_local,
+    numeric_jax_settings,
     process_local_members,
     restore_checkpoint,
     save_checkpoint,
@@ -26,6 +28,7 @@ from ensemble._distributed import (
 )
 
 __all__ = [
+    "NUMERIC_JAX_SETTINGS",
     "DamagedCheckpoint",
     "ProcessInfo",
     "checkpoint_metadata",
@@ -33,6 +36,7 @@ __all__ = [
     "initialize",
     "is_main_process",
     "member_batch_from_local",
+    "numeric_jax_settings",
     "process_local_members",
     "restore_checkpoint",
     "save_checkpoint",
