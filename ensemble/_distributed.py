@@ -1063,8 +1063,8 @@ def numeric_jax_settings() -> dict[str, str]:
     """The :data:`NUMERIC_JAX_SETTINGS` as in effect here, for :func:`settings_that_differ`.
 
     Example:
-      >>> numeric_jax_settings()["jax_enable_x64"]
-      'False'
+      >>> sorted(numeric_jax_settings())[:2]
+      ['jax_default_matmul_precision', 'jax_default_prng_impl']
     """
     values = jax.config.values
     return {
