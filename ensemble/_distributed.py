@@ -537,7 +537,8 @@ def save_checkpoint(
     # meanwhile lost the only checkpoint. Written beside it, then swapped in.
     target = path + ".replacing" if force and os.path.exists(path) else path
     # Orbax keeps no checksum of the data: a damaged data file was read back as other numbers.
-    stored = {**(metadata or {}), _CHECKSUMS_KEY: _leaf_checksums(tree)}
+    sums = {**_leaf_checksums(tree), _METADATA_SUM: _metadata_sum(metadata or {})}
+    stored = {**(metadata or {}), _CHECKSUMS_KEY: sums}
     with orbax_logs_held(about=target), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(target, tree, force=force, custom_metadata=stored)
         checkpointer.wait_until_finished()
@@ -719,23 +720,53 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     _check_is_checkpoint(path, "checkpoint_metadata")  # (orbax logged it and read {})
     damage = _metadata_file_damage(path)  # so too for a missing or damaged metadata file
     if damage:
-        raise ValueError(
-            f"checkpoint_metadata({path}): its metadata file {_METADATA_FILE} is missing or "
-            f"damaged ({damage}), so the metadata saved with it cannot be read."
-        )
+        raise DamagedCheckpoint(
+            path, f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so "
+            "the metadata saved with it cannot be read",
+        )  # fmt: skip
     stored = dict(stored_metadata(path).custom_metadata or {})
-    stored.pop(_CHECKSUMS_KEY, None)
+    sums = stored.pop(_CHECKSUMS_KEY, None)
+    if isinstance(sums, dict) and _METADATA_SUM in sums:  # (kept since 2026-12-07)
+        if sums[_METADATA_SUM] != _metadata_sum(stored):
+            raise DamagedCheckpoint(path, "its metadata does not match the checksum saved")
     return stored
 
 
 def _check_is_checkpoint(path: str, who: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{who}: no checkpoint at {path}.")
+    tree_here = os.path.exists(os.path.join(path, "_METADATA"))
+    items = sorted(d for d in os.listdir(path) if os.path.isfile(f"{path}/{d}/_METADATA"))
+    whole = [d for d in items if os.path.isfile(f"{path}/{d}/{_METADATA_FILE}")]
+    if whole and not tree_here:
+        raise FileNotFoundError(
+            f"{who}: {path} holds no checkpoint, but checkpoints in its folders "
+            f"({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''}); give one of those."
+        )
+    if items and not tree_here:
+        raise FileNotFoundError(
+            f"{who}: {path} holds orbax items in folders of their own ({', '.join(items)}), as "
+            "a CheckpointManager step does, not one save_checkpoint checkpoint; read those "
+            "with orbax."
+        )
+    if _item_of_a_step(path):
+        raise FileNotFoundError(
+            f"{who}: {path} is an item of the orbax CheckpointManager step "
+            f"{os.path.dirname(path)}, not a save_checkpoint checkpoint; read it with orbax."
+        )
     if not any(os.path.exists(os.path.join(path, f)) for f in (_METADATA_FILE, "_METADATA")):
         raise FileNotFoundError(
             f"{who}: {path} holds no checkpoint (no {_METADATA_FILE} or _METADATA in it); "
             "give the checkpoint's own directory."
         )
+
+
+def _item_of_a_step(path: str) -> bool:
+    """An orbax CheckpointManager step's item folder: its _METADATA here, the step's
+    _CHECKPOINT_METADATA in the folder above (a save_checkpoint checkpoint has both here)."""
+    here = os.path.exists(os.path.join(path, _METADATA_FILE))
+    above = os.path.exists(os.path.join(os.path.dirname(path), _METADATA_FILE))
+    return not here and above and os.path.exists(os.path.join(path, "_METADATA"))
 
 
 def _metadata_file_damage(path: str) -> str | None:
@@ -916,6 +947,13 @@ def _read_partially(path: str, stored: Any, like: Any) -> Any:
 
 
 _NONE_KEPT = object()  # a checkpoint saved before checksums were kept
+_METADATA_SUM = "metadata"  # the checksum record's entry for the metadata (leaves: JSON lists)
+
+
+def _metadata_sum(metadata: dict[str, Any]) -> int:
+    import zlib
+
+    return zlib.crc32(json.dumps(metadata, sort_keys=True).encode())
 
 
 def _check_sums(path: str, out: Any, saved: Any) -> None:
@@ -925,6 +963,7 @@ def _check_sums(path: str, out: Any, saved: Any) -> None:
     if not isinstance(saved, dict):
         raise DamagedCheckpoint(path, f"its checksum record is damaged ({type(saved).__name__})")
     bad = [name for name, s in _leaf_checksums(out).items() if saved.get(name, s) != s]
+    bad = [name for name in bad if name != _METADATA_SUM]
     if bad:
         names = ["/".join(json.loads(name)) for name in bad]
         more = f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""
@@ -1067,11 +1106,11 @@ def numeric_jax_settings() -> dict[str, str]:
       ['jax_default_matmul_precision', 'jax_default_prng_impl']
     """
     values = jax.config.values
-    return {
-        name: str(getattr(jax.config, name, values.get(name)))
-        for name in NUMERIC_JAX_SETTINGS
-        if name in values
-    }
+    found = {name: getattr(jax.config, name, values.get(name)) for name in NUMERIC_JAX_SETTINGS}
+    precision = found.get("jax_default_matmul_precision")
+    with contextlib.suppress(ValueError):  # spellings of one precision: float32 is highest
+        found["jax_default_matmul_precision"] = jax.lax.Precision(precision or "default")
+    return {name: str(value) for name, value in found.items() if name in values}
 
 
 def settings_that_differ(fields: dict[str, Any], timeout_s: float = 300.0) -> list[str]:

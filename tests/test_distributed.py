@@ -1185,3 +1185,41 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
         "settings (JAX_ENABLE_X64, JAX_DEFAULT_PRNG_IMPL, ...).",
         "[rank 1] same: 4",
     ], out + err
+
+
+def test_metadata_changed_by_a_flipped_bit_is_damage_not_another_value(tmp_path):
+    """A flipped bit of a digit in _CHECKPOINT_METADATA gave {'step': 0} for {'step': 1}."""
+    saved = distributed.save_checkpoint(tmp_path / "c", {"w": jnp.ones(2)}, metadata={"step": 1})
+    path = Path(saved)
+    meta = path / "_CHECKPOINT_METADATA"
+    raw = meta.read_bytes()
+    assert raw.count(b'"step": 1') == 1
+    meta.write_bytes(raw.replace(b'"step": 1', b'"step": 0'))
+    with pytest.raises(distributed.DamagedCheckpoint, match="does not match the checksum saved"):
+        distributed.checkpoint_metadata(path)
+
+
+def test_an_orbax_checkpoint_manager_step_is_named_not_called_damaged(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tree = {"w": jnp.arange(3.0)}
+    with ocp.CheckpointManager(tmp_path / "mgr") as manager:
+        manager.save(5, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+    step = tmp_path / "mgr" / "5"
+    items = [d.name for d in step.iterdir() if (d / "_METADATA").exists()]
+    assert items, list(step.iterdir())
+    for where, said in ((step, "holds orbax items"), (step / items[0], "is an item of")):
+        for read in (lambda p: distributed.restore_checkpoint(p, tree),
+                     distributed.checkpoint_metadata):  # fmt: skip
+            with pytest.raises(FileNotFoundError, match=said):
+                read(where)
+
+
+def test_spellings_of_one_matmul_precision_compare_equal():
+    """highest on one process and float32 on another lower to the same dots: refused."""
+    said = []
+    for spelling in ("highest", "float32", "default", None, "bfloat16", "tensorfloat32", "high"):
+        with jax.default_matmul_precision(spelling):
+            said.append(distributed.numeric_jax_settings()["jax_default_matmul_precision"])
+    assert said == ["HIGHEST", "HIGHEST", "DEFAULT", "DEFAULT", "DEFAULT", "HIGH", "HIGH"]

@@ -547,8 +547,9 @@ def _restore_one(
 
     try:
         meta = checkpoint_metadata(path)
-    except DamagedCheckpoint as e:  # another of its metadata files (the path is long)
-        raise RunDirError(e.what) from None
+    except DamagedCheckpoint as e:  # (the path is long)
+        unreadable = "its metadata is unreadable (_CHECKPOINT_METADATA)"
+        raise RunDirError(unreadable if "missing or damaged" in e.what else e.what) from None
     except ValueError:  # its metadata file missing or damaged (the message's path is long)
         raise RunDirError("its metadata is unreadable (_CHECKPOINT_METADATA)") from None
     if meta.get("run_id") is None:
