@@ -726,7 +726,7 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
         )  # fmt: skip
     stored = dict(stored_metadata(path).custom_metadata or {})
     sums = stored.pop(_CHECKSUMS_KEY, None)
-    if isinstance(sums, dict) and _METADATA_SUM in sums:  # (kept since 2026-12-07)
+    if isinstance(sums, dict) and _METADATA_SUM in sums:  # (older checkpoints have none)
         if sums[_METADATA_SUM] != _metadata_sum(stored):
             raise DamagedCheckpoint(path, "its metadata does not match the checksum saved")
     return stored
@@ -973,8 +973,9 @@ def _check_sums(path: str, out: Any, saved: Any) -> None:
 
 
 class DamagedCheckpoint(ValueError):
-    """A checkpoint whose leaves, as read, do not match the checksums saved with them (or whose
-    checksums cannot be read): its files are damaged. ``leaves``: the names of those leaves."""
+    """A checkpoint whose files are damaged: leaves or metadata, as read, that do not match the
+    checksums saved with them, checksums that cannot be read, or a file orbax cannot read.
+    ``what``: which, in words; ``leaves``: the names of the leaves that do not match."""
 
     def __init__(self, path: str, what: str, leaves: list[str] | None = None) -> None:
         super().__init__(
