@@ -556,7 +556,7 @@ def test_cli_bad_config_is_a_clear_error_and_exit_code_2(tmp_path, capsys):
         _check_fits(members, n_dev, 1, on_cpu=False)
     with pytest.raises(UsageError, match="the 4 accelerators: use a multiple or a divisor of 4"):
         _check_fits(6, 4, 1, on_cpu=False)
-    with pytest.raises(UsageError, match=r"\(2 per process\): give --devices a divisor of 3"):
+    with pytest.raises(UsageError, match=r"\(2 per process\): give --devices 1 \(a process has 2;"):
         _check_fits(6, 4, 2, on_cpu=True)
     assert main(["--env", "acrobot", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "unknown env 'acrobot'" in capsys.readouterr().err
