@@ -718,12 +718,7 @@ def checkpoint_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
     _check_is_checkpoint(path, "checkpoint_metadata")  # (orbax logged it and read {})
-    damage = _metadata_file_damage(path)  # so too for a missing or damaged metadata file
-    if damage:
-        raise DamagedCheckpoint(
-            path, f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so "
-            "the metadata saved with it cannot be read",
-        )  # fmt: skip
+    _refuse_damaged_metadata_file(path, "the metadata saved with it cannot be read")
     stored = dict(stored_metadata(path).custom_metadata or {})
     sums = stored.pop(_CHECKSUMS_KEY, None)
     if isinstance(sums, dict) and _METADATA_SUM in sums:  # (older checkpoints have none)
@@ -769,15 +764,17 @@ def _item_of_a_step(path: str) -> bool:
     return not here and above and os.path.exists(os.path.join(path, "_METADATA"))
 
 
-def _metadata_file_damage(path: str) -> str | None:
-    """Why the checkpoint's metadata file cannot be read (orbax only logs it), or None."""
+def _refuse_damaged_metadata_file(path: str, so: str) -> None:
+    """:class:`DamagedCheckpoint` if the metadata file cannot be read (orbax only logs it)."""
     try:
         with open(os.path.join(path, _METADATA_FILE)) as f:
-            if not isinstance(json.load(f), dict):
-                return "not a JSON object"
+            if isinstance(json.load(f), dict):
+                return
+            damage = "not a JSON object"
     except (OSError, ValueError) as e:
-        return type(e).__name__
-    return None
+        damage = type(e).__name__
+    what = f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so {so}"
+    raise DamagedCheckpoint(path, what)
 
 
 def stored_metadata(path: str) -> Any:
@@ -897,12 +894,10 @@ def restore_checkpoint(
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
     _check_is_checkpoint(path, "restore_checkpoint")  # a typo is not damage
-    damage = _metadata_file_damage(path)
-    if damage:  # (orbax reads the arrays without it, and the checksums are in it)
-        raise DamagedCheckpoint(
-            path, f"its metadata file {_METADATA_FILE} is missing or damaged ({damage}), so "
-            "what is read cannot be checked against the checksums saved there",
-        )  # fmt: skip
+    # (orbax reads the arrays without it, and the checksums are in it)
+    _refuse_damaged_metadata_file(
+        path, "what is read cannot be checked against the checksums saved there"
+    )
     like = _abstract(path, like)
     metadata = stored_metadata(path)
     stored = metadata.item_metadata
@@ -963,7 +958,6 @@ def _check_sums(path: str, out: Any, saved: Any) -> None:
     if not isinstance(saved, dict):
         raise DamagedCheckpoint(path, f"its checksum record is damaged ({type(saved).__name__})")
     bad = [name for name, s in _leaf_checksums(out).items() if saved.get(name, s) != s]
-    bad = [name for name in bad if name != _METADATA_SUM]
     if bad:
         names = ["/".join(json.loads(name)) for name in bad]
         more = f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""
