@@ -530,6 +530,7 @@ def save_checkpoint(
 
     # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
+    _check_not_empty(tree)
     _check_metadata(metadata)
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
@@ -545,6 +546,16 @@ def save_checkpoint(
     if target != path:
         _on_process_0_then_all(lambda: _swap_in(target, path), "save_checkpoint: swapped in")
     return path
+
+
+def _check_not_empty(tree: Any) -> None:
+    """Orbax refuses an empty leaf, then logs a traceback from its writer thread."""
+    for p, x in jax.tree_util.tree_leaves_with_path(tree):
+        if getattr(x, "size", 1) == 0:
+            raise ValueError(
+                f"save_checkpoint: tree{jax.tree_util.keystr(p)} has shape {x.shape}, no "
+                "values, and orbax cannot save an empty array: leave it out of the tree."
+            )
 
 
 def _swap_in(new: str, path: str) -> None:
@@ -871,9 +882,11 @@ def restore_checkpoint(
     same structure; each process reads only the shards it holds. The checkpoint may come from
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
-    ``ValueError``, as is a tree of another structure; a leaf read that does not match the
-    checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`, as are a missing or
-    damaged metadata file, which holds the checksums, and a file orbax cannot read. ``partial=True``
+    ``ValueError``, as are a tree of another structure and a float64 or int64 JAX array saved
+    with x64 on, read with it off (NumPy and Python values read as JAX narrows them then); a
+    leaf read that does not match the checksum saved with it (a damaged file) is
+    :class:`DamagedCheckpoint`, as are a missing or damaged metadata file, which holds the
+    checksums, and a file orbax cannot read. ``partial=True``
     reads only the leaves ``like`` has (the params of a checkpoint that also holds the
     optimizer state, for inference). NumPy leaves carry no placement: a run with one device
     (in all) reads them onto it; with several, they are refused (place ``like`` first: arrays
@@ -901,9 +914,10 @@ def restore_checkpoint(
     like = _abstract(path, like)
     metadata = stored_metadata(path)
     stored = metadata.item_metadata
-    _check_shapes(path, stored, like)
+    sums = (metadata.custom_metadata or {}).get(_CHECKSUMS_KEY, _NONE_KEPT)
+    _check_shapes(path, stored, like, sums)
     out = _read(path, stored, like) if not partial else _read_partially(path, stored, like)
-    _check_sums(path, out, (metadata.custom_metadata or {}).get(_CHECKSUMS_KEY, _NONE_KEPT))
+    _check_sums(path, out, sums)
     return out
 
 
@@ -1031,10 +1045,11 @@ def _structure_mismatch(path: str, stored: Any, like: Any) -> str:
     )
 
 
-def _check_shapes(path: str, stored: Any, like: Any) -> None:
+def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
     """One line for a leaf whose shape differs from the checkpoint's (orbax's own error
     suggests padding or truncating it, which would silently drop or invent members), or whose
-    dtype does (orbax casts to the like's dtype without a word: float32 into bfloat16)."""
+    dtype does (orbax casts to the like's dtype without a word: float32 into bfloat16).
+    ``sums``: the checkpoint's checksum record (which leaves were JAX arrays when saved)."""
     saved = {
         _path_names(p): (tuple(m.shape), getattr(m, "dtype", "?"))
         for p, m in jax.tree_util.tree_leaves_with_path(stored)
@@ -1046,12 +1061,8 @@ def _check_shapes(path: str, stored: Any, like: Any) -> None:
             data = jax.eval_shape(jax.random.key_data, x)
             want, dtype = data.shape, str(data.dtype)
         have, have_dtype = saved.get(_path_names(p), (want, dtype))
-        if str(have_dtype) != dtype:
-            raise ValueError(
-                f"restore_checkpoint({path}): like{key} is {dtype}, the checkpoint "
-                f"{have_dtype}: restore into a like of the checkpoint's dtype, then cast (orbax "
-                "would cast it silently)."
-            )
+        was_jax = not isinstance(sums, dict) or json.dumps(_path_names(p)) in sums
+        _check_dtype(f"restore_checkpoint({path}): ", key, dtype, str(have_dtype), was_jax)
         if have == want:
             continue
         members = ""
@@ -1063,6 +1074,25 @@ def _check_shapes(path: str, stored: Any, like: Any) -> None:
         raise ValueError(
             f"restore_checkpoint({path}): like{key} has shape {want}, the checkpoint "
             f"{have}{members}."
+        )
+
+
+def _check_dtype(who: str, key: str, dtype: str, have: str, was_jax: bool) -> None:
+    """The like's ``dtype`` against the checkpoint's, ``have``. Without x64, orbax reads a
+    64-bit leaf as its 32-bit kind: a JAX array's bits (saved with x64 on) then match neither
+    its values nor its checksum; a NumPy or Python value (``was_jax`` False) narrows as JAX
+    narrows any such value, into a like of either dtype."""
+    narrowed = str(jax.dtypes.canonicalize_dtype(have)) if have != "?" else have
+    if narrowed != have and was_jax:
+        raise ValueError(
+            f"{who}like{key}: the checkpoint's leaf is {have}, saved with x64 on: read it with "
+            "x64 on too (JAX_ENABLE_X64=1, or "
+            "jax.config.update('jax_enable_x64', True) before using JAX), then cast."
+        )
+    if dtype not in (have, narrowed):
+        raise ValueError(
+            f"{who}like{key} is {dtype}, the checkpoint {have}: restore into a like of the "
+            "checkpoint's dtype, then cast (orbax would cast it silently)."
         )
 
 

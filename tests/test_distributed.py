@@ -528,8 +528,9 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
     assert refused >= 2  # the largest data file holds w's values
     with pytest.raises(ValueError, match="the one the checkpoint keeps its checksums under"):
         distributed.save_checkpoint(tmp_path / "d", tree, metadata={"_ensemble_checksums": 1})
-    with pytest.raises(ValueError, match="Cannot save arrays with zero size"):  # orbax's line
+    with pytest.raises(ValueError, match=r"tree\['x'\] has shape \(0, 3\), no values, and "):
         distributed.save_checkpoint(tmp_path / "e", {"x": jnp.zeros((0, 3)), "w": w})
+    assert not (tmp_path / "e").exists()
 
 
 def test_damaged_checksums_or_metadata_are_refused_not_taken_for_none_kept(tmp_path):
@@ -1223,3 +1224,27 @@ def test_spellings_of_one_matmul_precision_compare_equal():
         with jax.default_matmul_precision(spelling):
             said.append(distributed.numeric_jax_settings()["jax_default_matmul_precision"])
     assert said == ["HIGHEST", "HIGHEST", "DEFAULT", "DEFAULT", "DEFAULT", "HIGH", "HIGH"]
+
+
+def test_a_checkpoint_saved_with_x64_read_without_it_is_said_not_called_damaged(tmp_path):
+    """Orbax reads a float64 leaf as float32 without x64: its bits matched neither the values
+    nor the checksum, and an intact checkpoint was called damaged (the dtype error's own advice,
+    a float64 like, led there). NumPy and Python values narrow as JAX narrows them."""
+    path = tmp_path / "c"
+    save = (
+        "import sys, jax, jax.numpy as jnp, numpy as np\n"
+        "from ensemble import distributed\n"
+        "distributed.save_checkpoint(sys.argv[1], {'w': jnp.arange(4.0) / 3, 'i': jnp.arange(4),"
+        " 'lr': np.float64(0.1), 'step': 5})\n"
+    )
+    env = {**clean_env(), "JAX_ENABLE_X64": "1"}
+    subprocess.run([sys.executable, "-c", save, str(path)], env=env, check=True, timeout=120)
+    s = member_sharding(make_mesh(4), 1)
+    like = {"i": jnp.zeros(4, jnp.int32), "lr": jnp.zeros(()), "step": jnp.zeros((), int)}
+    for w in (jax.device_put(jnp.zeros(4), s), jax.ShapeDtypeStruct((4,), np.float64, sharding=s)):
+        with pytest.raises(ValueError, match=r"like\['i'\]: the checkpoint's leaf is int64, saved "
+                           r"with x64 on: read it with x64 on too \(JAX_ENABLE_X64=1"):  # fmt: skip
+            distributed.restore_checkpoint(path, {**like, "w": w})
+    back = distributed.restore_checkpoint(path, {k: like[k] for k in ("lr", "step")}, partial=True)
+    assert back["lr"].dtype == jnp.float32 and back["lr"] == np.float32(0.1), back
+    assert back["step"] == 5
