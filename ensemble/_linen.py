@@ -46,12 +46,12 @@ from ensemble._mesh import (
     MEMBER_AXIS,
     MODEL_AXIS,
     LogicalRules,
+    as_if_outside_meshes,
     check_split,
     devices_per_member,
     member_index,
     member_pspec,
     merge_rules,
-    own_mesh_of_size,
     resolve_mesh,
     take_member,
     unmapped_names,
@@ -187,9 +187,8 @@ class LinenEnsemble:
           ``{'params': ..., <other collections>: ...}``, every leaf ``[n, ...]`` and sharded on
           the member axis (and further mesh axes through logical annotations and rules).
         """
-        # Its own mesh from the start: a caller's of another size (another ensemble's, on other
-        # devices) refused the member program inside this jit's trace.
-        with own_mesh_of_size(self.mesh):
+        # (as_if_outside_meshes says why a caller's mesh is set aside)
+        with as_if_outside_meshes(self.mesh):
             jitted, _, call_args = self._init_program(rng, args, kwargs)
             with explained_errors():
                 return jitted(*call_args)
@@ -204,7 +203,7 @@ class LinenEnsemble:
     def lower_init(self, rng: RngLike, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered init program, e.g. ``ens.lower_init(k, x).compile().memory_analysis()``
         to see that each device only ever holds its share."""
-        with own_mesh_of_size(self.mesh):
+        with as_if_outside_meshes(self.mesh):
             jitted, _, call_args = self._init_program(rng, args, kwargs)
             return jitted.lower(*call_args)
 
@@ -310,7 +309,7 @@ class LinenEnsemble:
             self._warn_new_function(method)
         make = lambda: self._make_apply(static, mutable, method, axes)
         jitted = self._cache.get_or_make(cache_key, make)
-        with own_mesh_of_size(self.mesh), explained_errors():  # (see init)
+        with as_if_outside_meshes(self.mesh), explained_errors():  # (see init)
             return jitted(variables, keys, arrays, kw_arrays)
 
     def _check_shared_names(self, keys: Mapping[str, Any]) -> None:

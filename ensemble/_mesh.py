@@ -398,7 +398,7 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
     ``shard_map`` or an array of one mesh under another mesh in context. No mesh set: no change.
     """
     current = jax.sharding.get_abstract_mesh()
-    if current.empty or current == mesh.abstract_mesh:
+    if current.empty or _in_context(mesh):
         yield
         return
     try:
@@ -417,17 +417,34 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def own_mesh_of_size(mesh: Mesh) -> Iterator[None]:
-    """:func:`own_mesh` for an entry that jits the call itself, where the caller's mesh has
-    another size: a jit traced under it cannot switch to this one (``use_abstract_mesh``
-    keeps the size). Otherwise the member program switches inside the trace, and inputs made
-    under the caller's mesh (typed with it) are still handled under it."""
-    current = jax.sharding.get_abstract_mesh()
-    if current.empty or current.size == mesh.size:
+def as_if_outside_meshes(mesh: Mesh) -> Iterator[None]:
+    """For an entry that jits the call itself: no caller's mesh in context while it runs, as
+    if called outside one (its member program then enters ``mesh`` itself). Under a caller's
+    mesh of another shape, device order or devices, that jit's trace could not switch to
+    ``mesh`` (``use_abstract_mesh`` keeps the size; the partitioner aborted on a manual
+    sub-axis; JAX refused the devices), and entering ``mesh`` instead refused inputs made
+    under the caller's (typed with its axes). Inside a caller's jit: :func:`own_mesh`."""
+    if jax.sharding.get_abstract_mesh().empty or _in_context(mesh):
         yield
         return
-    with own_mesh(mesh):
+    try:
+        ctx: Any = jax.set_mesh(None)
+    except ValueError:  # tracing the caller's jit
+        ctx = own_mesh(mesh)
+    with ctx:
         yield
+
+
+def _in_context(mesh: Mesh) -> bool:
+    """Whether ``mesh`` is the one in context: its axes, and its devices in their order where
+    that can be told (outside a jit; a mesh of the same axes on other devices is another)."""
+    if jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+        return False
+    try:
+        concrete = jax.sharding.get_mesh()
+    except ValueError:  # tracing a jit: only the abstract mesh is known
+        return True
+    return concrete.empty or concrete == mesh
 
 
 def check_rules(rules: LogicalRules, mesh: Mesh, in_members: bool = False) -> None:

@@ -61,13 +61,13 @@ from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
     LogicalRules,
+    as_if_outside_meshes,
     check_split,
     kept_sharding,
     member_index,
     member_pspec,
     merge_rules,
     own_mesh,
-    own_mesh_of_size,
     partitioning,
     resolve_mesh,
     take_member,
@@ -189,7 +189,7 @@ class NNXEnsemble(nnx.Module):
                 dynamic, static = split
                 # Its own mesh before the jit: a caller's of another size refused the member
                 # program inside the trace.
-                with own_mesh_of_size(self.mesh), explained_errors():
+                with as_if_outside_meshes(self.mesh), explained_errors():
                     return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
 

@@ -352,3 +352,47 @@ def test_model_parallel_with_nothing_split_over_model_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ruled.init(jax.random.key(0), jnp.ones((2, 3)))
+
+
+_UNDER_OTHER_MESHES = """
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+from flax import nnx
+import ensemble
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+x = jnp.arange(20.0).reshape(4, 5) / 10
+d = jax.devices()
+four = ensemble.build(nn.Dense(3), 4)  # ensemble 4 x data 2
+part = ensemble.sharding.partitioning
+cases = {  # each a mesh the caller set, and an ensemble of the same device count under it
+    "same devices, other shape": (four.mesh, part, 2, d),  # ensemble 2 x data 4: aborted
+    "other devices": (ensemble.build(nn.Dense(3), 4, devices=d[:4]).mesh, part, 4, d[4:]),
+    "devices reversed": (jax.make_mesh((8,), ("x",), devices=d[::-1]), jax.set_mesh, 8, d),
+}
+for name, (mesh, context, n, devices) in cases.items():
+    lin = ensemble.build(nn.Dense(3), n, devices=devices)
+    nx = ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), n, devices=devices)
+    want = lin.init(0, x)
+    want = [want["params"]["kernel"], lin.apply(want, x), nx(x)]
+    with context(mesh):
+        v = lin.init(0, x)
+        got = [v["params"]["kernel"], lin.apply(v, x), nx(x)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+print("ok")
+"""
+
+
+def test_ensemble_calls_under_a_mesh_of_the_same_size_but_other_shape_or_devices():
+    """Under a caller's mesh of the same device count, linen init/apply and NNX calls stayed
+    in it: another shape aborted the process in the partitioner (a manual sub-axis), other
+    devices or their order were JAX's 'incompatible devices' error."""
+    import subprocess
+    import sys
+
+    from subprocess_env import clean_env
+
+    done = subprocess.run([sys.executable, "-c", _UNDER_OTHER_MESHES], env=clean_env(),
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
