@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import threading
 import time
 from collections.abc import Iterator
@@ -23,19 +24,22 @@ _lock = threading.Lock()
 
 
 def remember(error: Exception) -> None:
-    """Records an error a callback is about to raise (for ``worker_errors``)."""
+    """Records a copy of an error a callback is about to raise (for ``worker_errors``): its
+    type, message and attributes. Not the error itself: as it is raised, it takes on the
+    callback's frames, which hold the call's arguments; kept here, they stayed alive."""
     with _lock:
-        _recent.append(error.with_traceback(None))  # frames of the callback thread: not needed
+        _recent.append(copy.copy(error))  # (no traceback, no chained errors)
 
 
 def _recall(text: str) -> Exception | None:
-    """The latest recorded error whose message appears in ``text`` (then forgotten)."""
+    """The latest recorded error whose message appears in ``text``; every such record is
+    forgotten (each device of a failed program records the failure: left here, the one raised
+    again would keep the caller's frames, hence its arrays, alive)."""
     with _lock:
-        for error in reversed(_recent):
-            if str(error) in text:
-                _recent.remove(error)
-                return error
-    return None
+        matching = [error for error in _recent if str(error) in text]
+        for error in matching:
+            _recent.remove(error)
+    return matching[-1] if matching else None
 
 
 def finish_dispatched() -> None:

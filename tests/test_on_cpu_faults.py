@@ -3,6 +3,7 @@ timeouts, bounded caches. References are the direct computation (fn called witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -984,3 +985,35 @@ def test_a_failed_process_with_a_device_stuck_in_a_collective_exits_with_its_cod
     assert res.returncode == 1, res.stderr[-3000:]
     assert float(res.stdout.split("gave up after ")[1].split()[0]) < 5.0
     assert "Termination timeout" not in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_call_over_several_devices_keeps_none_of_the_callers_arrays_alive():
+    """Each device's failed callback recorded the error, and one record was forgotten: the
+    other, the very error raised again, then held the caller's frames (a train step's whole
+    state) after the caller had let it go. Without worker_errors, the records held the
+    callback's frames, hence its arguments."""
+    import gc
+
+    f = on_cpu(spin, in_axes=(0, None), workers=W, timeout=0.3)
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    step = jax.jit(lambda x: f(x, 2**31 - 1) * 2)
+
+    def attempt(relay: bool) -> str:
+        held = jnp.ones(1000) + 1  # the caller's, alive only in this frame
+        x = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P("d")))
+        try:
+            with rollout.worker_errors() if relay else contextlib.nullcontext():
+                jax.block_until_ready(step(x) + held[0])
+        except Exception as e:
+            return type(e).__name__
+
+    try:
+        for relay, raised in ((True, "WorkerTimeout"), (False, "JaxRuntimeError")):
+            gc.collect()
+            before = len(jax.live_arrays())
+            assert [attempt(relay) for _ in range(3)] == [raised] * 3
+            gc.collect()
+            assert len(jax.live_arrays()) == before, jax.live_arrays()
+    finally:
+        f.close()
