@@ -1914,7 +1914,22 @@ def test_a_compiler_given_with_a_launcher_and_flags_builds_the_step(tmp_path):
                           timeout=100, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "None"
-    assert list((tmp_path / "sharded-ensembles").glob("hostenv-*.so"))
+    (built,) = (tmp_path / "sharded-ensembles").glob("hostenv-*.so")
+    assert built.stat().st_mode & 0o555 == 0o555  # others sharing the cache load it too
+
+
+@pytest.mark.timeout(120)
+def test_a_cache_that_cannot_be_written_is_named_in_the_advice_not_the_compiler(tmp_path):
+    # The warning said "install a C++ compiler" whatever stopped the build.
+    (tmp_path / "a-file").write_text("")
+    script = "from rollout.hostenv import _fast; print(_fast.why_not()); print(_fast.how_to_fix())"
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path / "a-file"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    why, fix = done.stdout.splitlines()
+    assert "a-file" in why
+    assert fix.startswith("set $XDG_CACHE_HOME to a folder this user can write and read (not ")
 
 
 @pytest.mark.timeout(60)

@@ -58,7 +58,7 @@ def library() -> ctypes.CDLL | None:
     (``why_not()`` says why)."""
     with _load_lock:
         if "lib" not in _state:
-            _state["lib"], _state["why"] = _load()
+            _state["lib"], _state["why"], _state["fix"] = _load()
         return _state["lib"]
 
 
@@ -68,21 +68,42 @@ def why_not() -> str | None:
     return _state["why"]
 
 
+def how_to_fix() -> str:
+    """What would let the step be built, for the reason :func:`why_not` gives."""
+    library()
+    return _state["fix"]
+
+
+class _CannotBuild(RuntimeError):
+    """The library cannot be built here; ``fix`` says what would let it."""
+
+    def __init__(self, why: str, fix: str) -> None:
+        super().__init__(why)
+        self.fix = fix
+
+
 DISABLED = "ROLLOUT_HOSTENV_FFI=0"
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+def _load() -> tuple[ctypes.CDLL | None, str | None, str]:
     if os.environ.get("ROLLOUT_HOSTENV_FFI", "1") == "0":
-        return None, DISABLED
+        return None, DISABLED, ""
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
+    except _CannotBuild as e:
+        return None, str(e), e.fix
+    except OSError as e:  # the cache: not writable, or a library there this user cannot read
+        fix = f"set $XDG_CACHE_HOME to a folder this user can write and read (not {_cache()})"
+        return None, str(e), fix
     lib.hostenv_register.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.hostenv_lock.argtypes = lib.hostenv_unlock.argtypes = [ctypes.c_void_p]
     lib.hostenv_trylock.argtypes = [ctypes.c_void_p]
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.HostenvStep), platform="cpu")
-    return lib, None
+    return lib, None, ""
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "sharded-ensembles")
 
 
 def _build() -> Path:
@@ -92,13 +113,14 @@ def _build() -> Path:
     key = hashlib.sha256(_SOURCE.read_bytes())
     for header in sorted(Path(include, "xla", "ffi", "api").glob("*.h")):
         key.update(header.read_bytes())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "sharded-ensembles")
+    cache = _cache()
     target = cache / f"hostenv-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     compiler = shlex.split(os.environ.get("CXX") or "c++")  # may carry a launcher or flags
     if not compiler or shutil.which(compiler[0]) is None:
-        raise RuntimeError(f"no C++ compiler {compiler[:1]!r} on PATH to build {_SOURCE.name}")
+        why = f"no C++ compiler {compiler[:1]!r} on PATH to build {_SOURCE.name}"
+        raise _CannotBuild(why, "install a C++ compiler (or set $CXX)")
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / "hostenv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -112,11 +134,14 @@ def _build() -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
             os.unlink(tmp)
-            raise RuntimeError(f"building {_SOURCE.name} took over 300 s; gave up") from None
+            why = f"building {_SOURCE.name} took over 300 s; gave up"
+            raise _CannotBuild(why, "set $CXX to a faster C++ compiler") from None
         if done.returncode != 0:
             os.unlink(tmp)
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"building {_SOURCE.name} failed: {last}")
+            why = f"building {_SOURCE.name} failed: {last}"
+            raise _CannotBuild(why, "set $CXX to a C++17 compiler that builds it")
+        os.chmod(tmp, 0o755)  # (mkstemp's 0o600: other users of a shared cache could not load it)
         os.replace(tmp, target)
     return target
 

@@ -455,7 +455,7 @@ class HostEnvs:
         why = _fast.why_not()
         if slot is None and why != _fast.DISABLED:
             if why:
-                fix = "install a C++ compiler (or set $CXX)"
+                fix = _fast.how_to_fix()
             elif not fits:
                 why = f"{workers} workers per device; it serves at most {_fast.MAX_WORKERS}"
                 fix = "set fewer workers_per_device"
