@@ -187,8 +187,7 @@ class NNXEnsemble(nnx.Module):
                 self._check_inputs(args, self.in_axes, kwargs)
                 check_live(state, "ensemble state ", _KEEP_A_COPY)
                 dynamic, static = split
-                # Its own mesh before the jit: a caller's of another size refused the member
-                # program inside the trace.
+                # (as_if_outside_meshes says why a caller's mesh is set aside)
                 with as_if_outside_meshes(self.mesh), explained_errors():
                     return _compiled_call(self, dynamic, static)
         return self.map(_call_module, *args, **kwargs)
