@@ -194,13 +194,28 @@ def as_key(value: Any, name: str = "rng") -> jax.Array:
     )
 
 
-def stream_keys(rngs: Any, default: str | None) -> dict[str, jax.Array]:
-    """A key, seed or ``{stream: key}`` -> ``{stream: typed key}``."""
+def stream_keys(rngs: Any, default: str | None, mesh: Mesh) -> dict[str, jax.Array]:
+    """A key, seed or ``{stream: key}`` -> ``{stream: typed key}`` for an ensemble on
+    ``mesh``."""
     if isinstance(rngs, Mapping):
-        return {str(k): as_key(v, str(k)) for k, v in rngs.items()}
+        return {str(k): _key_on(as_key(v, str(k)), mesh) for k, v in rngs.items()}
     if default is None:
         raise TypeError("rngs= must be a dict of keys per stream, e.g. {'dropout': key}.")
-    return {default: as_key(rngs, default)}
+    return {default: _key_on(as_key(rngs, default), mesh)}
+
+
+def _key_on(key: jax.Array, mesh: Mesh) -> jax.Array:
+    """A key made under a caller's mesh (replicated over its devices) re-placed onto the
+    ensemble's: a jit refuses arguments on two device lists."""
+    sharding = getattr(key, "sharding", None)
+    if (
+        isinstance(key, jax.core.Tracer)
+        or not isinstance(sharding, NamedSharding)
+        or sharding.mesh == mesh
+        or not sharding.is_fully_replicated
+    ):
+        return key
+    return jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
 
 
 def first_failing(tree: Any, bad: Callable[[Any], bool]) -> tuple[str, Any] | None:

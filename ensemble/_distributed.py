@@ -530,7 +530,7 @@ def save_checkpoint(
 
     # Orbax's own error for a donated array names no leaf and leaves its temporary folder.
     check_live(tree, "save_checkpoint: tree", "save the arrays the step returned")
-    _check_not_empty(tree)
+    _check_savable(tree)
     _check_metadata(metadata)
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
@@ -548,13 +548,24 @@ def save_checkpoint(
     return path
 
 
-def _check_not_empty(tree: Any) -> None:
-    """Orbax refuses an empty leaf, then logs a traceback from its writer thread."""
+def _check_savable(tree: Any) -> None:
+    """Refuses the leaves orbax refuses only once its write has begun: its writer thread then
+    logged a traceback and left its temporary folder, and a later save there could fail and
+    hang the interpreter's exit."""
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
-        if getattr(x, "size", 1) == 0:
+        key, dtype = jax.tree_util.keystr(p), getattr(x, "dtype", None)
+        if isinstance(x, bool | int | float):
+            continue
+        if dtype is None or getattr(dtype, "kind", "") in ("O", "U", "S", "M", "m"):
+            what = f"of dtype {dtype}" if dtype is not None else f"a {type(x).__name__}"
             raise ValueError(
-                f"save_checkpoint: tree{jax.tree_util.keystr(p)} has shape {x.shape}, no "
-                "values, and orbax cannot save an empty array: leave it out of the tree."
+                f"save_checkpoint: tree{key} is {what}, which orbax cannot save: a tree holds "
+                "arrays and numbers (int, float, bool); give other values as metadata= (JSON)."
+            )
+        if not x.size:
+            raise ValueError(
+                f"save_checkpoint: tree{key} has shape {x.shape}, no values, and orbax cannot "
+                "save an empty array: leave it out of the tree."
             )
 
 
@@ -1049,7 +1060,7 @@ def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
     """One line for a leaf whose shape differs from the checkpoint's (orbax's own error
     suggests padding or truncating it, which would silently drop or invent members), or whose
     dtype does (orbax casts to the like's dtype without a word: float32 into bfloat16).
-    ``sums``: the checkpoint's checksum record (which leaves were JAX arrays when saved)."""
+    ``sums``: the checkpoint's checksum record (which leaves have checksums)."""
     saved = {
         _path_names(p): (tuple(m.shape), getattr(m, "dtype", "?"))
         for p, m in jax.tree_util.tree_leaves_with_path(stored)
@@ -1061,8 +1072,8 @@ def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
             data = jax.eval_shape(jax.random.key_data, x)
             want, dtype = data.shape, str(data.dtype)
         have, have_dtype = saved.get(_path_names(p), (want, dtype))
-        was_jax = not isinstance(sums, dict) or json.dumps(_path_names(p)) in sums
-        _check_dtype(f"restore_checkpoint({path}): ", key, dtype, str(have_dtype), was_jax)
+        summed = isinstance(sums, dict) and json.dumps(_path_names(p)) in sums
+        _check_dtype(f"restore_checkpoint({path}): ", key, dtype, str(have_dtype), summed)
         if have == want:
             continue
         members = ""
@@ -1077,13 +1088,14 @@ def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
         )
 
 
-def _check_dtype(who: str, key: str, dtype: str, have: str, was_jax: bool) -> None:
+def _check_dtype(who: str, key: str, dtype: str, have: str, summed: bool) -> None:
     """The like's ``dtype`` against the checkpoint's, ``have``. Without x64, orbax reads a
-    64-bit leaf as its 32-bit kind: a JAX array's bits (saved with x64 on) then match neither
-    its values nor its checksum; a NumPy or Python value (``was_jax`` False) narrows as JAX
-    narrows any such value, into a like of either dtype."""
+    64-bit leaf as its 32-bit kind, whose bits cannot match the leaf's checksum (``summed``:
+    it has one, as a JAX array, saved with x64 on, has); a leaf without one (a NumPy or Python
+    value, any leaf of a checkpoint from before checksums) narrows as JAX narrows any such
+    value, into a like of either dtype."""
     narrowed = str(jax.dtypes.canonicalize_dtype(have)) if have != "?" else have
-    if narrowed != have and was_jax:
+    if narrowed != have and summed:
         raise ValueError(
             f"{who}like{key}: the checkpoint's leaf is {have}, saved with x64 on: read it with "
             "x64 on too (JAX_ENABLE_X64=1, or "

@@ -198,7 +198,8 @@ class LinenEnsemble:
 
         Useful to restore a checkpoint straight into shards.
         """
-        return self._init_program(rng, args, kwargs)[1]
+        with as_if_outside_meshes(self.mesh):
+            return self._init_program(rng, args, kwargs)[1]
 
     def lower_init(self, rng: RngLike, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered init program, e.g. ``ens.lower_init(k, x).compile().memory_analysis()``
@@ -208,7 +209,7 @@ class LinenEnsemble:
             return jitted.lower(*call_args)
 
     def _init_program(self, rng: RngLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        keys = stream_keys(rng, default="params")
+        keys = stream_keys(rng, default="params", mesh=self.mesh)
         self._check_shared_names(keys)
         axes = self._check_args(args)
         (arrays, kw_arrays), static = self._split(args, kwargs)
@@ -299,7 +300,8 @@ class LinenEnsemble:
                 "rngs= must be a dict of keys per stream, e.g. {'dropout': jax.random.key(0)}; "
                 f"got {type(rngs).__name__}."
             )
-        keys = stream_keys(rngs, default=None) if rngs else {}
+        with as_if_outside_meshes(self.mesh):  # a seed's key: not typed with a caller's mesh
+            keys = stream_keys(rngs, default=None, mesh=self.mesh) if rngs else {}
         self._check_shared_names(keys)
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)

@@ -406,10 +406,10 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
     except ValueError:  # tracing the caller's jit: the concrete mesh cannot change there
         if current.size != mesh.size:  # (JAX: "use_abstract_mesh cannot change the size")
             raise ValueError(
-                f"this ensemble's mesh ({mesh.size} devices) cannot run inside a jit traced "
-                f"under a mesh of {current.size} devices: JAX cannot switch to a mesh of "
-                "another size there; call the ensemble outside that mesh's context, or jit "
-                "it on its own."
+                f"this ensemble's mesh ({mesh.size} devices) cannot run inside a jit (or "
+                f"another JAX transformation) traced under a mesh of {current.size} devices: "
+                "JAX cannot switch to a mesh of another size there; call the ensemble "
+                "outside that mesh's context, or transform it on its own."
             ) from None
         ctx = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     with ctx:

@@ -923,7 +923,7 @@ def nnx_optimizer(
 
     # Traced with no mesh, as in the creation: Flax would refuse an annotation name that no
     # rule maps; _member_shardings maps every name through the rules.
-    with nnx.use_eager_sharding(False):
+    with nnx.use_eager_sharding(False), as_if_outside_meshes(ens.mesh):
         opt_graphdef, abstract = nnx.split(nnx.eval_shape(create, ens_state))
     params = jax.tree.leaves(nnx.state(ens.members, wrt), is_leaf=_is_variable)
     named = {(np.shape(v.get_value()), _names(v)) for v in params}

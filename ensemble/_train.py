@@ -50,6 +50,7 @@ from ensemble._core import (
 )
 from ensemble._mesh import (
     MODEL_AXIS,
+    as_if_outside_meshes,
     check_mesh,
     kept_sharding,
     member_sharding,
@@ -139,7 +140,8 @@ class TrainStep:
         """
         self._check_member_major(params, "params")
         check_live(params, "params")
-        return jax.jit(self._tx.init, out_shardings=self._opt_shardings(params))(params)
+        with as_if_outside_meshes(self.mesh):
+            return jax.jit(self._tx.init, out_shardings=self._opt_shardings(params))(params)
 
     def _opt_shardings(self, params: Any) -> Any:
         abstract = jax.eval_shape(self._tx.init, params)

@@ -32,14 +32,15 @@ def remember(error: Exception) -> None:
 
 
 def _recall(text: str) -> Exception | None:
-    """The latest recorded error whose message appears in ``text``; every such record is
-    forgotten (each device of a failed program records the failure: left here, the one raised
-    again would keep the caller's frames, hence its arrays, alive)."""
+    """The latest recorded error whose message appears in ``text`` (then forgotten; another
+    thread's failure of the same text finds its own. The records left by the other devices
+    of a failed program are copies no caller raised: they hold no frames)."""
     with _lock:
-        matching = [error for error in _recent if str(error) in text]
-        for error in matching:
-            _recent.remove(error)
-    return matching[-1] if matching else None
+        for error in reversed(_recent):
+            if str(error) in text:
+                _recent.remove(error)
+                return error
+    return None
 
 
 def finish_dispatched() -> None:

@@ -204,7 +204,8 @@ def test_ensemble_calls_run_under_a_mesh_the_callers_code_set():
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-6)
     with ensemble.sharding.partitioning(other.mesh, other.rules):  # a jit traced under it
-        with pytest.raises(ValueError, match=r"cannot run inside a jit traced under a mesh of 8"):
+        with pytest.raises(ValueError, match=r"inside a jit \(or another JAX transformation\) "
+                           "traced under a mesh of 8"):  # fmt: skip
             jax.jit(lambda v, x: half.apply(v, x))(half_params, x)
     params = lin.init(jax.random.key(0), x)
     with ensemble.sharding.partitioning(other.mesh, other.rules):  # traced under it
@@ -355,30 +356,55 @@ def test_model_parallel_with_nothing_split_over_model_warns():
 
 
 _UNDER_OTHER_MESHES = """
-import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, optax
 from flax import nnx
 import ensemble
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dropout(0.5, deterministic=False)(nn.Dense(3)(x))
+
+
 x = jnp.arange(20.0).reshape(4, 5) / 10
 d = jax.devices()
 four = ensemble.build(nn.Dense(3), 4)  # ensemble 4 x data 2
 part = ensemble.sharding.partitioning
+explicit = (jax.sharding.AxisType.Explicit,)
 cases = {  # each a mesh the caller set, and an ensemble of the same device count under it
     "same devices, other shape": (four.mesh, part, 2, d),  # ensemble 2 x data 4: aborted
     "other devices": (ensemble.build(nn.Dense(3), 4, devices=d[:4]).mesh, part, 4, d[4:]),
     "devices reversed": (jax.make_mesh((8,), ("x",), devices=d[::-1]), jax.set_mesh, 8, d),
+    "Explicit axes": (jax.make_mesh((8,), ("x",), axis_types=explicit), jax.set_mesh, 8, d),
 }
+
+
+def run(lin, nx):
+    v = lin.init(0, x)
+    outs = [np.asarray(v["params"]["Dense_0"]["kernel"]), lin.apply(v, x, rngs={"dropout": 2}),
+            lin.apply(v, x, rngs={"dropout": jax.random.key(2)}), nx(x)]  # fmt: skip
+    step = lin.train_step(lambda p, x: jnp.mean(Net().apply({"params": p}, x, rngs={
+        "dropout": jax.random.key(1)}) ** 2), optax.adam(0.1))  # fmt: skip
+    nnx_step = nx.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.adam(0.1))
+    outs += [*step(v["params"], step.init(v["params"]), x), nnx_step(nx, nnx_step.init(), x)]
+    return outs, lin.init_shardings(0, x)
+
+
 for name, (mesh, context, n, devices) in cases.items():
-    lin = ensemble.build(nn.Dense(3), n, devices=devices)
-    nx = ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), n, devices=devices)
-    want = lin.init(0, x)
-    want = [want["params"]["kernel"], lin.apply(want, x), nx(x)]
-    with context(mesh):
-        v = lin.init(0, x)
-        got = [v["params"]["kernel"], lin.apply(v, x), nx(x)]
-    for g, w in zip(got, want):
+    make_nnx = lambda: ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), n,
+                                      devices=devices)  # fmt: skip
+    lin = ensemble.build(Net(), n, devices=devices)
+    want, shardings = run(lin, make_nnx())
+    before = jax.sharding.get_abstract_mesh()
+    with context(mesh):  # keys made under it (the user's, and the seed's) are typed with it
+        got, under = run(lin, make_nnx())
+        assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh, name
+    assert jax.sharding.get_abstract_mesh() == before
+    assert under == shardings, name
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 print("ok")
 """
@@ -387,7 +413,8 @@ print("ok")
 def test_ensemble_calls_under_a_mesh_of_the_same_size_but_other_shape_or_devices():
     """Under a caller's mesh of the same device count, linen init/apply and NNX calls stayed
     in it: another shape aborted the process in the partitioner (a manual sub-axis), other
-    devices or their order were JAX's 'incompatible devices' error."""
+    devices or their order were JAX's 'incompatible devices' error, as were a linen seed or
+    key made under it; step.init and an NNX optimizer failed under an Explicit mesh."""
     import subprocess
     import sys
 

@@ -1129,3 +1129,27 @@ def test_a_state_an_update_donated_is_refused_not_a_crash():
     with pytest.raises(ValueError, match=r"this state was donated to an earlier update"):
         learner.update(old, 1)
     learner.update(new, 1)  # the returned one goes on
+
+
+def test_an_interrupt_while_train_closes_its_learner_still_frees_the_run_dir(tmp_path, monkeypatch):
+    """A second Ctrl-C landing in train()'s close of the learner it made skipped the close of
+    the run, whose lock then lived on in the traceback a notebook keeps: resuming in the same
+    session was refused as 'in use by another running process'."""
+    from rollout.ppo import _cli
+
+    made = _learner(_tiny())
+
+    class Interrupted:  # the learner train() made, whose close the second Ctrl-C hits
+        def __getattr__(self, name):
+            return getattr(made, name)
+
+        def close(self):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_cli, "_learner_for", lambda *a, **k: Interrupted())
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt) as kept:  # (kept: as a notebook keeps it)
+        train(_tiny(), out, progress=False, checkpoint_every=1, on_update=_stop_at(3))
+    monkeypatch.undo()
+    _, rows = _run(_tiny(), out, resume=True)
+    assert kept.value is not None and [r["update"] for r in rows] == list(range(1, 7))

@@ -197,10 +197,12 @@ def train(
             e.args = (_in_python_terms(str(e), str(Path(out or "."))),)
         raise
     finally:
-        if learner_given is None and learner is not None:  # what we opened (env_on='cpu'
-            learner.close()  # worker processes)
-        if run is not None:
-            run.close()
+        try:
+            if learner_given is None and learner is not None:  # what we opened (env_on='cpu'
+                learner.close()  # worker processes)
+        finally:  # (a second Ctrl-C in the close above kept the run's lock in a notebook)
+            if run is not None:
+                run.close()
 
 
 #: Set while the CLI runs :func:`train`: its errors then name the command's flags.
@@ -1597,7 +1599,12 @@ class _Signals:
         self._got.append(signum)
         name = signal.Signals(signum).name
         if len(self._got) > 1:
-            sys.stderr.write(f"{name} again: exiting now; checkpoints already written are kept.\n")
+            again = (
+                "again" if signum == self._got[0] else f"after {signal.Signals(self._got[0]).name}"
+            )
+            sys.stderr.write(
+                f"{name} {again}: exiting now; checkpoints already written are kept.\n"
+            )
             sys.stderr.flush()
             os._exit(128 + signum)
         if self._training:
