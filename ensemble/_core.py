@@ -198,22 +198,21 @@ def stream_keys(rngs: Any, default: str | None, mesh: Mesh) -> dict[str, jax.Arr
     """A key, seed or ``{stream: key}`` -> ``{stream: typed key}`` for an ensemble on
     ``mesh``."""
     if isinstance(rngs, Mapping):
-        return {str(k): _key_on(as_key(v, str(k)), mesh) for k, v in rngs.items()}
+        return {str(k): key_on(as_key(v, str(k)), mesh) for k, v in rngs.items()}
     if default is None:
         raise TypeError("rngs= must be a dict of keys per stream, e.g. {'dropout': key}.")
-    return {default: _key_on(as_key(rngs, default), mesh)}
+    return {default: key_on(as_key(rngs, default), mesh)}
 
 
-def _key_on(key: jax.Array, mesh: Mesh) -> jax.Array:
-    """A key made under a caller's mesh (replicated over its devices) re-placed onto the
-    ensemble's: a jit refuses arguments on two device lists."""
-    sharding = getattr(key, "sharding", None)
-    if (
-        isinstance(key, jax.core.Tracer)
-        or not isinstance(sharding, NamedSharding)
-        or sharding.mesh == mesh
-        or not sharding.is_fully_replicated
-    ):
+def key_on(key: jax.Array, mesh: Mesh) -> jax.Array:
+    """A key committed elsewhere (made under a caller's mesh, or put on one device), whole on
+    each of its devices, re-placed onto the ensemble's ``mesh``: a jit refuses arguments on two
+    device lists. The same key: only where it lives changes."""
+    if isinstance(key, jax.core.Tracer) or not isinstance(key, jax.Array) or not key.committed:
+        return key
+    sharding = key.sharding
+    on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+    if on_mesh or not sharding.is_fully_replicated:
         return key
     return jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
 
@@ -367,11 +366,14 @@ def check_on_mesh(tree: Any, mesh: Mesh, what: str, member_major: bool = False) 
             "jax.sharding.NamedSharding(your_mesh, jax.sharding.PartitionSpec()))."
         )
     # (a scalar, such as an optimizer's step count, has no member axis to keep split)
-    _refuse_placement(f"{what}{path}", leaf.sharding, mesh, order, member_major and leaf.ndim > 0)
+    _refuse_placement(f"{what}{path}", leaf, mesh, order, member_major and leaf.ndim > 0)
 
 
-def _refuse_placement(what: str, sharding: Any, mesh: Mesh, order: Any, member_major: bool) -> None:
+def _refuse_placement(
+    what: str, leaf: jax.Array, mesh: Mesh, order: Any, member_major: bool
+) -> None:
     """:func:`check_on_mesh`'s one line for a committed array: where it is, and the fix."""
+    sharding = leaf.sharding
     fix = (
         "(ensemble.sharding.shard_members(x, ens.mesh, ens.n), which keeps the members split)"
         if member_major
@@ -386,14 +388,19 @@ def _refuse_placement(what: str, sharding: Any, mesh: Mesh, order: Any, member_m
     elif sharding.device_set == set(order):
         where = (
             f"is on this ensemble's devices ({_device_ids(order)}) in another order (another "
-            "ensemble's mesh), which a compiled call cannot mix with this one's"
+            "mesh's), which a compiled call cannot mix with this one's"
         )
     else:
         where = (
             f"is committed to device(s) {_device_ids(sharding.device_set)}, but this "
             f"ensemble runs on devices {_device_ids(order)}"
         )
-    raise ValueError(f"{what} {where}; pass it uncommitted (np.asarray(x)) or move it there {fix}.")
+    uncommitted = (
+        ""
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        else ("pass it uncommitted (np.asarray(x)) or ")
+    )  # (a typed key has no NumPy form)
+    raise ValueError(f"{what} {where}; {uncommitted}move it there {fix}.")
 
 
 def _explicit_elsewhere(sharding: Any, mesh: Mesh) -> bool:

@@ -549,24 +549,43 @@ def save_checkpoint(
 
 
 def _check_savable(tree: Any) -> None:
-    """Refuses the leaves orbax refuses only once its write has begun: its writer thread then
-    logged a traceback and left its temporary folder, and a later save there could fail and
-    hang the interpreter's exit."""
+    """Refuses what orbax refuses only once its write has begun: its writer thread then logged a
+    traceback and left its temporary folder (a later save there could fail and hang the
+    interpreter's exit). Arrays are written by TensorStore: a dtype it lacks is refused."""
+    if tree is None or (isinstance(tree, dict | list | tuple) and not len(tree)):
+        raise ValueError(
+            f"save_checkpoint: the tree is {tree!r}, which orbax cannot save: give one holding "
+            "at least one entry."
+        )
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
-        key, dtype = jax.tree_util.keystr(p), getattr(x, "dtype", None)
-        if isinstance(x, bool | int | float):
-            continue
-        if dtype is None or getattr(dtype, "kind", "") in ("O", "U", "S", "M", "m"):
+        key = jax.tree_util.keystr(p)
+        dtype = (
+            np.asarray(x).dtype if isinstance(x, bool | int | float) else getattr(x, "dtype", None)
+        )
+        if dtype is None or not _tensorstore_has(dtype):
             what = f"of dtype {dtype}" if dtype is not None else f"a {type(x).__name__}"
             raise ValueError(
                 f"save_checkpoint: tree{key} is {what}, which orbax cannot save: a tree holds "
-                "arrays and numbers (int, float, bool); give other values as metadata= (JSON)."
+                "arrays and numbers (int, float, bool) of the dtypes TensorStore has; give other "
+                "values as metadata= (JSON)."
             )
-        if not x.size:
+        if not np.size(x):
             raise ValueError(
                 f"save_checkpoint: tree{key} has shape {x.shape}, no values, and orbax cannot "
                 "save an empty array: leave it out of the tree."
             )
+
+
+def _tensorstore_has(dtype: Any) -> bool:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # saved as its key data (uint32)
+        return True
+    import tensorstore
+
+    try:
+        tensorstore.dtype(np.dtype(dtype).name)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _swap_in(new: str, path: str) -> None:

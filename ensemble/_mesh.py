@@ -417,6 +417,22 @@ def own_mesh(mesh: Mesh) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def no_mesh_set() -> Iterator[None]:
+    """No caller's mesh in context, where one can be unset (not while a jit traces): arrays
+    made meanwhile are placed by no mesh of the caller's, and programs run as if called
+    outside one."""
+    if jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    try:
+        ctx: Any = jax.set_mesh(None)
+    except ValueError:  # tracing the caller's jit
+        ctx = contextlib.nullcontext()
+    with ctx:
+        yield
+
+
+@contextlib.contextmanager
 def as_if_outside_meshes(mesh: Mesh) -> Iterator[None]:
     """For an entry that jits the call itself: no caller's mesh in context while it runs, as
     if called outside one (its member program then enters ``mesh`` itself). Under a caller's

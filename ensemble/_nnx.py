@@ -53,6 +53,7 @@ from ensemble._core import (
     check_stacked_inputs,
     explained_errors,
     join_static,
+    key_on,
     split_loss,
     split_static,
     typed,
@@ -179,7 +180,7 @@ class NNXEnsemble(nnx.Module):
         new array too), each where it was, so, like a plain module, an ensemble whose call
         changes none (eval mode) also works closed over by ``jax.jit`` or ``jax.grad``.
         """
-        args, kwargs = _take_rngs((args, kwargs))
+        args, kwargs = _take_rngs((args, kwargs), self.mesh)
         state = nnx.state(self.members)
         if not _tracing(args, kwargs, state):
             split = _split_static(args, kwargs)
@@ -209,7 +210,7 @@ class NNXEnsemble(nnx.Module):
           >>> ens.map(lambda m, x: (m(x) ** 2).mean(), jnp.ones((5, 3))).shape
           (4,)
         """
-        args, kwargs = _take_rngs((args, kwargs))
+        args, kwargs = _take_rngs((args, kwargs), self.mesh)
         return self._map(fn, args, kwargs, self.in_axes)
 
     def member(self, i: int) -> nnx.Module:
@@ -427,14 +428,15 @@ def _member_treedef(state: Any) -> Any:
     return jax.tree.structure(nnx_spmd.remove_axis(one, 0, _TRANSFORM_METADATA))
 
 
-def _take_rngs(tree: Any) -> Any:
-    """Replaces every ``nnx.Rngs`` in the inputs by one fresh key per stream (advancing it)."""
+def _take_rngs(tree: Any, mesh: Mesh) -> Any:
+    """Replaces every ``nnx.Rngs`` in the inputs by one fresh key per stream (advancing it),
+    on ``mesh`` (drawn under a caller's mesh, it is placed there)."""
     is_rngs = lambda x: isinstance(x, nnx.Rngs)
 
     def take(x: Any) -> Any:
         if not is_rngs(x):
             return x
-        return _MemberKeys({name: x[name]() for name in x})
+        return _MemberKeys({name: key_on(x[name](), mesh) for name in x})
 
     return jax.tree.map(take, tree, is_leaf=is_rngs)
 
@@ -653,7 +655,7 @@ def _plan(
     """Validates the arguments, traces the creation abstractly and jits it with out_shardings."""
     make_member = _checked(_as_factory(factory, module_kwargs))
     members = Members(int(n), mesh, merge_rules(rules))
-    keys = _stream_keys(rngs)
+    keys = {name: key_on(key, mesh) for name, key in _stream_keys(rngs).items()}
 
     def create(keys: dict[str, jax.Array]) -> nnx.Module:
         # Only traced abstractly: the member-major Variables and their member-axis metadata.
@@ -1059,7 +1061,7 @@ class NNXTrainStep:
         check_inputs(one, axes, ens.n, "batch argument", *BATCH_FIXES, mesh=ens.mesh)
         if stacked is not None:
             check_stacked_inputs(batch, stacked, axes, ens.n, BATCH_FIXES[1], ens.mesh)
-        batch = tuple(_take_rngs(b) if r else b for r, b in zip(rngs, batch))
+        batch = tuple(_take_rngs(b, ens.mesh) if r else b for r, b in zip(rngs, batch))
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         check_live((ens_state, opt_state), "ensemble or optimizer state ", _KEEP_A_COPY)

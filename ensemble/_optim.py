@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ensemble._mesh import MEMBER_AXIS, layout
+from ensemble._mesh import MEMBER_AXIS, layout, no_mesh_set
 
 
 def as_transformation(tx: Any) -> optax.GradientTransformation:
@@ -58,7 +58,9 @@ def per_member(
     """
     layout(n, 1)  # n must be a positive integer
     tx = optax.with_extra_args_support(as_transformation(tx))
-    values = {k: jnp.asarray(v) for k, v in hyperparams.items()}
+    with no_mesh_set():  # closed over by the step's program: tied to no mesh of the caller's
+        concrete = lambda v: v if isinstance(v, jax.core.Tracer) else np.asarray(v)
+        values = {k: jnp.asarray(concrete(v)) for k, v in hyperparams.items()}
     for name, v in values.items():
         if v.shape != (n,):
             raise ValueError(

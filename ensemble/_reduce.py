@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from ensemble._core import check_live
-from ensemble._mesh import MEMBER_AXIS, member_index, take_member
+from ensemble._mesh import MEMBER_AXIS, member_index, no_mesh_set, take_member
 
 
 def mean(y: ArrayLike) -> jax.Array:
@@ -27,7 +27,8 @@ def mean(y: ArrayLike) -> jax.Array:
       >>> mean(jnp.array([[1.0, 2.0], [3.0, 6.0]]))
       Array([2., 4.], dtype=float32)
     """
-    return _mean(_member_major(y, "mean"))
+    with no_mesh_set():  # (an ensemble's output under a mesh of the caller's: as outside it)
+        return _mean(_member_major(y, "mean"))
 
 
 def variance(y: ArrayLike, *, ddof: int = 0) -> jax.Array:
@@ -38,7 +39,8 @@ def variance(y: ArrayLike, *, ddof: int = 0) -> jax.Array:
       >>> variance(jnp.array([[1.0, 2.0], [3.0, 6.0]]))
       Array([1., 4.], dtype=float32)
     """
-    return _variance(_member_major(y, "variance"), ddof)
+    with no_mesh_set():
+        return _variance(_member_major(y, "variance"), ddof)
 
 
 def log_mean_exp(log_probs: ArrayLike) -> jax.Array:
@@ -54,7 +56,8 @@ def log_mean_exp(log_probs: ArrayLike) -> jax.Array:
       >>> float(log_mean_exp(jnp.array([-1000.0, -1000.0])))
       -1000.0
     """
-    return _log_mean_exp(_member_major(log_probs, "log_mean_exp"))
+    with no_mesh_set():
+        return _log_mean_exp(_member_major(log_probs, "log_mean_exp"))
 
 
 @jax.jit
@@ -85,10 +88,13 @@ def disagreement(logits: ArrayLike) -> jax.Array:
       >>> disagreement(logits)
       Array([0.25], dtype=float32)
     """
-    logits = _member_major(logits, "disagreement")
-    if logits.ndim < 2:
-        raise ValueError(f"disagreement needs logits [n, ..., classes]; got shape {logits.shape}.")
-    return _disagreement(logits)
+    with no_mesh_set():
+        logits = _member_major(logits, "disagreement")
+        if logits.ndim < 2:
+            raise ValueError(
+                f"disagreement needs logits [n, ..., classes]; got shape {logits.shape}."
+            )
+        return _disagreement(logits)
 
 
 @jax.jit

@@ -532,9 +532,13 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
         distributed.save_checkpoint(tmp_path / "e", {"x": jnp.zeros((0, 3)), "w": w})
     # Leaves orbax refuses once its write has begun (its folder then left, a later save there
     # failing): refused first, and the next save there is whole.
-    for bad, what in ((1 + 2j, "a complex"), ("a", "a str"), (np.array(["a"]), "of dtype <U1")):
+    unsavable = [(1 + 2j, "a complex"), ("a", "a str"), (np.array(["a"]), "of dtype <U1")]
+    unsavable += [(jnp.ones(2, jnp.uint4), "of dtype uint4"), (2**70, "of dtype object")]
+    for bad, what in unsavable:
         with pytest.raises(ValueError, match=rf"tree\['x'\] is {what}, which orbax cannot save"):
             distributed.save_checkpoint(tmp_path / "e", {"x": bad, "w": w})
+    with pytest.raises(ValueError, match=r"the tree is \{\}, which orbax cannot save"):
+        distributed.save_checkpoint(tmp_path / "e", {})
     assert not list(tmp_path.glob("e*"))
     back = distributed.restore_checkpoint(distributed.save_checkpoint(tmp_path / "e", tree), tree)
     np.testing.assert_array_equal(back["w"], w)

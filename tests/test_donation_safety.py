@@ -149,6 +149,11 @@ def test_another_ensembles_params_on_the_same_devices_in_another_order_are_one_l
     params = ensemble.sharding.shard_members(v["params"], ours.mesh, ours.n)  # the fix
     params, _, _ = step(params, step.init(params), x)
     ensemble.debug.assert_no_replicated_members(params, ours.n)
+    # Per-member keys there: a typed key has no NumPy form, so np.asarray is not offered.
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), theirs.mesh.devices.flat[0])
+    keyed = ours.train_step(lambda p, x, k: loss(p, x), optax.adam(1e-3), per_member_batch=True)
+    with pytest.raises(ValueError, match=r"batch argument 1 is committed .*; move it there \("):
+        keyed(params, keyed.init(params), jnp.ones((8, 4, 3)), keys)
 
 
 def test_replicated_params_come_out_of_the_step_split_over_the_members():

@@ -408,7 +408,8 @@ def test_episodes_beyond_memory_are_one_line_before_any_allocation(cartpole, tmp
     # such, 10x the episodes gave 5x fewer "fit", and at 1e10 blamed the members.
     assert evaluate.main([str(tmp_path), "--episodes", "2000000000"]) == 2
     again = re.search(r"about ([\d,]+) fit", capsys.readouterr().err)
-    assert again and abs(int(again.group(1).replace(",", "")) - fit) < fit / 100, (again, fit)
+    # (the host's free memory moves between the two calls: 1.8% on a busy machine)
+    assert again and abs(int(again.group(1).replace(",", "")) - fit) < fit / 10, (again, fit)
     assert evaluate.main([str(tmp_path), "--episodes", str(min(fit // 4, 64))]) == 0
 
 

@@ -369,6 +369,14 @@ class Net(nn.Module):
         return nn.Dropout(0.5, deterministic=False)(nn.Dense(3)(x))
 
 
+class Drop(nnx.Module):
+    def __init__(self, rngs):
+        self.lin, self.drop = nnx.Linear(5, 3, rngs=rngs), nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.drop(self.lin(x), rngs=rngs)
+
+
 x = jnp.arange(20.0).reshape(4, 5) / 10
 d = jax.devices()
 four = ensemble.build(nn.Dense(3), 4)  # ensemble 4 x data 2
@@ -382,14 +390,21 @@ cases = {  # each a mesh the caller set, and an ensemble of the same device coun
 }
 
 
-def run(lin, nx):
+def run(lin, nx, n, devices):  # keys, seeds and per-member values made under the context
     v = lin.init(0, x)
+    on_one = jax.device_put(jax.random.key(2), devices[-1])
     outs = [np.asarray(v["params"]["Dense_0"]["kernel"]), lin.apply(v, x, rngs={"dropout": 2}),
-            lin.apply(v, x, rngs={"dropout": jax.random.key(2)}), nx(x)]  # fmt: skip
+            lin.apply(v, x, rngs={"dropout": jax.random.key(2)}), nx(x),
+            ensemble.mean(lin.apply(v, x, rngs={"dropout": on_one}))]  # fmt: skip
+    lr = jnp.linspace(0.1, 0.2, n)
     step = lin.train_step(lambda p, x: jnp.mean(Net().apply({"params": p}, x, rngs={
-        "dropout": jax.random.key(1)}) ** 2), optax.adam(0.1))  # fmt: skip
+        "dropout": jax.random.key(1)}) ** 2), optax.inject_hyperparams(optax.adam)(0.1),
+        hyperparams={"learning_rate": lr})  # fmt: skip
     nnx_step = nx.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.adam(0.1))
     outs += [*step(v["params"], step.init(v["params"]), x), nnx_step(nx, nnx_step.init(), x)]
+    drop = ensemble.build(Drop, n, devices=devices, rngs=jax.random.key(4))
+    drop_step = drop.train_step(lambda m, x, r: jnp.mean(m(x, rngs=r) ** 2), optax.adam(0.1))
+    outs += [drop(x, rngs=nnx.Rngs(3)), drop_step(drop, drop_step.init(), x, nnx.Rngs(5))]
     return outs, lin.init_shardings(0, x)
 
 
@@ -397,10 +412,10 @@ for name, (mesh, context, n, devices) in cases.items():
     make_nnx = lambda: ensemble.build(lambda rngs: nnx.Linear(5, 3, rngs=rngs), n,
                                       devices=devices)  # fmt: skip
     lin = ensemble.build(Net(), n, devices=devices)
-    want, shardings = run(lin, make_nnx())
+    want, shardings = run(lin, make_nnx(), n, devices)
     before = jax.sharding.get_abstract_mesh()
     with context(mesh):  # keys made under it (the user's, and the seed's) are typed with it
-        got, under = run(lin, make_nnx())
+        got, under = run(lin, make_nnx(), n, devices)
         assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh, name
     assert jax.sharding.get_abstract_mesh() == before
     assert under == shardings, name
