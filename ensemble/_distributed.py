@@ -557,6 +557,12 @@ def _check_savable(tree: Any) -> None:
             f"save_checkpoint: the tree is {tree!r}, which orbax cannot save: give one holding "
             "at least one entry."
         )
+    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree)):
+        what = "array" if hasattr(tree, "shape") else "value"
+        raise ValueError(
+            f"save_checkpoint: the tree is a single {what}, which orbax saves only inside a "
+            "tree: wrap it, e.g. {'x': x}."
+        )
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
         key = jax.tree_util.keystr(p)
         dtype = (

@@ -599,8 +599,9 @@ def build_nnx(
     """
     in_axes = check_in_axes(in_axes)
     mesh = resolve_mesh(n, mesh, devices, model_parallel)
-    with own_mesh(mesh):  # keys made under a caller's mesh would be typed with it
-        plan = _plan(factory, n, mesh, rules, rngs, module_kwargs)
+    keys = _keys_on(rngs, mesh)
+    with own_mesh(mesh):
+        plan = _plan(factory, n, mesh, rules, keys, module_kwargs)
     with partitioning(plan.mesh, plan.rules):
         state = plan.init(plan.keys)
     members = nnx.merge(plan.graphdef, state)
@@ -630,8 +631,9 @@ def lower_build_nnx(
       16
     """
     mesh = resolve_mesh(n, mesh, devices, model_parallel)
+    keys = _keys_on(rngs, mesh)
     with own_mesh(mesh):
-        plan = _plan(factory, n, mesh, rules, rngs, module_kwargs)
+        plan = _plan(factory, n, mesh, rules, keys, module_kwargs)
     with partitioning(plan.mesh, plan.rules):
         return plan.init.lower(plan.keys)
 
@@ -649,13 +651,12 @@ def _plan(
     n: int,
     mesh: Mesh,
     rules: Sequence[tuple[str, Any]] | None,
-    rngs: RngsLike,
+    keys: dict[str, jax.Array],
     module_kwargs: Mapping[str, Any],
 ) -> _Plan:
     """Validates the arguments, traces the creation abstractly and jits it with out_shardings."""
     make_member = _checked(_as_factory(factory, module_kwargs))
     members = Members(int(n), mesh, merge_rules(rules))
-    keys = {name: key_on(key, mesh) for name, key in _stream_keys(rngs).items()}
 
     def create(keys: dict[str, jax.Array]) -> nnx.Module:
         # Only traced abstractly: the member-major Variables and their member-axis metadata.
@@ -811,6 +812,12 @@ def _as_factory(factory: Any, module_kwargs: Mapping[str, Any]) -> Callable[[nnx
 
 def _construct(cls: type[nnx.Module], kwargs: Mapping[str, Any], rngs: nnx.Rngs) -> nnx.Module:
     return cls(**kwargs, rngs=rngs)
+
+
+def _keys_on(rngs: RngsLike, mesh: Mesh) -> dict[str, jax.Array]:
+    """The build's keys, drawn where the caller's are (an ``nnx.Rngs`` made under a mesh of
+    the caller's draws under it), then placed on ``mesh``."""
+    return {name: key_on(key, mesh) for name, key in _stream_keys(rngs).items()}
 
 
 def _stream_keys(rngs: RngsLike) -> dict[str, jax.Array]:

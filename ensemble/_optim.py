@@ -59,8 +59,8 @@ def per_member(
     layout(n, 1)  # n must be a positive integer
     tx = optax.with_extra_args_support(as_transformation(tx))
     with no_mesh_set():  # closed over by the step's program: tied to no mesh of the caller's
-        concrete = lambda v: v if isinstance(v, jax.core.Tracer) else np.asarray(v)
-        values = {k: jnp.asarray(concrete(v)) for k, v in hyperparams.items()}
+        traced = lambda v: any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(v))
+        values = {k: jnp.asarray(v if traced(v) else np.asarray(v)) for k, v in hyperparams.items()}
     for name, v in values.items():
         if v.shape != (n,):
             raise ValueError(

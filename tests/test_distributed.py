@@ -539,6 +539,9 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
             distributed.save_checkpoint(tmp_path / "e", {"x": bad, "w": w})
     with pytest.raises(ValueError, match=r"the tree is \{\}, which orbax cannot save"):
         distributed.save_checkpoint(tmp_path / "e", {})
+    for bare, what in ((w, "array"), (3, "value")):  # orbax's own line named classes of its own
+        with pytest.raises(ValueError, match=rf"the tree is a single {what}, .* wrap it, e\.g\."):
+            distributed.save_checkpoint(tmp_path / "e", bare)
     assert not list(tmp_path.glob("e*"))
     back = distributed.restore_checkpoint(distributed.save_checkpoint(tmp_path / "e", tree), tree)
     np.testing.assert_array_equal(back["w"], w)

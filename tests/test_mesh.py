@@ -405,6 +405,7 @@ def run(lin, nx, n, devices):  # keys, seeds and per-member values made under th
     drop = ensemble.build(Drop, n, devices=devices, rngs=jax.random.key(4))
     drop_step = drop.train_step(lambda m, x, r: jnp.mean(m(x, rngs=r) ** 2), optax.adam(0.1))
     outs += [drop(x, rngs=nnx.Rngs(3)), drop_step(drop, drop_step.init(), x, nnx.Rngs(5))]
+    outs += [ensemble.build(Drop, n, devices=devices, rngs=nnx.Rngs(6)).members.lin.kernel[...]]
     return outs, lin.init_shardings(0, x)
 
 

@@ -198,6 +198,20 @@ def test_per_member_init_puts_each_members_state_on_its_devices():
         np.testing.assert_allclose(state.hyperparams["learning_rate"], np.linspace(1e-4, 1e-3, n))
 
 
+def test_per_member_values_holding_a_traced_one_are_taken_inside_a_jit():
+    # A list with a traced value: the values, made NumPy to be tied to no caller's mesh, failed
+    # with TracerArrayConversionError.
+    params, grads = {"w": jnp.ones((2, 3))}, {"w": jnp.full((2, 3), 0.5)}
+
+    def sgd_step(lr0):
+        tx = ensemble.per_member(optax.inject_hyperparams(optax.sgd)(1.0), 2,
+                                 learning_rate=[lr0, 0.2])  # fmt: skip
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)["w"]
+
+    np.testing.assert_allclose(jax.jit(sgd_step)(0.1), [[0.95] * 3, [0.9] * 3], rtol=1e-6)
+
+
 def test_per_member_init_gives_each_moment_its_own_parameters_split():
     """Two square kernels split over 'model' on different axes (a transformer's d x d
     projections): moments found by shape took the first kernel's split for both, and each
