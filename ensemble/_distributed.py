@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -552,12 +552,13 @@ def _check_savable(tree: Any) -> None:
     """Refuses what orbax refuses only once its write has begun: its writer thread then logged a
     traceback and left its temporary folder (a later save there could fail and hang the
     interpreter's exit). Arrays are written by TensorStore: a dtype it lacks is refused."""
-    if tree is None or (isinstance(tree, dict | list | tuple) and not len(tree)):
+    if tree is None or (isinstance(tree, Mapping | list | tuple) and not len(tree)):
         raise ValueError(
             f"save_checkpoint: the tree is {tree!r}, which orbax cannot save: give one holding "
             "at least one entry."
         )
-    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree)):
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) == 1 and leaves[0] is tree:  # (not a node without leaves: orbax saves it)
         what = "array" if hasattr(tree, "shape") else "value"
         raise ValueError(
             f"save_checkpoint: the tree is a single {what}, which orbax saves only inside a "

@@ -488,6 +488,9 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
     as other numbers (4 to 54 of 16,000 values, no error)."""
     import shutil
 
+    import flax.struct
+    from flax import nnx
+
     n = jax.device_count()
     mesh = make_mesh(n)
     w = distributed.member_batch_from_local(
@@ -542,6 +545,15 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
     for bare, what in ((w, "array"), (3, "value")):  # orbax's own line named classes of its own
         with pytest.raises(ValueError, match=rf"the tree is a single {what}, .* wrap it, e\.g\."):
             distributed.save_checkpoint(tmp_path / "e", bare)
+    with pytest.raises(ValueError, match=r"the tree is State\(\{\}\), which orbax cannot save"):
+        distributed.save_checkpoint(tmp_path / "e", nnx.State({}))
+
+    @flax.struct.dataclass
+    class Static:
+        k: int = flax.struct.field(pytree_node=False)
+
+    saved = distributed.save_checkpoint(tmp_path / "s", Static(1))  # no leaves: orbax saves it
+    assert distributed.restore_checkpoint(saved, Static(1)) == Static(1)
     assert not list(tmp_path.glob("e*"))
     back = distributed.restore_checkpoint(distributed.save_checkpoint(tmp_path / "e", tree), tree)
     np.testing.assert_array_equal(back["w"], w)
