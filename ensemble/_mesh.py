@@ -424,11 +424,7 @@ def no_mesh_set() -> Iterator[None]:
     if jax.sharding.get_abstract_mesh().empty:
         yield
         return
-    try:
-        ctx: Any = jax.set_mesh(None)
-    except ValueError:  # tracing the caller's jit
-        ctx = contextlib.nullcontext()
-    with ctx:
+    with _mesh_unset_or(contextlib.nullcontext()):
         yield
 
 
@@ -443,12 +439,17 @@ def as_if_outside_meshes(mesh: Mesh) -> Iterator[None]:
     if jax.sharding.get_abstract_mesh().empty or _in_context(mesh):
         yield
         return
-    try:
-        ctx: Any = jax.set_mesh(None)
-    except ValueError:  # tracing the caller's jit
-        ctx = own_mesh(mesh)
-    with ctx:
+    with _mesh_unset_or(own_mesh(mesh)):
         yield
+
+
+def _mesh_unset_or(inside_a_jit: Any) -> Any:
+    """A context with no mesh set (``jax.set_mesh(None)`` unsets it at once, restored on
+    exit); while a jit traces, where none can be set, ``inside_a_jit``."""
+    try:
+        return jax.set_mesh(None)
+    except ValueError:  # tracing the caller's jit
+        return inside_a_jit
 
 
 def _in_context(mesh: Mesh) -> bool:
