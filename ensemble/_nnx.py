@@ -41,7 +41,6 @@ from ensemble._core import (
     Members,
     ProgramCache,
     arg_axes,
-    as_key,
     batch_default,
     check_in_axes,
     check_inputs,
@@ -56,6 +55,7 @@ from ensemble._core import (
     key_on,
     split_loss,
     split_static,
+    stream_keys,
     typed,
 )
 from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
@@ -815,18 +815,12 @@ def _construct(cls: type[nnx.Module], kwargs: Mapping[str, Any], rngs: nnx.Rngs)
 
 
 def _keys_on(rngs: RngsLike, mesh: Mesh) -> dict[str, jax.Array]:
-    """The build's keys, drawn where the caller's are (an ``nnx.Rngs`` made under a mesh of
-    the caller's draws under it), then placed on ``mesh``."""
-    return {name: key_on(key, mesh) for name, key in _stream_keys(rngs).items()}
-
-
-def _stream_keys(rngs: RngsLike) -> dict[str, jax.Array]:
-    """One typed key per rng stream; each is split into n member keys inside the creation."""
+    """The build's keys, one typed key per rng stream (each split into n member keys inside the
+    creation), drawn where the caller's are (an ``nnx.Rngs`` made under a mesh of the caller's
+    draws under it), then placed on ``mesh``."""
     if isinstance(rngs, nnx.Rngs):
-        return {name: rngs[name]() for name in rngs}
-    if isinstance(rngs, Mapping):
-        return {str(k): as_key(v, str(k)) for k, v in rngs.items()}
-    return {"default": as_key(rngs, "default")}
+        return {name: key_on(rngs[name](), mesh) for name in rngs}
+    return stream_keys(rngs, "default", mesh)
 
 
 def _member_shardings(

@@ -415,7 +415,7 @@ for name, (mesh, context, n, devices) in cases.items():
     lin = ensemble.build(Net(), n, devices=devices)
     want, shardings = run(lin, make_nnx(), n, devices)
     before = jax.sharding.get_abstract_mesh()
-    with context(mesh):  # keys made under it (the user's, and the seed's) are typed with it
+    with context(mesh):  # keys made in here (given, or from an int) carry this mesh
         got, under = run(lin, make_nnx(), n, devices)
         assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh, name
     assert jax.sharding.get_abstract_mesh() == before
