@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -238,15 +238,7 @@ class NNXEnsemble(nnx.Module):
         state = take_member(state, i, self.mesh, self.n)
         state = nnx_spmd.remove_axis(state, 0, _TRANSFORM_METADATA)
         member = nnx.merge(graphdef, state)
-        # The ensemble made its Variables without eager sharding (placed by out_shardings);
-        # the factory's own module has the setting in effect, and a state whose metadata
-        # differs is another pytree (jax.tree.map of member and plain states failed). An
-        # annotated Variable keeps it off: eagerly, every Variable made from it (an
-        # optimizer's moments) would need a mesh its rules map, even for the member alone.
-        eager = nnx.using_eager_sharding()
-        for _, v in nnx.iter_graph(member):
-            if isinstance(v, nnx.Variable) and v.has_metadata("eager_sharding") and not _names(v):
-                v.set_metadata(eager_sharding=eager)
+        _eager_sharding_as_caller(v for _, v in nnx.iter_graph(member))
         return member
 
     def train_step(
@@ -330,6 +322,8 @@ class NNXEnsemble(nnx.Module):
             squeeze=squeeze,
         )
         _write_back(self.members, state, changed, new_leaves)
+        # Variables fn made (values sown and captured) were made in the member's context.
+        _eager_sharding_as_caller(jax.tree.leaves(out, is_leaf=_is_variable))
         return out
 
 
@@ -848,6 +842,25 @@ def _member_shardings(
 
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _eager_sharding_as_caller(variables: Iterable[Any]) -> None:
+    """Sets the caller's eager-sharding setting on Variables handed out of the ensemble.
+
+    The ensemble makes and runs its members without eager sharding (placement comes from
+    out_shardings), while the user's own modules have the setting in effect; a state whose
+    metadata differs is another pytree, so ``jax.tree.map`` over a member's and a plain model's
+    states failed. An annotated Variable keeps it off: eagerly, every Variable made from it (an
+    optimizer's moments) would need a mesh its rules map, even for the member alone.
+    """
+    eager = nnx.using_eager_sharding()
+    for v in variables:
+        if _is_variable(v) and v.has_metadata("eager_sharding") and not _names(v):
+            v.set_metadata(eager_sharding=eager)
 
 
 def _names(v: nnx.Variable) -> tuple | None:
