@@ -533,9 +533,10 @@ class ProgramCache(collections.OrderedDict):
                 warn_user(
                     f"an ensemble call compiled its {self.size + 1}th program, one per new "
                     "combination of Python values in its inputs (static: train=True, a number, "
-                    "a function as method=); the least recently used are now dropped and "
-                    "compiled again when needed. Pass a number that changes between calls as "
-                    "an array (jnp.asarray(x)): arrays are traced and compile once.",
+                    "a function as method=) or read by its code from outside them; the least "
+                    "recently used are now dropped and compiled again when needed. Pass a "
+                    "number that changes between calls as an array argument (jnp.asarray(x)): "
+                    "arrays are traced and compile once.",
                 )
         return value
 

@@ -56,6 +56,7 @@ from ensemble._mesh import (
     take_member,
     unmapped_names,
 )
+from ensemble._outside import OutsideValues
 from ensemble._warn import warn_user
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ class LinenEnsemble:
 
     Build it with :func:`ensemble.build`. ``init`` places every leaf (annotated or not, every
     collection) on the member axis straight from a jitted, ``out_shardings``-constrained init, so
-    no device ever holds more than its share. ``apply`` is jitted once per static configuration.
+    no device ever holds more than its share. ``apply`` is jitted once per static configuration
+    (the Python values in its inputs, and those its code reads from outside them, such as a
+    global or a closure's: a changed one compiles anew).
 
     Args:
       model: the plain linen module (an instance).
@@ -129,6 +132,8 @@ class LinenEnsemble:
         self._cache = ProgramCache()
         self._warned_method = False
         self._warned_shared: set[tuple[str, str]] = set()
+        self._read_by_init = OutsideValues("ens.init")
+        self._read_by_apply = OutsideValues("ens.apply")
 
     # ------------------------------------------------------------------ properties
 
@@ -214,7 +219,8 @@ class LinenEnsemble:
         axes = self._check_args(args)
         (arrays, kw_arrays), static = self._split(args, kwargs)
         call_args = (keys, arrays, kw_arrays)
-        cache_key = ("init", static, abstract_signature(call_args))
+        outside = self._read_by_init(self._model)
+        cache_key = ("init", static, abstract_signature(call_args), outside)
         make = lambda: self._make_init(axes, static, call_args)
         jitted, shardings = self._cache.get_or_make(cache_key, make)
         return jitted, shardings, call_args
@@ -306,7 +312,8 @@ class LinenEnsemble:
         if isinstance(mutable, list | tuple):
             mutable = tuple(mutable)
         (arrays, kw_arrays), static = self._split(args, kwargs)
-        cache_key = ("apply", static, mutable, method, tuple(sorted(keys)), axes)
+        outside = self._read_by_apply(method, self._model)
+        cache_key = ("apply", static, mutable, method, tuple(sorted(keys)), axes, outside)
         if cache_key not in self._cache:
             self._warn_new_function(method)
         make = lambda: self._make_apply(static, mutable, method, axes)

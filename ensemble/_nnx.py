@@ -74,6 +74,7 @@ from ensemble._mesh import (
     take_member,
 )
 from ensemble._optim import per_member
+from ensemble._outside import OutsideValues
 from ensemble._steps import one_step_of, scan_steps, stacked_flags, traced_batch
 from ensemble._warn import warn_user
 
@@ -497,6 +498,14 @@ def _split_static(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[lis
 # call. Kept per ensemble, so that many ensembles in one process (a sweep) are not taken for that.
 _PROGRAMS: weakref.WeakKeyDictionary[NNXEnsemble, ProgramCache] = weakref.WeakKeyDictionary()
 _PROGRAMS_KEPT = 64
+_READS: weakref.WeakKeyDictionary[NNXEnsemble, OutsideValues] = weakref.WeakKeyDictionary()
+
+
+def _classes(graphdef: Any) -> list[type]:
+    """The classes of a graph's nodes (its modules' and Variables'), whose code a call runs."""
+    return list(dict.fromkeys(n.type for n in graphdef.nodes if isinstance(n.type, type)))
+
+
 #: Why a Variable of the ensemble can lack the member axis, and the fix.
 _MADE_AFTER_BUILD = (
     "A Variable made on ens.members after build (init_cache, one assigned from outside) is "
@@ -529,7 +538,8 @@ def _compiled_call(ens: NNXEnsemble, dynamic: list, static: Any) -> Any:
         return jax.jit(call)
 
     programs = _PROGRAMS.setdefault(ens, ProgramCache(_PROGRAMS_KEPT))
-    program = programs.get_or_make((static, _Static(graphdef), treedef, placed), make)
+    outside = _READS.setdefault(ens, OutsideValues("the ensemble's call"))(*_classes(graphdef))
+    program = programs.get_or_make((static, _Static(graphdef), treedef, placed, outside), make)
     out, new = program(leaves, dynamic)
     _write_back(ens, state, [x is not None for x in new], [x for x in new if x is not None])
     return out
@@ -982,6 +992,7 @@ class NNXTrainStep:
         self.make_optimizer: Callable[[], nnx.Optimizer] | None = None
         functools.update_wrapper(self, loss_fn, updated=())
         self._programs = ProgramCache()
+        self._reads = OutsideValues("the train step")
         self._layouts: dict[Any, list[NamedSharding]] = {}  # see _program
 
     def init(self) -> nnx.Optimizer:
@@ -1026,7 +1037,7 @@ class NNXTrainStep:
         flags = stacked_flags(stacked, len(batches))
         return self._run(ens, optimizer, batches, one_step_of(batches, flags), flags)
 
-    def _program(self, ens: NNXEnsemble, states: tuple[Any, Any], scan: bool) -> Any:
+    def _program(self, ens: NNXEnsemble, ens_def: Any, states: tuple[Any, Any], scan: bool) -> Any:
         """The jitted step (or K steps), its outputs pinned where the state is: unpinned, the
         compiler chose its own placement (a bias split over 'model' like the kernel before it,
         say), so the arrays moved, and every call met new input shardings and compiled again.
@@ -1043,12 +1054,17 @@ class NNXTrainStep:
             pinned = self._layouts.get(layout)
             if pinned is None:
                 pinned = self._layouts[layout] = _kept_shardings(ens, states)
-        key = (scan, treedef, None if pinned is None else tuple(pinned))
+        outside = self._reads(self.loss_fn, *_classes(ens_def))
+        key = (scan, treedef, None if pinned is None else tuple(pinned), outside)
 
         def make() -> Any:
             out = None if pinned is None else (None, *jax.tree.unflatten(treedef, pinned))
+            step = self._steps if scan else self._step
+            # A function of its own per program: JAX keeps traces by function, and a new value
+            # read from outside (the key's last part) must trace anew.
+            program = functools.wraps(step)(lambda *args, **kwargs: step(*args, **kwargs))
             return jax.jit(
-                self._steps if scan else self._step,
+                program,
                 static_argnums=(0, 1),
                 static_argnames="stacked" if scan else (),
                 donate_argnums=(2, 3) if self.donate else (),
@@ -1085,7 +1101,7 @@ class NNXTrainStep:
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         defs = _Static(ens_def), _Static(opt_def)
-        program = self._program(ens, (ens_state, opt_state), stacked is not None)
+        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None)
         if stacked is not None:
             program = functools.partial(program, stacked=stacked)
         with own_mesh(ens.mesh), explained_errors(), traced_batch(batch):
@@ -1108,7 +1124,7 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         defs = _Static(ens_def), _Static(opt_def)
-        program = self._program(ens, (ens_state, opt_state), stacked is not None)
+        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None)
         with own_mesh(ens.mesh):
             if stacked is None:
                 return program.lower(*defs, ens_state, opt_state, batch)

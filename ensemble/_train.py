@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from ensemble._core import (
     BATCH_FIXES,
     Members,
+    ProgramCache,
     check_inputs,
     check_live,
     check_member_major,
@@ -58,6 +59,7 @@ from ensemble._mesh import (
     own_mesh,
 )
 from ensemble._optim import accepted_extra_args, as_transformation, per_member, state_shardings
+from ensemble._outside import OutsideValues
 from ensemble._steps import one_step_of, scan_steps, stacked_flags, traced_batch
 from ensemble._warn import warn_user
 
@@ -105,7 +107,8 @@ class TrainStep:
         self._per_member_batch = per_member_batch
         self._has_aux = bool(has_aux)
         self._donate = bool(donate)
-        self._cache: dict[Hashable, Callable[..., Any]] = {}
+        self._cache = ProgramCache()
+        self._reads = OutsideValues("the train step")
         self._layouts: dict[Hashable, tuple[Any, Any, Hashable]] = {}  # see _state_shardings
 
     @classmethod
@@ -323,10 +326,9 @@ class TrainStep:
         donated = {"params": params, "opt_state": opt_state}
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh, s_sh, state_key = self._state_shardings(params, opt_state)
-        key = (state_key, axes, stacked, carry)
-        if key not in self._cache:
-            self._cache[key] = self._compile(axes, p_sh, s_sh, stacked, carry)
-        return self._cache[key]
+        key = (state_key, axes, stacked, carry, self._reads(self._loss_fn))
+        make = lambda: self._compile(axes, p_sh, s_sh, stacked, carry)
+        return self._cache.get_or_make(key, make)
 
     def _state_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any, Hashable]:
         """The state's shardings in and out, its layout checked, and its part of the program

@@ -1,0 +1,154 @@
+"""Values a model, a method= function or a loss reads from outside its arguments (a global, a
+closure, a config's field) are read anew by every ensemble call, as by the plain model: a
+compiled program kept the first ones before."""
+
+import dataclasses
+import sys
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax_events import count_compiles
+
+import ensemble
+
+D = 8
+HERE = sys.modules[__name__]
+SCALE = 1.0  # read by a compact submodule's code
+WIDTH = 3  # read by init: the shape of a layer
+
+
+@dataclasses.dataclass
+class Config:
+    shift: float = 0.0
+
+
+CONFIG = Config()
+
+
+class Scaled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(x) * SCALE + CONFIG.shift
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Scaled()(nn.Dense(WIDTH)(x))
+
+
+def members_equal_plain(ens, variables, x, **kwargs):
+    out = np.asarray(ens.apply(variables, x, **kwargs))
+    for i in range(ens.n):
+        want = ens.model.apply(ens.member(variables, i), x, **kwargs)
+        np.testing.assert_allclose(out[i], want, rtol=1e-6, atol=1e-7)
+    return out
+
+
+def test_linen_apply_reads_globals_closures_and_config_fields_anew(monkeypatch):
+    x = jnp.arange(8.0).reshape(2, 4)
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    first = members_equal_plain(ens, v, x)
+    with count_compiles() as compiles:
+        ens.apply(v, x)
+    assert compiles == []  # nothing changed: nothing compiled
+    monkeypatch.setattr(HERE, "SCALE", 2.0)
+    with pytest.warns(UserWarning, match=r"'SCALE' \(read by Scaled.__call__\) changed"):
+        np.testing.assert_allclose(members_equal_plain(ens, v, x), 2 * first, rtol=1e-6)
+    monkeypatch.setattr(CONFIG, "shift", 1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once already
+        members_equal_plain(ens, v, x)
+
+    temperature = 1.0
+
+    def tempered(module, x):
+        return module(x) / temperature
+
+    base = members_equal_plain(ens, v, x, method=tempered)
+    temperature = 4.0
+    np.testing.assert_allclose(members_equal_plain(ens, v, x, method=tempered), base / 4)
+
+
+def test_linen_init_reads_a_global_width_anew(monkeypatch):
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    assert ens.init(jax.random.key(0), x)["params"]["Dense_0"]["kernel"].shape == (D, 4, 3)
+    monkeypatch.setattr(HERE, "WIDTH", 5)
+    with pytest.warns(UserWarning, match=r"ens.init compiled anew: 'WIDTH'"):
+        v = ens.init(jax.random.key(0), x)
+    assert v["params"]["Dense_0"]["kernel"].shape == (D, 4, 5)
+    members_equal_plain(ens, v, x)
+
+
+BETA = 0.0  # a loss weight annealed between steps
+
+
+def penalised(params, x):
+    out = Net().apply({"params": params}, x)
+    return jnp.mean(out**2) + BETA * sum(jnp.sum(p**2) for p in jax.tree.leaves(params))
+
+
+def test_linen_train_step_reads_an_annealed_loss_weight_anew(monkeypatch):
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    ens = ensemble.build(Net(), D)
+    params = ens.init(jax.random.key(0), x)["params"]
+    plain = [jax.tree.map(lambda a, i=i: np.asarray(a[i]), params) for i in range(D)]
+    tx = optax.sgd(0.1)
+    step = ens.train_step(penalised, tx)
+    opt_state = step.init(params)
+    for beta in (0.0, 1.0, 3.0):
+        monkeypatch.setattr(HERE, "BETA", beta)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            params, opt_state, _ = step(params, opt_state, x)
+        for i, p in enumerate(plain):
+            grads = jax.grad(penalised)(p, x)
+            plain[i] = optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
+    for i, p in enumerate(plain):
+        got = jax.tree.map(lambda a, i=i: np.asarray(a[i]), params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, p)
+
+
+class Tempered(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x) * SCALE
+
+
+def test_nnx_call_and_train_step_read_globals_anew(monkeypatch):
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    ens = ensemble.build(Tempered, D)
+    base = np.asarray(ens(x))
+    monkeypatch.setattr(HERE, "SCALE", 3.0)
+    with pytest.warns(UserWarning, match=r"the ensemble's call compiled anew: 'SCALE'"):
+        out = np.asarray(ens(x))
+    np.testing.assert_allclose(out, 3 * base, rtol=1e-6)
+    np.testing.assert_allclose(out[5], ens.member(5)(x), rtol=1e-6)
+
+    def loss(module, x):  # reads the global through its module, as `config.beta` would
+        return jnp.mean(module(x) ** 2) * HERE.BETA
+
+    plain = [ens.member(i) for i in range(D)]
+    step = ens.train_step(loss, optax.sgd(0.1))
+    optimizer = step.init()
+    for scale, beta in ((1.0, 1.0), (1.0, 2.0), (2.0, 2.0)):
+        monkeypatch.setattr(HERE, "SCALE", scale)
+        monkeypatch.setattr(HERE, "BETA", beta)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step(ens, optimizer, x)
+        for m in plain:
+            grads = nnx.grad(loss)(m, x)
+            nnx.update(m, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(m, nnx.Param), grads))
+    for i, m in enumerate(plain):
+        np.testing.assert_allclose(ens.member(i)(x), m(x), rtol=1e-5, atol=1e-6)
