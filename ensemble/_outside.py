@@ -136,6 +136,13 @@ class _Walk:
                 if _scalar(x) and x is not None:
                     self.found.append((f"{name}.{field} (read by {where})", typed(x)))
 
+    def attributes(self, obj: Any) -> None:
+        """What a user's callable object holds (its ``self.w``), read by its ``__call__``."""
+        held = getattr(obj, "__dict__", None)
+        if isinstance(held, dict) and not _theirs(type(obj)) and len(held) <= _MAX_FIELDS:
+            for name, v in held.items():
+                self.value(f"self.{name}", v, type(obj).__qualname__)
+
     def cls(self, c: type) -> None:
         if self._first(c):
             for method in _methods(c):
@@ -170,8 +177,17 @@ def outside_values(*roots: Any) -> tuple[tuple[str, Hashable], ...]:
             walk.cls(root)
         elif isinstance(root, nn.Module | nnx.Module):
             walk.cls(type(root))
-        elif root is not None:
+        elif isinstance(root, functools.partial):
+            walk.function(root.func)
+            for i, arg in enumerate((*root.args, *root.keywords.values())):
+                walk.value(f"argument {i}", arg, "a functools.partial")
+        elif isinstance(root, types.MethodType | types.FunctionType):
+            if isinstance(root, types.MethodType):
+                walk.attributes(root.__self__)
             walk.function(root)
+        elif callable(root):  # an object with __call__: its code, and what it holds (self.w)
+            walk.attributes(root)
+            walk.cls(type(root))
     return tuple(walk.found)
 
 

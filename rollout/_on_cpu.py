@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ensemble._outside import OutsideValues
 from ensemble._warn import warn_user
 from rollout._devices import available_cores
 from rollout._host_call import (
@@ -532,6 +533,7 @@ class OnCpu:
         self._structures = _LRU(cache_size)
         self._structures_lock = threading.Lock()  # traces may run in several threads
         self._specs = _LRU(cache_size)  # fn's output specs per input signature
+        self._reads = OutsideValues(f"on_cpu({_fn_name(fn)})")
         self._coalescer = _Coalescer()
         functools.update_wrapper(self, fn, updated=())
 
@@ -729,14 +731,18 @@ class OnCpu:
         # The program depends on the weak types and on the settings JAX lowers it under (x64: a
         # float64 input means float32 without it): a call under other settings must not reuse
         # another's program, as jax.jit's own cache does not.
+        # What fn reads from outside its arguments (a global, a closure, self.w) is in the key
+        # too, as a number (keys travel to the workers): a program keeps what fn read when it
+        # was traced, so a new value compiles anew.
         structure = self._structure_id(treedef)
+        read = self._structure_id(("read from outside", self._reads(self.fn)))
         return (self._token, structure, tuple(axes), tuple(map(str, keys)), weak_in,
-                _lowering_settings())  # fmt: skip
+                _lowering_settings(), read)  # fmt: skip
 
     def _output_specs(self, flat_fn, specs, n, sig, out_info, eager) -> Any:
-        """fn's output specs, traced once per input signature (keyed as its programs are):
-        later eager calls do not trace fn again, and the specs keep the values fn closed over
-        at that first trace, as its programs do. A traced call (once per trace of the caller's
+        """fn's output specs, traced once per input signature (keyed as its programs are, the
+        values fn reads from outside its arguments included): later eager calls do not trace fn
+        again. A traced call (once per trace of the caller's
         jit) traces fn afresh: it may close over that jit's tracers, which are refused then."""
         if not eager:
             return _output_specs(flat_fn, specs, n)
@@ -933,8 +939,8 @@ class _Call:
             jax.ShapeDtypeStruct(shape, x.dtype, weak_type=w)
             for shape, x, w in zip(shapes, [*b, *s], weak)
         ]
-        # Programs are cached per structure and chunk shapes; constants that fn closes over are
-        # frozen into the first export, which is why changing values must be arguments.
+        # Programs are cached per structure, chunk shapes and the values fn reads from outside
+        # its arguments (see _signature).
         key = (self.sig, tuple((x.shape, str(x.dtype)) for x in chunk_specs))  # sig: settings
         if self.kind == "process":
             program = self.owner._exported(self.flat_fn, key, chunk_specs)
@@ -961,9 +967,8 @@ class _Call:
                     f"runs on chunks of {chunk} rows, and {np.dtype(dt)} {tuple(shape)} on the "
                     "whole batch: fn must be row-independent (no output shape or dtype that "
                     "depends on the batch size), with the batch on axis 0 of every output; or "
-                    "a value fn closes over that sets an output's shape or dtype changed since "
-                    "the chunks' program was compiled (closed-over values are frozen then): "
-                    "pass it as an argument"
+                    "a value fn reads from outside its arguments that sets an output's shape "
+                    "or dtype changed since the jit that calls it traced: pass it as an argument"
                 )
         return [o[:rows] for o in outs]
 

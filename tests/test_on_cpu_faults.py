@@ -769,22 +769,35 @@ def test_an_output_dtype_that_depends_on_the_batch_size_is_an_error_not_cast():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("executor", ["process", "inprocess"])
-def test_a_changed_closed_over_shape_stays_frozen_or_names_the_change(executor):
-    """A closed-over value that sets the output's shape is frozen at the first call per batch
-    shape (the same batch was an error after a change); a new batch size whose chunks reuse the
-    old program cannot be made consistent, and its error names that cause too."""
+def test_a_changed_closed_over_value_compiles_anew_like_the_function_called_directly(executor):
+    """A value fn closes over (one that sets the output's shape too), or that a callable
+    object holds, is read anew by every eager call, as by fn itself: it compiled once and kept
+    the first value before (the same batch, and a new batch whose chunks had the old size)."""
     cfg = {"reps": 2}
     f = on_cpu(lambda x: jnp.tile(x, cfg["reps"]), workers=W, executor=executor)
+    g = on_cpu(Shift(np.ones(2, np.float32)), workers=W, executor=executor)
     try:
         x = np.arange(8, dtype=np.float32).reshape(4, 2)
         same(f(x), np.tile(x, 2))
+        same(g(x), x + 1)
         cfg["reps"] = 3
-        same(f(x), np.tile(x, 2))  # frozen, as documented
-        with pytest.raises(Exception, match="fn must be row-independent") as info:
-            f(x[:3])  # chunks of 2 rows again: the program compiled with reps=2
-        assert "a value fn closes over that sets an output's shape" in str(info.value)
+        with pytest.warns(UserWarning, match=r"compiled anew: 'cfg' \(read by"):
+            same(f(x), np.tile(x, 3))
+        same(f(x[:3]), np.tile(x[:3], 3))  # chunks of 2 rows again
+        g.fn.w = np.full(2, 5, np.float32)
+        with pytest.warns(UserWarning, match=r"compiled anew: 'self.w'"):
+            same(g(x), x + 5)
     finally:
         f.close()
+        g.close()
+
+
+class Shift:
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, x):
+        return x + self.w
 
 
 EXIT_DURING_CALL = textwrap.dedent(
