@@ -75,24 +75,31 @@ print("RESULT " + json.dumps({"wall_us": wall / steps * 1e6, "cpu_us": cpu / ste
 def _one(devices: int, work: str, steps: int) -> dict[str, float]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    out = subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-c", _WORKER, str(devices), work, str(steps)],
-        env=env, capture_output=True, text=True, timeout=600, check=True,
-    ).stdout  # fmt: skip
-    return json.loads(out.split("RESULT ", 1)[1])
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode != 0 or "RESULT " not in proc.stdout:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        sys.exit(f"error: the run on {devices} device(s) with --work {work} failed: {last}")
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
 def callback_work(text: str) -> str:
-    """An argparse ``type``: ``spin:W`` or ``sleep:W``, W microseconds >= 0."""
+    """An argparse ``type``: ``spin:W`` or ``sleep:W``, W microseconds from 0 to 1e6 (a
+    second of work per call is no callback's cost to measure)."""
     from rollout.ppo._parser import non_negative_float
 
     how, _, work_us = text.partition(":")
     try:
-        non_negative_float(work_us)
+        if non_negative_float(work_us) > 1e6:
+            how = ""
     except argparse.ArgumentTypeError:
         how = ""
     if how not in ("spin", "sleep"):
-        raise argparse.ArgumentTypeError(f"expected spin:W or sleep:W (W us >= 0), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected spin:W or sleep:W (W us from 0 to 1e6), got {text!r}"
+        )
     return text
 
 

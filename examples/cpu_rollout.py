@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -176,13 +178,27 @@ def main(argv=None) -> None:
         f"executor={rollout_fn.last_executor}, loss={float(loss):.4f}"
     )
     cpu0, wall0 = cpu_seconds(rollout_fn.pids), time.perf_counter()
-    for step in range(1, args.steps + 1):
-        model, opt_state, loss = train_step(model, opt_state, *batch(step))
-        if step % max(1, args.steps // 5) == 0:
-            print(f"step {step:4d}  loss {float(loss):.5f}")
-    jax.block_until_ready(loss)
+    stop = threading.Event()
+    # Ctrl-C stops between steps: raised inside a step, the step would go on running in XLA
+    # while the interpreter exits, which XLA may abort (a crash, not an exit). A second one
+    # interrupts at once.
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        for step in range(1, args.steps + 1):
+            model, opt_state, loss = train_step(model, opt_state, *batch(step))
+            if step % max(1, args.steps // 5) == 0:
+                print(f"step {step:4d}  loss {float(loss):.5f}")
+            if stop.is_set():
+                args.steps = step
+                break
+        jax.block_until_ready(loss)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     report(args, time.perf_counter() - wall0, cpu_seconds(rollout_fn.pids) - cpu0, rollout_fn)
     rollout_fn.close()
+    if stop.is_set():
+        print(f"interrupted: stopped after step {args.steps}", file=sys.stderr)
+        sys.exit(130)
 
 
 def report(args: argparse.Namespace, wall: float, cpu: float, rollout_fn: rollout.OnCpu) -> None:

@@ -32,8 +32,8 @@ that ships inside scikit-learn (1797 images, 10 classes; no download):
   ``noise`` (every pixel uniform in [0, 1]).
 
 Writes to ``--out``: ``deep_ensemble.txt`` (the tables), ``deep_ensemble.json`` (config, every
-number) and ``reliability.png`` (reliability diagrams of the best member and the ensemble, and
-entropy histograms in and out of distribution).
+number) and ``reliability.png`` (reliability diagrams of the member of lowest NLL and the
+ensemble, and entropy histograms in and out of distribution).
 
 Run: ``python examples/deep_ensemble.py --out out/deep_ensemble`` (under a minute on 2 cores);
 ``--help`` lists the options. The metric functions are plain numpy and cross-checked against
@@ -598,7 +598,10 @@ def evaluate(cfg: Config, ens: ensemble.LinenEnsemble, params: Any, data: Data) 
         "ensemble_minus_best_member": intervals,
         "ood_auroc": ood_table(inside, shifted),
         "bins": {
-            "best member": calibration_bins(inside["members"][best_nll], y, cfg.bins),
+            # one member's diagram: the table's "best member" row is each column's best
+            f"member {best_nll} (best NLL)": calibration_bins(
+                inside["members"][best_nll], y, cfg.bins
+            ),
             "ensemble": calibration_bins(inside["mean"], y, cfg.bins),
         },
         "best_nll_member": best_nll,

@@ -336,6 +336,8 @@ def test_example_runs_end_to_end(tmp_path):
         assert lo <= hi and 0 <= report["ensemble_minus_best_member"][name]["share_below"] <= 1
         assert f"ensemble - best member, {name.upper()}: " in proc.stdout
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    # The diagram shows one member, named as such: the "best member" row is each column's best.
+    assert list(report["bins"]) == [f"member {report['best_nll_member']} (best NLL)", "ensemble"]
 
 
 @pytest.mark.timeout(120)

@@ -24,6 +24,7 @@ MISTAKES = [
     ("benchmarks/accelerator_check.py", ["--check-timeout", "0"], "expected a number > 0"),
     ("benchmarks/accelerator_check.py", ["--out", "README.md"], NOT_A_FOLDER),
     ("benchmarks/callback_cost.py", ["--work", "spin:x"], "expected spin:W or sleep:W"),
+    ("benchmarks/callback_cost.py", ["--work", "sleep:1e300"], "W us from 0 to 1e6"),
     ("benchmarks/callback_cost.py", ["--devices", "0"], "--devices: expected an integer >= 1"),
     ("benchmarks/core_speed.py", ["--part", "ops", "--rounds", "0"], "--rounds: expected an"),
     ("benchmarks/deep_ensemble.py", ["--members", "2,0"], "expected integers >= 1 like 2,8"),
