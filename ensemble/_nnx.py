@@ -1233,6 +1233,9 @@ class _Static:
             self._hash = hash(value)
         except TypeError:
             self._hash = hash(type(value))
+        # Now, not at the first comparison: an attribute mutated in place (a config's field)
+        # is the same object in both graphdefs, and only this snapshot tells them apart.
+        self._typed = repr(value), _typed_attributes(value)
 
     def __hash__(self) -> int:
         return self._hash
@@ -1246,11 +1249,6 @@ class _Static:
             return bool(self.value == other.value) and self._typed == other._typed
         except Exception:  # an attribute whose == is no bool (a NumPy array): only itself
             return self.value is other.value
-
-    @functools.cached_property
-    def _typed(self) -> tuple[str, Any]:
-        # (once per key: a kept program's key is compared again on every call)
-        return repr(self.value), _typed_attributes(self.value)
 
 
 def _typed_attributes(graphdef: Any) -> Any:

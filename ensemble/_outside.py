@@ -2,25 +2,31 @@
 
 A compiled program keeps what its Python code read while it was traced: a temperature that a
 ``method=`` function closes over, a module-level constant read in ``__call__``, a field of a
-global config. ``model.apply`` reads them anew on every call; an ensemble's call compiles once,
-and kept the first values without a word after they changed. So the values such code reads
-(closure cells and the globals its code names: numbers, strings, arrays by identity, functions
-and classes by identity, the scalar fields of config-like objects and dicts) are part of the
-program's key: a changed one compiles anew, once per value, and the first such compile warns,
-naming the value and how to pass it instead. The code walked is the user's: functions and
-classes of the JAX stack and the standard library are not (their globals are theirs).
+global config. ``model.apply`` reads them anew on every call; an ensemble's call compiled once
+and kept the first values without a word after they changed. So what such code reads is part
+of the program's key, and a changed value compiles anew, once per value; the first such compile
+warns, naming the value and how to pass it instead.
+
+What is read is found from the bytecode of the user's code reachable from the call (the model's
+classes, the ``method=`` function, the loss, what they name): the globals it loads and the
+``module.name`` it reads of a user's module, its closure cells and defaults, its classes'
+attributes; within those, numbers and strings, small NumPy arrays by content (large ones and JAX
+arrays by identity), functions and classes by identity (then their code too), and what
+containers, dataclasses, namespaces and user objects hold. Names the code assigns itself (a
+``global`` trace counter) are not inputs. The JAX stack's and the standard library's code is not
+walked (their globals are theirs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import dis
 import functools
 import inspect
-import itertools
 import sys
 import types
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from typing import Any
 
 import flax.linen as nn
@@ -45,14 +51,23 @@ _LIBRARIES = frozenset(sys.stdlib_module_names) | {
     "rollout",
     "typing_extensions",
 }
-_MAX_FIELDS = 64  # of one config-like object: beyond that it is no config
+_REMEMBERED = 64  # calls' values kept to tell which value changed
+_MAX_ITEMS = 1024  # of one container or object: beyond that it is keyed by identity
+_MAX_DEPTH = 4  # containers within containers
+_SMALL_ARRAY = 1024  # NumPy arrays up to this many elements are keyed by content
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
 
 
 def _theirs(obj: Any) -> bool:
     """A library's function or class (its globals are the library's, not the user's). A
     function's globals say where its code is (``__module__`` is copied by functools.wraps)."""
-    module = getattr(obj, "__globals__", {}).get("__name__") or getattr(obj, "__module__", None)
-    return (module or "").split(".")[0] in _LIBRARIES
+    if isinstance(obj, types.ModuleType):
+        module = obj.__name__
+    else:
+        module = getattr(obj, "__globals__", {}).get("__name__") or getattr(obj, "__module__", "")
+    return (module if isinstance(module, str) else "").split(".")[0] in _LIBRARIES
 
 
 def _scalar(v: Any) -> bool:
@@ -60,38 +75,60 @@ def _scalar(v: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The names a function's code reads as globals (or attributes), its nested code
-    (comprehensions, inner functions) too; once per code object: a call walks them each time."""
-    nested = (_names(c) for c in code.co_consts if isinstance(c, types.CodeType))
-    return tuple(dict.fromkeys(itertools.chain(code.co_names, *nested)))
+def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], frozenset]:
+    """The globals a function's code loads, the ``g.attr`` it reads of globals, and the names
+    it assigns (``global TRACES; TRACES += 1`` or a ``nonlocal`` counts traces: no input),
+    nested code (comprehensions, inner functions) included. From the bytecode, so
+    ``self.out`` is no read of a global ``out``. Once per code object."""
+    loads, pairs, stores = [], [], set()
+    previous = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_LOADS:
+            loads.append(ins.argval)
+        elif ins.opname in _STORES:
+            stores.add(ins.argval)
+        elif ins.opname in _ATTRIBUTE_LOADS and previous in _GLOBAL_LOADS:
+            pairs.append((loads[-1], ins.argval))
+        previous = ins.opname
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            nested = _reads(const)
+            loads, pairs, stores = (
+                loads + list(nested[0]),
+                pairs + list(nested[1]),
+                stores | nested[2],
+            )
+    loads = [n for n in dict.fromkeys(loads) if n not in stores]
+    pairs = [p for p in dict.fromkeys(pairs) if p[0] not in stores]
+    return tuple(loads), tuple(pairs), frozenset(stores)
 
 
-@functools.lru_cache(maxsize=1024)
-def _methods(c: type) -> tuple[Any, ...]:
-    """The functions a user's class defines (not those of a library's classes it extends)."""
-    found = []
-    for k in c.__mro__:
-        if not _theirs(k):
-            for name, attr in vars(k).items():
-                if name == "__call__" or not name.startswith("__"):  # (dataclass-made dunders)
-                    found.append(attr.fget if isinstance(attr, property) else attr)
-    return tuple(found)
+def _key(obj: Any) -> Hashable:
+    """``obj`` itself where it is hashable (a function, a class), else its identity."""
+    try:
+        hash(obj)
+    except Exception:
+        return ("id", id(obj))
+    return obj
 
 
-def _fields(v: Any) -> dict[str, Any] | None:
-    """A config-like object's scalar fields (a dataclass, a namespace, a dict), else None."""
+def _held(v: Any) -> dict[Any, Any] | None:
+    """What a config-like value holds: a container's items, a dataclass's fields (a linen
+    module's too), a namespace's or a user object's attributes (not a library's objects)."""
     if isinstance(v, dict):
-        items = v
-    elif isinstance(v, argparse.Namespace | types.SimpleNamespace) or (
-        dataclasses.is_dataclass(v) and not isinstance(v, type | nn.Module)
-    ):
-        items = vars(v)
-    else:
-        return None
-    if len(items) > _MAX_FIELDS:
-        return None
-    return {k: x for k, x in items.items() if isinstance(k, str) and _scalar(x)}
+        return v
+    if isinstance(v, list | tuple | set | frozenset):
+        return dict(enumerate(v))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        names = (f.name for f in dataclasses.fields(v) if f.name not in ("parent", "name"))
+        return {k: getattr(v, k, None) for k in names}
+    if isinstance(v, argparse.Namespace | types.SimpleNamespace) or not _theirs(type(v)):
+        held = getattr(v, "__dict__", None)
+        return held if isinstance(held, dict) else None
+    return None
+
+
+_FUNCTIONS = types.FunctionType | types.MethodType | functools.partial | staticmethod | classmethod
 
 
 class _Walk:
@@ -110,84 +147,90 @@ class _Walk:
     def function(self, f: Any) -> None:
         if isinstance(f, types.MethodType):
             self.value("self", f.__self__, f.__func__.__qualname__)
-            f = f.__func__
-        if isinstance(f, staticmethod | classmethod):
-            f = f.__func__
-        f = inspect.unwrap(f)  # a decorator's wrapper (Flax wraps module methods): the code within
+        if isinstance(f, functools.partial):
+            for i, arg in enumerate((*f.args, *f.keywords.values())):
+                self.value(f"argument {i}", arg, "a functools.partial")
+            f = f.func
+        f = inspect.unwrap(getattr(f, "__func__", f))  # Flax wraps module methods: the code within
         if not isinstance(f, types.FunctionType) or not self._first(f):
             return
-        where = f.__qualname__
-        names = _names(f.__code__)
-        for name in names:
+        where, (loads, pairs, stores) = f.__qualname__, _reads(f.__code__)
+        for name in loads:
             if name in f.__globals__:
                 self.value(name, f.__globals__[name], where)
-                self.module_fields(name, f.__globals__[name], names, where)
+        for name, attr in pairs:
+            module = f.__globals__.get(name)
+            if isinstance(module, types.ModuleType) and not _theirs(module):
+                try:  # (a module's own __getattr__ may raise anything: the code reads it too)
+                    self.value(f"{name}.{attr}", getattr(module, attr), where)
+                except Exception:
+                    continue
+        for i, default in enumerate((*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())):
+            self.value(f"default {i}", default, where)
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-            try:
-                self.value(name, cell.cell_contents, where)
-            except ValueError:  # a cell not yet filled
-                continue
-
-    def module_fields(self, name: str, v: Any, names: Iterable[str], where: str) -> None:
-        """A user's module read as ``config.beta``: the scalars of it the code names."""
-        if isinstance(v, types.ModuleType) and v.__name__.split(".")[0] not in _LIBRARIES:
-            for field in names:
-                x = getattr(v, field, None)
-                if _scalar(x) and x is not None:
-                    self.found.append((f"{name}.{field} (read by {where})", typed(x)))
-
-    def attributes(self, obj: Any) -> None:
-        """What a user's callable object holds (its ``self.w``), read by its ``__call__``."""
-        held = getattr(obj, "__dict__", None)
-        if isinstance(held, dict) and not _theirs(type(obj)) and len(held) <= _MAX_FIELDS:
-            for name, v in held.items():
-                self.value(f"self.{name}", v, type(obj).__qualname__)
+            if name not in stores:
+                try:
+                    self.value(name, cell.cell_contents, where)
+                except ValueError:  # a cell not yet filled
+                    continue
 
     def cls(self, c: type) -> None:
-        if self._first(c):
-            for method in _methods(c):
-                self.function(method)
+        """A user's class: its methods' code, and its class attributes (``scale = 1.0``)."""
+        if not self._first(c):
+            return
+        for k in c.__mro__:
+            if _theirs(k):
+                continue
+            for name, attr in list(vars(k).items()):
+                if name.startswith("__") and name != "__call__":
+                    continue  # (dunders a dataclass or a metaclass made)
+                attr = getattr(attr, "wrapped", attr)  # Flax wraps a module's descriptors
+                attr = attr.fget if isinstance(attr, property) else attr
+                self.value(f"{k.__qualname__}.{name}", attr, k.__qualname__)
 
-    def value(self, name: str, v: Any, where: str) -> None:
+    def value(self, name: str, v: Any, where: str, depth: int = 0) -> None:
         label = f"{name!r} (read by {where})"
         if isinstance(v, types.ModuleType | jax.core.Tracer):
             return  # a module's globals are its own; a traced value is the caller's trace's
         if _scalar(v):
             self.found.append((label, typed(v)))
+        elif isinstance(v, np.ndarray) and v.size <= _SMALL_ARRAY:  # (mutable in place)
+            self.found.append((label, (v.shape, str(v.dtype), v.tobytes())))
         elif isinstance(v, jax.Array | np.ndarray):
             self.found.append((label, ("array", id(v), np.shape(v), str(v.dtype))))
         elif isinstance(v, type):
-            self.found.append((label, v))
+            self.found.append((label, _key(v)))
             self.cls(v)
-        elif isinstance(v, types.FunctionType | types.MethodType | staticmethod | classmethod):
-            self.found.append((label, getattr(v, "__func__", v)))
+        elif isinstance(v, _FUNCTIONS):
+            self.found.append((label, _key(inspect.unwrap(getattr(v, "__func__", v)))))
             self.function(v)
-        elif isinstance(v, nn.Module | nnx.Module):
-            self.cls(type(v))
-        elif (fields := _fields(v)) is not None:
-            self.found.append((label, typed(fields)))
+        else:
+            if isinstance(v, nn.Module | nnx.Module) or (callable(v) and not _theirs(type(v))):
+                self.cls(type(v))  # its code (a callable object's __call__)
+            self.fields(name, v, where, depth)
+
+    def fields(self, name: str, v: Any, where: str, depth: int) -> None:
+        """What a config, a container, a module's fields or a user object holds."""
+        held = _held(v)
+        if held is None or depth >= _MAX_DEPTH or id(v) in self.seen:
+            return
+        self.seen.add(id(v))
+        if len(held) > _MAX_ITEMS:
+            self.found.append((f"{name!r} (read by {where})", ("id", id(v), len(held))))
+            return
+        for k, x in list(held.items()):
+            if isinstance(k, int) or (isinstance(k, str) and not k.startswith("_")):
+                part = f"{name}.{k}" if isinstance(k, str) else f"{name}[{k}]"
+                self.value(part, x, where, depth + 1)
 
 
 def outside_values(*roots: Any) -> tuple[tuple[str, Hashable], ...]:
-    """What the user code reachable from ``roots`` (functions, classes, modules) reads from
-    outside its arguments, as ``(where, value)`` pairs for a program's key."""
+    """What the user code reachable from ``roots`` (functions, classes, modules, callable
+    objects) reads from outside its arguments, as ``(where, value)`` pairs for a program's key."""
     walk = _Walk()
     for root in roots:
-        if isinstance(root, type):
-            walk.cls(root)
-        elif isinstance(root, nn.Module | nnx.Module):
-            walk.cls(type(root))
-        elif isinstance(root, functools.partial):
-            walk.function(root.func)
-            for i, arg in enumerate((*root.args, *root.keywords.values())):
-                walk.value(f"argument {i}", arg, "a functools.partial")
-        elif isinstance(root, types.MethodType | types.FunctionType):
-            if isinstance(root, types.MethodType):
-                walk.attributes(root.__self__)
-            walk.function(root)
-        elif callable(root):  # an object with __call__: its code, and what it holds (self.w)
-            walk.attributes(root)
-            walk.cls(type(root))
+        if root is not None and not isinstance(root, str):
+            walk.value("fn", root, "the call")
     return tuple(walk.found)
 
 
@@ -206,7 +249,7 @@ class OutsideValues:
             return values
         same_roots = tuple(map(id, roots))  # (another method= is no change of a value)
         last = self.last.get(same_roots)
-        if len(self.last) >= _MAX_FIELDS:
+        if len(self.last) >= _REMEMBERED:
             self.last.clear()
         self.last[same_roots] = values
         if last is None or last == values:

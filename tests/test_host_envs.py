@@ -292,8 +292,13 @@ def test_trajectories_equal_a_python_loop(env_id, workers, kwargs, step_path):
         actions = actions_for(env_id, T, n, e)
         obs0, steps = run_host(host, mesh, keys, actions)
         assert len(host.pids) == 2 * workers
-        # Every step of every group made without Python, where the handler applies.
-        assert host.fast_steps == (2 * T if workers and step_path == "ffi" else 0)
+        # Every step of every group made without Python, where the handler applies; but for a
+        # step whose worker was slower than the 0.2 s the handler waits (a descheduled worker on
+        # a loaded machine: seen once in a run at load 7 on 2 cores), which Python finishes.
+        if workers and step_path == "ffi":
+            assert 2 * T - 3 <= host.fast_steps <= 2 * T
+        else:
+            assert host.fast_steps == 0
     finally:
         host.close()
     ref0, ref = reference(env_id, seeds_of(keys), actions, **kwargs)

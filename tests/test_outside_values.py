@@ -152,3 +152,48 @@ def test_nnx_call_and_train_step_read_globals_anew(monkeypatch):
             nnx.update(m, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(m, nnx.Param), grads))
     for i, m in enumerate(plain):
         np.testing.assert_allclose(ens.member(i)(x), m(x), rtol=1e-5, atol=1e-6)
+
+
+out = 0  # a global named like the attribute the model reads (self.out): no input of it
+TRACES = 0
+WEIGHTS = np.ones(2, np.float32)  # mutated in place
+
+
+class Named(nnx.Module):
+    scale = 1.0  # a class attribute
+
+    def __init__(self, rngs, cfg):
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+        self.cfg = cfg  # a config the module holds, mutated in place
+
+    def __call__(self, x):
+        global TRACES
+        TRACES += 1  # counts traces: assigned by the code, so no input
+        return self.out(x) * self.scale * self.cfg.shift * WEIGHTS
+
+
+def test_only_what_the_code_reads_is_an_input_and_each_kind_is_read_anew(monkeypatch):
+    global out
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    cfg = Config(shift=1.0)
+    ens = ensemble.build(lambda rngs: Named(rngs, cfg), D)
+    base = np.asarray(ens(x))
+    with count_compiles() as compiles:
+        for _ in range(3):
+            out = ens(x)  # rebinds the global `out`; TRACES changed at the trace
+    assert compiles == []
+    changes = [
+        (lambda: monkeypatch.setattr(Named, "scale", 2.0), 2.0),
+        (lambda: monkeypatch.setattr(cfg, "shift", 3.0), 6.0),
+        (lambda: WEIGHTS.__setitem__(0, 5.0), np.array([30.0, 6.0])),
+    ]
+    try:
+        for change, factor in changes:
+            change()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = np.asarray(ens(x))
+            np.testing.assert_allclose(got, base * factor, rtol=1e-6)
+            np.testing.assert_allclose(got[2], ens.member(2)(x), rtol=1e-6)
+    finally:
+        WEIGHTS[:] = 1.0
