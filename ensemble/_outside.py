@@ -27,7 +27,7 @@ import inspect
 import sys
 import types
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -74,14 +74,22 @@ def _scalar(v: Any) -> bool:
     return v is None or isinstance(v, bool | int | float | complex | str | bytes | np.generic)
 
 
+class _Reads(NamedTuple):
+    loads: tuple[str, ...]  # globals loaded
+    pairs: tuple[tuple[str, str], ...]  # (global, attribute): ``cfg.beta``
+    stores: frozenset[str]  # globals and cells the code assigns
+    own: frozenset[str]  # attributes read of the first argument: ``self.scale``
+
+
 @functools.lru_cache(maxsize=4096)
-def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], frozenset]:
-    """The globals a function's code loads, the ``g.attr`` it reads of globals, and the names
-    it assigns (``global TRACES; TRACES += 1`` or a ``nonlocal`` counts traces: no input),
-    nested code (comprehensions, inner functions) included. From the bytecode, so
-    ``self.out`` is no read of a global ``out``. Once per code object."""
-    loads, pairs, stores = [], [], set()
-    previous = None
+def _reads(code: types.CodeType) -> _Reads:
+    """What a function's code reads from outside (nested code, such as comprehensions and
+    inner functions, included), from its bytecode: so ``self.out`` is no read of a global
+    ``out``, and a name the code assigns (``global TRACES; TRACES += 1``, a ``nonlocal``
+    counter) is no input. Once per code object."""
+    loads, pairs, stores, own = [], [], set(), set()
+    first = {code.co_varnames[0], "self"} if code.co_argcount else {"self"}
+    previous, of_first = None, False
     for ins in dis.get_instructions(code):
         if ins.opname in _GLOBAL_LOADS:
             loads.append(ins.argval)
@@ -89,18 +97,31 @@ def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str]
             stores.add(ins.argval)
         elif ins.opname in _ATTRIBUTE_LOADS and previous in _GLOBAL_LOADS:
             pairs.append((loads[-1], ins.argval))
+        elif ins.opname in _ATTRIBUTE_LOADS and of_first:
+            own.add(ins.argval)
         previous = ins.opname
+        of_first = ins.opname in ("LOAD_FAST", "LOAD_DEREF") and ins.argval in first
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             nested = _reads(const)
-            loads, pairs, stores = (
-                loads + list(nested[0]),
-                pairs + list(nested[1]),
-                stores | nested[2],
-            )
+            loads, pairs = loads + list(nested.loads), pairs + list(nested.pairs)
+            stores, own = stores | nested.stores, own | nested.own
     loads = [n for n in dict.fromkeys(loads) if n not in stores]
     pairs = [p for p in dict.fromkeys(pairs) if p[0] not in stores]
-    return tuple(loads), tuple(pairs), frozenset(stores)
+    return _Reads(tuple(loads), tuple(pairs), frozenset(stores), frozenset(own))
+
+
+def _attributes_read(c: type) -> frozenset[str]:
+    """The ``self.name`` a user's class's methods read: what of an instance its code uses."""
+    names: set[str] = set()
+    for k in c.__mro__:
+        if not _theirs(k):
+            for attr in list(vars(k).values()):
+                attr = getattr(attr, "wrapped", attr)  # Flax wraps a module's descriptors
+                f = inspect.unwrap(getattr(attr, "fget", None) or getattr(attr, "__func__", attr))
+                if isinstance(f, types.FunctionType):
+                    names |= _reads(f.__code__).own
+    return frozenset(names)
 
 
 def _key(obj: Any) -> Hashable:
@@ -145,8 +166,9 @@ class _Walk:
         return True
 
     def function(self, f: Any) -> None:
-        if isinstance(f, types.MethodType):
-            self.value("self", f.__self__, f.__func__.__qualname__)
+        if isinstance(f, types.MethodType):  # what its code uses of self: not all it holds
+            only = _attributes_read(type(f.__self__))
+            self.value("self", f.__self__, f.__func__.__qualname__, only=only)
         if isinstance(f, functools.partial):
             for i, arg in enumerate((*f.args, *f.keywords.values())):
                 self.value(f"argument {i}", arg, "a functools.partial")
@@ -154,10 +176,11 @@ class _Walk:
         f = inspect.unwrap(getattr(f, "__func__", f))  # Flax wraps module methods: the code within
         if not isinstance(f, types.FunctionType) or not self._first(f):
             return
-        where, (loads, pairs, stores) = f.__qualname__, _reads(f.__code__)
+        where, (loads, pairs, stores, _) = f.__qualname__, _reads(f.__code__)
         for name in loads:
-            if name in f.__globals__:
-                self.value(name, f.__globals__[name], where)
+            if name in f.__globals__:  # an object read as cfg.beta: what the code reads of it
+                only = frozenset(a for g, a in pairs if g == name) or None
+                self.value(name, f.__globals__[name], where, only=only)
         for name, attr in pairs:
             module = f.__globals__.get(name)
             if isinstance(module, types.ModuleType) and not _theirs(module):
@@ -188,7 +211,10 @@ class _Walk:
                 attr = attr.fget if isinstance(attr, property) else attr
                 self.value(f"{k.__qualname__}.{name}", attr, k.__qualname__)
 
-    def value(self, name: str, v: Any, where: str, depth: int = 0) -> None:
+    def value(
+        self, name: str, v: Any, where: str, depth: int = 0, only: frozenset | None = None
+    ) -> None:
+        """``only``: the attributes of an object that the code reads (None: all it holds)."""
         label = f"{name!r} (read by {where})"
         if isinstance(v, types.ModuleType | jax.core.Tracer):
             return  # a module's globals are its own; a traced value is the caller's trace's
@@ -206,15 +232,18 @@ class _Walk:
             self.function(v)
         else:
             if isinstance(v, nn.Module | nnx.Module) or (callable(v) and not _theirs(type(v))):
-                self.cls(type(v))  # its code (a callable object's __call__)
-            self.fields(name, v, where, depth)
+                self.cls(type(v))  # its code (a callable object's __call__), and what it uses
+                only = _attributes_read(type(v)) if only is None else only
+            self.fields(name, v, where, depth, only)
 
-    def fields(self, name: str, v: Any, where: str, depth: int) -> None:
+    def fields(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
         """What a config, a container, a module's fields or a user object holds."""
         held = _held(v)
         if held is None or depth >= _MAX_DEPTH or id(v) in self.seen:
             return
         self.seen.add(id(v))
+        if only is not None:
+            held = {k: held[k] for k in only if k in held}
         if len(held) > _MAX_ITEMS:
             self.found.append((f"{name!r} (read by {where})", ("id", id(v), len(held))))
             return

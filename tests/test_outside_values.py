@@ -197,3 +197,35 @@ def test_only_what_the_code_reads_is_an_input_and_each_kind_is_read_anew(monkeyp
             np.testing.assert_allclose(got[2], ens.member(2)(x), rtol=1e-6)
     finally:
         WEIGHTS[:] = 1.0
+
+
+class Trainer:
+    """A loss as a bound method of an object that also holds the training state."""
+
+    def __init__(self, model):
+        self.model, self.beta, self.params = model, 0.5, None
+
+    def loss(self, params, x):
+        return jnp.mean(self.model.apply({"params": params}, x) ** 2) * self.beta
+
+
+def test_a_bound_method_loss_keys_on_what_it_reads_of_its_object_only():
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+    trainer = Trainer(Net())
+    ens = ensemble.build(Net(), D)
+    params = ens.init(jax.random.key(0), x)["params"]
+    step = ens.train_step(trainer.loss, optax.sgd(0.1))
+    opt_state = step.init(params)
+    params, opt_state, _ = step(params, opt_state, x)
+    with count_compiles() as compiles:
+        for _ in range(3):
+            params, opt_state, _ = step(params, opt_state, x)
+            trainer.params = params  # held by the object, never read by the loss
+    assert compiles == []
+    trainer.beta = 2.0  # read by the loss: a new program
+    before = jax.tree.map(np.asarray, params)
+    with pytest.warns(UserWarning, match=r"'self.beta' \(read by Trainer.loss\) changed"):
+        _, _, losses = step(params, opt_state, x)
+    for i in range(D):
+        want = trainer.loss(jax.tree.map(lambda a, i=i: a[i], before), x)
+        np.testing.assert_allclose(losses[i], want, rtol=1e-5)
