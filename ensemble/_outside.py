@@ -9,12 +9,14 @@ warns, naming the value and how to pass it instead.
 
 What is read is found from the bytecode of the user's code reachable from the call (the model's
 classes, the ``method=`` function, the loss, what they name): the globals it loads and the
-``module.name`` it reads of a user's module, its closure cells and defaults, its classes'
-attributes; within those, numbers and strings, small NumPy arrays by content (large ones and JAX
-arrays by identity), functions and classes by identity (then their code too), and what
-containers, dataclasses, namespaces and user objects hold. Names the code assigns itself (a
-``global`` trace counter) are not inputs. The JAX stack's and the standard library's code is not
-walked (their globals are theirs).
+attribute chains it reads of them (``cfg.beta``, ``myproj.config.BETA``), its closure cells and
+defaults, the ``self.x`` its classes' methods read, their class attributes. Of an object, only
+the attributes the code reads; of a container, dataclass or namespace, all it holds. Numbers,
+strings and enum members by value, small NumPy arrays by content, large ones, JAX arrays and
+containers past a size by identity, functions and classes by identity (then their code too).
+What the code writes itself (``global TRACES; TRACES += 1``, ``STATS['n'] += 1``,
+``self.traces += 1``) is a counter or a cache, not an input. A walk visits at most
+``_BUDGET`` values; the JAX stack's and the standard library's code is not walked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import dis
+import enum
 import functools
 import inspect
 import sys
@@ -53,16 +56,20 @@ _LIBRARIES = frozenset(sys.stdlib_module_names) | {
 }
 _REMEMBERED = 64  # calls' values kept to tell which value changed
 _MAX_ITEMS = 1024  # of one container or object: beyond that it is keyed by identity
-_MAX_DEPTH = 4  # containers within containers
+_MAX_DEPTH = 8  # containers within containers, functions calling functions
+_BUDGET = 2048  # values one walk visits: past it, what is left is keyed by identity
 _SMALL_ARRAY = 1024  # NumPy arrays up to this many elements are keyed by content
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_FIRST_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
+_WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR", "DELETE_ATTR"})
 
 
 def _theirs(obj: Any) -> bool:
-    """A library's function or class (its globals are the library's, not the user's). A
-    function's globals say where its code is (``__module__`` is copied by functools.wraps)."""
+    """A library's function, class or module (its globals are the library's, not the
+    user's). A function's globals say where its code is (functools.wraps copies
+    ``__module__``)."""
     if isinstance(obj, types.ModuleType):
         module = obj.__name__
     else:
@@ -71,57 +78,129 @@ def _theirs(obj: Any) -> bool:
 
 
 def _scalar(v: Any) -> bool:
-    return v is None or isinstance(v, bool | int | float | complex | str | bytes | np.generic)
+    return v is None or isinstance(
+        v, bool | int | float | complex | str | bytes | np.generic | enum.Enum
+    )
 
 
 class _Reads(NamedTuple):
     loads: tuple[str, ...]  # globals loaded
-    pairs: tuple[tuple[str, str], ...]  # (global, attribute): ``cfg.beta``
-    stores: frozenset[str]  # globals and cells the code assigns
+    chains: tuple[tuple[str, ...], ...]  # attribute chains read of globals: ``cfg.beta``
+    stores: frozenset[str]  # globals and cells the code assigns or writes into
     own: frozenset[str]  # attributes read of the first argument: ``self.scale``
+
+
+def _statement(code: types.CodeType) -> Any:
+    """The code's instructions, one statement (line) at a time."""
+    line: list[dis.Instruction] = []
+    for ins in dis.get_instructions(code):
+        if ins.starts_line is not None and line:
+            yield line
+            line = []
+        line.append(ins)
+    if line:
+        yield line
+
+
+def _root(line: list[dis.Instruction], i: int) -> tuple[bool, tuple[str, ...]]:
+    """The load chain ending at ``line[i]`` (``('G', 'a')`` for ``G.a``, ``('self', 'x')``),
+    and whether it starts at a global."""
+    chain = []
+    while i >= 0 and line[i].opname in _ATTRIBUTE_LOADS:
+        chain.append(line[i].argval)
+        i -= 1
+    if i < 0 or line[i].opname not in _GLOBAL_LOADS | _FIRST_LOADS:
+        return False, ()
+    return line[i].opname in _GLOBAL_LOADS, (line[i].argval, *reversed(chain))
+
+
+def _written(line: list[dis.Instruction], first: set[str]) -> set[str]:
+    """What a statement writes into: ``G`` for ``G['n'] += 1`` or ``G.x = 0``, ``self.x`` for
+    ``self.x += 1`` or ``self.cache[k] = v`` (a counter, a cache: the code's own, no input)."""
+    written = set()
+    for k, ins in enumerate(line):
+        if ins.opname not in _WRITES:
+            continue
+        augmented = k > 0 and line[k - 1].opname == "SWAP"  # G['n'] += 1: G loaded first
+        at = 0 if augmented else k - (2 if "SUBSCR" in ins.opname else 1)
+        is_global, target = _root(line, at)
+        if target and ins.opname.endswith("ATTR"):
+            target = (*target, ins.argval)
+        if is_global:
+            written.add(target[0])
+        elif target and target[0] in first and len(target) > 1:
+            written.add(f"self.{target[1]}")
+    return written
 
 
 @functools.lru_cache(maxsize=4096)
 def _reads(code: types.CodeType) -> _Reads:
-    """What a function's code reads from outside (nested code, such as comprehensions and
-    inner functions, included), from its bytecode: so ``self.out`` is no read of a global
-    ``out``, and a name the code assigns (``global TRACES; TRACES += 1``, a ``nonlocal``
-    counter) is no input. Once per code object."""
-    loads, pairs, stores, own = [], [], set(), set()
+    """What a function's code reads from outside, from its bytecode (nested code, such as
+    comprehensions and inner functions, included): so ``self.out`` is no read of a global
+    ``out``. A global, cell or ``self`` attribute that the code assigns or writes into is left
+    out. Once per code object."""
+    loads, chains, stores, own = [], [], set(), set()
     first = {code.co_varnames[0], "self"} if code.co_argcount else {"self"}
-    previous, of_first = None, False
-    for ins in dis.get_instructions(code):
-        if ins.opname in _GLOBAL_LOADS:
-            loads.append(ins.argval)
-        elif ins.opname in _STORES:
-            stores.add(ins.argval)
-        elif ins.opname in _ATTRIBUTE_LOADS and previous in _GLOBAL_LOADS:
-            pairs.append((loads[-1], ins.argval))
-        elif ins.opname in _ATTRIBUTE_LOADS and of_first:
-            own.add(ins.argval)
-        previous = ins.opname
-        of_first = ins.opname in ("LOAD_FAST", "LOAD_DEREF") and ins.argval in first
+    for line in _statement(code):
+        stores |= _written(line, first)
+        for i, ins in enumerate(line):
+            if ins.opname in _GLOBAL_LOADS:
+                loads.append(ins.argval)
+            elif ins.opname in _STORES:
+                stores.add(ins.argval)
+            elif ins.opname in _ATTRIBUTE_LOADS:
+                is_global, chain = _root(line, i)
+                last = i + 1 == len(line) or line[i + 1].opname not in _ATTRIBUTE_LOADS
+                if not is_global and chain and chain[0] in first and len(chain) == 2:
+                    own.add(chain[1])
+                elif is_global and last:
+                    chains.append(chain)  # the whole chain, read at its last attribute
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             nested = _reads(const)
-            loads, pairs = loads + list(nested.loads), pairs + list(nested.pairs)
+            loads, chains = loads + list(nested.loads), chains + list(nested.chains)
             stores, own = stores | nested.stores, own | nested.own
-    loads = [n for n in dict.fromkeys(loads) if n not in stores]
-    pairs = [p for p in dict.fromkeys(pairs) if p[0] not in stores]
-    return _Reads(tuple(loads), tuple(pairs), frozenset(stores), frozenset(own))
+    return _Reads(
+        tuple(n for n in dict.fromkeys(loads) if n not in stores),
+        tuple(c for c in dict.fromkeys(chains) if c[0] not in stores),
+        frozenset(stores),
+        frozenset(a for a in own if f"self.{a}" not in stores),
+    )
 
 
-def _attributes_read(c: type) -> frozenset[str]:
-    """The ``self.name`` a user's class's methods read: what of an instance its code uses."""
-    names: set[str] = set()
+def _members(c: type) -> list[tuple[str, Any]]:
+    """A user's class's own attributes (not those of a library's classes it extends), without
+    the dunders a dataclass or a metaclass made; descriptors Flax wraps unwrapped."""
+    found = []
     for k in c.__mro__:
         if not _theirs(k):
-            for attr in list(vars(k).values()):
-                attr = getattr(attr, "wrapped", attr)  # Flax wraps a module's descriptors
-                f = inspect.unwrap(getattr(attr, "fget", None) or getattr(attr, "__func__", attr))
-                if isinstance(f, types.FunctionType):
-                    names |= _reads(f.__code__).own
-    return frozenset(names)
+            for name, attr in list(vars(k).items())[:_MAX_ITEMS]:
+                attr = getattr(attr, "wrapped", attr)
+                if name.startswith("_") and not (callable(attr) or isinstance(attr, property)):
+                    continue  # a private cache, or what Flax keeps on a module's class
+                if (name.startswith("__") and name != "__call__") or name in _MODULE_FIELDS:
+                    continue  # (dunders a dataclass or a metaclass made)
+                found.append((f"{k.__qualname__}.{name}", attr))
+    return found
+
+
+def _code_of(attr: Any) -> Any:
+    """The function behind a method, property, staticmethod or decorated function."""
+    f = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
+    return inspect.unwrap(f) if callable(f) else f
+
+
+def _attributes_read(c: type, names: frozenset | None = None) -> frozenset[str]:
+    """The ``self.name`` a user's class's methods read (those in ``names``, else all): what of
+    an instance its code uses."""
+    read: set[str] = set()
+    for qualname, attr in _members(c):
+        f = _code_of(attr)
+        if isinstance(f, types.FunctionType) and (
+            names is None or qualname.split(".")[-1] in names
+        ):
+            read |= _reads(f.__code__).own
+    return frozenset(read)
 
 
 def _key(obj: Any) -> Hashable:
@@ -134,22 +213,58 @@ def _key(obj: Any) -> Hashable:
 
 
 def _held(v: Any) -> dict[Any, Any] | None:
-    """What a config-like value holds: a container's items, a dataclass's fields (a linen
-    module's too), a namespace's or a user object's attributes (not a library's objects)."""
+    """What a value holds: a container's items, a dataclass's fields (a linen module's too), a
+    namespace's or a user object's attributes, slots included (not a library's objects)."""
     if isinstance(v, dict):
         return v
     if isinstance(v, list | tuple | set | frozenset):
-        return dict(enumerate(v))
+        return dict(enumerate(v)) if len(v) <= _MAX_ITEMS else {}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         names = (f.name for f in dataclasses.fields(v) if f.name not in ("parent", "name"))
         return {k: getattr(v, k, None) for k in names}
-    if isinstance(v, argparse.Namespace | types.SimpleNamespace) or not _theirs(type(v)):
-        held = getattr(v, "__dict__", None)
-        return held if isinstance(held, dict) else None
-    return None
+    if not isinstance(v, argparse.Namespace | types.SimpleNamespace) and _theirs(type(v)):
+        return None
+    held = dict(getattr(v, "__dict__", None) or {})
+    for k in type(v).__mro__:
+        for slot in getattr(k, "__slots__", ()):
+            if isinstance(slot, str) and hasattr(v, slot):
+                held[slot] = getattr(v, slot)
+    return held
 
 
 _FUNCTIONS = types.FunctionType | types.MethodType | functools.partial | staticmethod | classmethod
+_MISSING = object()
+_MODULE_FIELDS = frozenset({"name", "parent", "scope"})  # a linen module's own
+
+
+def _dynamic(v: Any, name: str) -> Any:
+    """An attribute that only ``__getattr__`` makes (a ConfigDict's field), else _MISSING (a
+    method or property: its code is walked instead)."""
+    if any(name in vars(k) for k in type(v).__mro__) or not hasattr(type(v), "__getattr__"):
+        return _MISSING
+    try:
+        return getattr(v, name)
+    except Exception:
+        return _MISSING
+
+
+_FUNCTION_DEPTH = 100  # functions calling functions (a deeper chain is walked this far)
+
+
+def _used(c: type, names: frozenset | None) -> frozenset[str]:
+    """The ``self.x`` an instance's code uses: what the methods and properties named in
+    ``names`` (all of them: None) read of ``self``, and what the ones they call read."""
+    members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members(c)}
+    todo, done, read = set(members if names is None else names), set(), set()
+    while todo:
+        name = todo.pop()
+        done.add(name)
+        f = members.get(name)
+        if isinstance(f, types.FunctionType):
+            own = _reads(f.__code__).own
+            read |= own
+            todo |= (own & members.keys()) - done
+    return frozenset(read | (names or frozenset()))
 
 
 class _Walk:
@@ -157,7 +272,9 @@ class _Walk:
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
-        self.found: list[tuple[str, Hashable]] = []
+        self.found: list[tuple[str, str, Hashable]] = []  # (name, read by, value)
+        self.left = _BUDGET
+        self.depth = 0
 
     def _first(self, obj: Any) -> bool:
         if id(obj) in self.seen or _theirs(obj):
@@ -167,74 +284,100 @@ class _Walk:
 
     def function(self, f: Any) -> None:
         if isinstance(f, types.MethodType):  # what its code uses of self: not all it holds
-            only = _attributes_read(type(f.__self__))
+            only = _used(type(f.__self__), frozenset({f.__func__.__name__}))
             self.value("self", f.__self__, f.__func__.__qualname__, only=only)
         if isinstance(f, functools.partial):
             for i, arg in enumerate((*f.args, *f.keywords.values())):
                 self.value(f"argument {i}", arg, "a functools.partial")
             f = f.func
-        f = inspect.unwrap(getattr(f, "__func__", f))  # Flax wraps module methods: the code within
+        f = _code_of(f)  # Flax wraps module methods: the code within
         if not isinstance(f, types.FunctionType) or not self._first(f):
             return
-        where, (loads, pairs, stores, _) = f.__qualname__, _reads(f.__code__)
-        for name in loads:
-            if name in f.__globals__:  # an object read as cfg.beta: what the code reads of it
-                only = frozenset(a for g, a in pairs if g == name) or None
-                self.value(name, f.__globals__[name], where, only=only)
-        for name, attr in pairs:
-            module = f.__globals__.get(name)
-            if isinstance(module, types.ModuleType) and not _theirs(module):
-                try:  # (a module's own __getattr__ may raise anything: the code reads it too)
-                    self.value(f"{name}.{attr}", getattr(module, attr), where)
-                except Exception:
-                    continue
-        for i, default in enumerate((*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())):
+        if self.depth >= _FUNCTION_DEPTH:
+            return
+        self.depth += 1
+        try:
+            self._read_by(f)
+        finally:
+            self.depth -= 1
+
+    def _read_by(self, f: types.FunctionType) -> None:
+        where, reads = f.__qualname__, _reads(f.__code__)
+        for name in reads.loads:
+            if name not in f.__globals__:
+                continue
+            v, paths = f.__globals__[name], [c[1:] for c in reads.chains if c[0] == name]
+            if isinstance(v, types.ModuleType):
+                for path in paths:
+                    self.module_path(name, v, path, where)
+            else:  # an object read as cfg.beta: what the code reads of it
+                self.value(name, v, where, only=frozenset(p[0] for p in paths) or None)
+        defaults = (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
+        for i, default in enumerate(defaults):
             self.value(f"default {i}", default, where)
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-            if name not in stores:
+            if name not in reads.stores:
                 try:
                     self.value(name, cell.cell_contents, where)
                 except ValueError:  # a cell not yet filled
                     continue
 
+    def module_path(self, name: str, v: Any, path: tuple[str, ...], where: str) -> None:
+        """``myproj.config.BETA`` read of a user's module: the value at the path's end."""
+        for i, attr in enumerate(path):
+            if not isinstance(v, types.ModuleType) or _theirs(v):
+                return
+            try:  # (a module's own __getattr__ may raise anything: the code reads it too)
+                v = getattr(v, attr)
+            except Exception:
+                return
+            name = f"{name}.{attr}"
+            if not isinstance(v, types.ModuleType):
+                rest = frozenset(path[i + 1 : i + 2]) or None
+                return self.value(name, v, where, only=rest)
+
     def cls(self, c: type) -> None:
         """A user's class: its methods' code, and its class attributes (``scale = 1.0``)."""
         if not self._first(c):
             return
-        for k in c.__mro__:
-            if _theirs(k):
-                continue
-            for name, attr in list(vars(k).items()):
-                if name.startswith("__") and name != "__call__":
-                    continue  # (dunders a dataclass or a metaclass made)
-                attr = getattr(attr, "wrapped", attr)  # Flax wraps a module's descriptors
-                attr = attr.fget if isinstance(attr, property) else attr
-                self.value(f"{k.__qualname__}.{name}", attr, k.__qualname__)
+        for qualname, attr in _members(c):
+            f = _code_of(attr)
+            self.value(qualname, f if isinstance(f, types.FunctionType) else attr, c.__qualname__)
 
     def value(
         self, name: str, v: Any, where: str, depth: int = 0, only: frozenset | None = None
     ) -> None:
         """``only``: the attributes of an object that the code reads (None: all it holds)."""
-        label = f"{name!r} (read by {where})"
         if isinstance(v, types.ModuleType | jax.core.Tracer):
             return  # a module's globals are its own; a traced value is the caller's trace's
-        if _scalar(v):
-            self.found.append((label, typed(v)))
+        self.left -= 1
+        if self.left < 0:
+            self.found.append((name, where, ("id", id(v))))
+        elif _scalar(v):
+            self.found.append((name, where, typed(v)))
         elif isinstance(v, np.ndarray) and v.size <= _SMALL_ARRAY:  # (mutable in place)
-            self.found.append((label, (v.shape, str(v.dtype), v.tobytes())))
+            self.found.append((name, where, (v.shape, str(v.dtype), v.tobytes())))
         elif isinstance(v, jax.Array | np.ndarray):
-            self.found.append((label, ("array", id(v), np.shape(v), str(v.dtype))))
+            self.found.append((name, where, ("array", id(v), np.shape(v), str(v.dtype))))
         elif isinstance(v, type):
-            self.found.append((label, _key(v)))
+            self.found.append((name, where, _key(v)))
             self.cls(v)
         elif isinstance(v, _FUNCTIONS):
-            self.found.append((label, _key(inspect.unwrap(getattr(v, "__func__", v)))))
+            self.found.append((name, where, _key(_code_of(v))))
             self.function(v)
         else:
-            if isinstance(v, nn.Module | nnx.Module) or (callable(v) and not _theirs(type(v))):
-                self.cls(type(v))  # its code (a callable object's __call__), and what it uses
-                only = _attributes_read(type(v)) if only is None else only
-            self.fields(name, v, where, depth, only)
+            self.instance(name, v, where, depth, only)
+
+    def instance(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
+        """A module, a user's object, a config or a container: its code and what it holds."""
+        mine = isinstance(v, nn.Module | nnx.Module) or not _theirs(type(v))
+        if mine and not isinstance(v, dict | list | tuple | set | frozenset):
+            self.cls(type(v))  # its code (methods, properties), and of it what they read
+            if only is not None:
+                only = _used(type(v), only)
+            elif isinstance(v, nn.Module | nnx.Module) or callable(v):
+                only = _used(type(v), None)
+        self.fields(name, v, where, depth, only)
 
     def fields(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
         """What a config, a container, a module's fields or a user object holds."""
@@ -242,24 +385,28 @@ class _Walk:
         if held is None or depth >= _MAX_DEPTH or id(v) in self.seen:
             return
         self.seen.add(id(v))
-        if only is not None:
-            held = {k: held[k] for k in only if k in held}
-        if len(held) > _MAX_ITEMS:
-            self.found.append((f"{name!r} (read by {where})", ("id", id(v), len(held))))
+        if only is not None:  # (an attribute __getattr__ makes: read as the code reads it)
+            held = {k: held[k] if k in held else _dynamic(v, k) for k in only}
+            held = {k: x for k, x in held.items() if x is not _MISSING}
+        if len(held) > min(_MAX_ITEMS, self.left) or (isinstance(v, list | tuple) and not held):
+            self.found.append((name, where, ("id", id(v), len(held))))
             return
         for k, x in list(held.items()):
-            if isinstance(k, int) or (isinstance(k, str) and not k.startswith("_")):
+            if isinstance(k, int) or (isinstance(k, str) and not k.startswith("__")):
                 part = f"{name}.{k}" if isinstance(k, str) else f"{name}[{k}]"
                 self.value(part, x, where, depth + 1)
 
 
-def outside_values(*roots: Any) -> tuple[tuple[str, Hashable], ...]:
+def outside_values(*roots: Any) -> tuple[tuple[str, str, Hashable], ...]:
     """What the user code reachable from ``roots`` (functions, classes, modules, callable
-    objects) reads from outside its arguments, as ``(where, value)`` pairs for a program's key."""
+    objects) reads from outside its arguments, as ``(name, read by, value)`` for a program's
+    key."""
     walk = _Walk()
     for root in roots:
-        if root is not None and not isinstance(root, str):
+        if isinstance(root, type | _FUNCTIONS):
             walk.value("fn", root, "the call")
+        elif root is not None and not isinstance(root, str):  # a module, a callable object
+            walk.value("self", root, type(root).__qualname__)
     return tuple(walk.found)
 
 
@@ -269,10 +416,10 @@ class OutsideValues:
 
     def __init__(self, call: str) -> None:
         self.call = call
-        self.last: dict[tuple[int, ...], tuple[tuple[str, Hashable], ...]] = {}
+        self.last: dict[tuple[int, ...], tuple[tuple[str, str, Hashable], ...]] = {}
         self.warned = False
 
-    def __call__(self, *roots: Any) -> tuple[tuple[str, Hashable], ...]:
+    def __call__(self, *roots: Any) -> tuple[tuple[str, str, Hashable], ...]:
         values = outside_values(*roots)
         if self.warned:
             return values
@@ -284,7 +431,8 @@ class OutsideValues:
         if last is None or last == values:
             return values
         before = set(last)
-        changed = [k for k, v in values if (k, v) not in before]
+        changed = [f"{name!r} (read by {where})" for name, where, v in values
+                   if (name, where, v) not in before]  # fmt: skip
         if changed:
             self.warned = True
             warn_user(

@@ -781,7 +781,7 @@ def test_a_changed_closed_over_value_compiles_anew_like_the_function_called_dire
         same(f(x), np.tile(x, 2))
         same(g(x), x + 1)
         cfg["reps"] = 3
-        with pytest.warns(UserWarning, match=r"compiled anew: 'cfg' \(read by"):
+        with pytest.warns(UserWarning, match=r"compiled anew: 'cfg.reps' \(read by"):
             same(f(x), np.tile(x, 3))
         same(f(x[:3]), np.tile(x[:3], 3))  # chunks of 2 rows again
         g.fn.w = np.full(2, 5, np.float32)

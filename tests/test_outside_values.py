@@ -3,6 +3,7 @@ closure, a config's field) are read anew by every ensemble call, as by the plain
 compiled program kept the first ones before."""
 
 import dataclasses
+import enum
 import sys
 import warnings
 
@@ -229,3 +230,61 @@ def test_a_bound_method_loss_keys_on_what_it_reads_of_its_object_only():
     for i in range(D):
         want = trainer.loss(jax.tree.map(lambda a, i=i: a[i], before), x)
         np.testing.assert_allclose(losses[i], want, rtol=1e-5)
+
+
+class Mode(enum.Enum):
+    SMALL = 1.0
+    BIG = 3.0
+
+
+class Holder:
+    """A config whose field is a property over a private attribute, and one __getattr__ makes
+    (as ml_collections' ConfigDict does)."""
+
+    def __init__(self):
+        self._beta, self._extra = 1.0, {"gamma": 1.0}
+
+    @property
+    def beta(self):
+        return self._beta
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["_extra"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+STATS = {"traces": 0}
+MODE = Mode.SMALL
+HOLDER = Holder()
+TABLE = list(range(100_000))  # large: keyed by identity, not walked on every call
+
+
+def read_many(module, x):
+    STATS["traces"] += 1  # a counter the code writes: no input
+    return module(x) * MODE.value * HOLDER.beta * HOLDER.gamma * (TABLE[3] - 2)
+
+
+def test_properties_dynamic_fields_enums_and_counters(monkeypatch):
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    base = members_equal_plain(ens, v, x, method=read_many)
+    traces = STATS["traces"]
+    with count_compiles() as compiles:
+        for _ in range(3):
+            ens.apply(v, x, method=read_many)
+    assert compiles == [] and STATS["traces"] == traces
+    changes = [
+        (lambda: monkeypatch.setattr(HERE, "MODE", Mode.BIG), 3.0),
+        (lambda: monkeypatch.setattr(HOLDER, "_beta", 2.0), 6.0),
+        (lambda: monkeypatch.setitem(HOLDER._extra, "gamma", 5.0), 30.0),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for change, factor in changes:
+            change()
+            np.testing.assert_allclose(
+                members_equal_plain(ens, v, x, method=read_many), base * factor, rtol=1e-6
+            )
