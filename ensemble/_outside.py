@@ -22,13 +22,16 @@ What the code writes itself (``global TRACES; TRACES += 1``, ``STATS['n'] += 1``
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import dis
 import enum
 import functools
 import inspect
+import os
 import sys
 import types
+import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -66,6 +69,19 @@ _STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DER
 _WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR", "DELETE_ATTR"})
 
 
+@functools.lru_cache(maxsize=1024)
+def _installed(top: str) -> bool:
+    """Whether the top-level module ``top`` is a library's: the JAX stack, the standard
+    library, or any installed package (in site-packages; a project installed in editable mode,
+    or a script, a notebook's ``__main__``, is the user's)."""
+    if top in _LIBRARIES or top in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(top)
+    where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", [])), "")
+    parts = os.path.normpath(str(where)).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
 def _theirs(obj: Any) -> bool:
     """A library's function, class or module (its globals are the library's, not the
     user's). A function's globals say where its code is (functools.wraps copies
@@ -73,21 +89,49 @@ def _theirs(obj: Any) -> bool:
     if isinstance(obj, types.ModuleType):
         module = obj.__name__
     else:
-        module = getattr(obj, "__globals__", {}).get("__name__") or getattr(obj, "__module__", "")
-    return (module if isinstance(module, str) else "").split(".")[0] in _LIBRARIES
+        found = getattr(obj, "__globals__", None)
+        module = found.get("__name__") if isinstance(found, dict) else None
+        module = module or getattr(obj, "__module__", None)
+    if not isinstance(module, str) or module == "__main__":
+        return not isinstance(module, str) and not isinstance(obj, type)  # (a lambda: mine)
+    return _installed(module.split(".")[0])
+
+
+class _Identity:
+    """A key for an object by identity that never matches a later object at the same address
+    (a freed array's): it holds a weak reference where the object takes one."""
+
+    __slots__ = ("address", "ref")
+
+    def __init__(self, obj: Any) -> None:
+        self.address = id(obj)
+        try:
+            self.ref: Any = weakref.ref(obj)
+        except TypeError:  # (a list, a dict: their identity and length only)
+            self.ref = None
+
+    def __hash__(self) -> int:
+        return self.address
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Identity) or other.address != self.address:
+            return False
+        return self.ref is None or (self.ref() is not None and self.ref() is other.ref())
 
 
 def _scalar(v: Any) -> bool:
-    return v is None or isinstance(
-        v, bool | int | float | complex | str | bytes | np.generic | enum.Enum
+    return v is None or (
+        isinstance(v, bool | int | float | complex | str | bytes | np.generic | enum.Enum)
+        and not isinstance(v, np.void)  # (a structured record: a container)
     )
 
 
 class _Reads(NamedTuple):
     loads: tuple[str, ...]  # globals loaded
-    chains: tuple[tuple[str, ...], ...]  # attribute chains read of globals: ``cfg.beta``
+    chains: tuple[tuple[Any, ...], ...]  # read of globals: cfg.beta, CFG['model'] as ('model',)
     stores: frozenset[str]  # globals and cells the code assigns or writes into
     own: frozenset[str]  # attributes read of the first argument: ``self.scale``
+    bare: frozenset[str]  # globals used as they are (passed on, iterated), not only read into
 
 
 def _statement(code: types.CodeType) -> Any:
@@ -102,13 +146,34 @@ def _statement(code: types.CodeType) -> Any:
         yield line
 
 
-def _root(line: list[dis.Instruction], i: int) -> tuple[bool, tuple[str, ...]]:
-    """The load chain ending at ``line[i]`` (``('G', 'a')`` for ``G.a``, ``('self', 'x')``),
-    and whether it starts at a global."""
+def _step_back(line: list[dis.Instruction], i: int) -> tuple[Any, int] | None:
+    """The chain element ``line[i]`` reads (an attribute, or a constant subscript as a
+    1-tuple) and the index before it; None where no chain goes on."""
+    if 0 <= i < len(line) and line[i].opname in _ATTRIBUTE_LOADS:
+        return line[i].argval, i - 1
+    if i >= 1 and line[i].opname == "BINARY_SUBSCR" and line[i - 1].opname == "LOAD_CONST":
+        return (line[i - 1].argval,), i - 2
+    return None
+
+
+def _goes_on(line: list[dis.Instruction], i: int) -> bool:
+    """Whether the chain at ``line[i]`` goes on with the next element (``.a`` or ``['k']``)."""
+    if i + 1 < len(line) and line[i + 1].opname in _ATTRIBUTE_LOADS:
+        return True
+    return (
+        i + 2 < len(line)
+        and line[i + 1].opname == "LOAD_CONST"
+        and line[i + 2].opname == "BINARY_SUBSCR"
+    )
+
+
+def _root(line: list[dis.Instruction], i: int) -> tuple[bool, tuple[Any, ...]]:
+    """The load chain ending at ``line[i]`` (``('G', 'a')`` for ``G.a``, ``('self', 'x')``,
+    ``('G', ('k',))`` for ``G['k']``), and whether it starts at a global."""
     chain = []
-    while i >= 0 and line[i].opname in _ATTRIBUTE_LOADS:
-        chain.append(line[i].argval)
-        i -= 1
+    while (step := _step_back(line, i)) is not None:
+        chain.append(step[0])
+        i = step[1]
     if i < 0 or line[i].opname not in _GLOBAL_LOADS | _FIRST_LOADS:
         return False, ()
     return line[i].opname in _GLOBAL_LOADS, (line[i].argval, *reversed(chain))
@@ -139,32 +204,35 @@ def _reads(code: types.CodeType) -> _Reads:
     comprehensions and inner functions, included): so ``self.out`` is no read of a global
     ``out``. A global, cell or ``self`` attribute that the code assigns or writes into is left
     out. Once per code object."""
-    loads, chains, stores, own = [], [], set(), set()
+    loads, chains, stores, own, bare = [], [], set(), set(), set()
     first = {code.co_varnames[0], "self"} if code.co_argcount else {"self"}
     for line in _statement(code):
         stores |= _written(line, first)
         for i, ins in enumerate(line):
             if ins.opname in _GLOBAL_LOADS:
                 loads.append(ins.argval)
+                if not _goes_on(line, i):
+                    bare.add(ins.argval)
             elif ins.opname in _STORES:
                 stores.add(ins.argval)
-            elif ins.opname in _ATTRIBUTE_LOADS:
+            elif _step_back(line, i) is not None:
                 is_global, chain = _root(line, i)
-                last = i + 1 == len(line) or line[i + 1].opname not in _ATTRIBUTE_LOADS
                 if not is_global and chain and chain[0] in first and len(chain) == 2:
-                    own.add(chain[1])
-                elif is_global and last:
-                    chains.append(chain)  # the whole chain, read at its last attribute
+                    if isinstance(chain[1], str):
+                        own.add(chain[1])
+                elif is_global and not _goes_on(line, i):
+                    chains.append(chain)  # the whole chain, read at its last element
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             nested = _reads(const)
             loads, chains = loads + list(nested.loads), chains + list(nested.chains)
-            stores, own = stores | nested.stores, own | nested.own
+            stores, own, bare = stores | nested.stores, own | nested.own, bare | nested.bare
     return _Reads(
         tuple(n for n in dict.fromkeys(loads) if n not in stores),
         tuple(c for c in dict.fromkeys(chains) if c[0] not in stores),
         frozenset(stores),
         frozenset(a for a in own if f"self.{a}" not in stores),
+        frozenset(bare),
     )
 
 
@@ -208,7 +276,7 @@ def _key(obj: Any) -> Hashable:
     try:
         hash(obj)
     except Exception:
-        return ("id", id(obj))
+        return _Identity(obj)
     return obj
 
 
@@ -275,6 +343,7 @@ class _Walk:
         self.found: list[tuple[str, str, Hashable]] = []  # (name, read by, value)
         self.left = _BUDGET
         self.depth = 0
+        self.pending: collections.deque = collections.deque()  # containers still to open
 
     def _first(self, obj: Any) -> bool:
         if id(obj) in self.seen or _theirs(obj):
@@ -310,8 +379,9 @@ class _Walk:
             if isinstance(v, types.ModuleType):
                 for path in paths:
                     self.module_path(name, v, path, where)
-            else:  # an object read as cfg.beta: what the code reads of it
-                self.value(name, v, where, only=frozenset(p[0] for p in paths) or None)
+            else:  # an object read as cfg.beta or CFG['beta']: what the code reads of it
+                firsts = frozenset(p[0][0] if isinstance(p[0], tuple) else p[0] for p in paths)
+                self.value(name, v, where, only=None if name in reads.bare else firsts or None)
         defaults = (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
         for i, default in enumerate(defaults):
             self.value(f"default {i}", default, where)
@@ -325,7 +395,7 @@ class _Walk:
     def module_path(self, name: str, v: Any, path: tuple[str, ...], where: str) -> None:
         """``myproj.config.BETA`` read of a user's module: the value at the path's end."""
         for i, attr in enumerate(path):
-            if not isinstance(v, types.ModuleType) or _theirs(v):
+            if not isinstance(v, types.ModuleType) or _theirs(v) or not isinstance(attr, str):
                 return
             try:  # (a module's own __getattr__ may raise anything: the code reads it too)
                 v = getattr(v, attr)
@@ -333,8 +403,8 @@ class _Walk:
                 return
             name = f"{name}.{attr}"
             if not isinstance(v, types.ModuleType):
-                rest = frozenset(path[i + 1 : i + 2]) or None
-                return self.value(name, v, where, only=rest)
+                rest = frozenset(p[0] if isinstance(p, tuple) else p for p in path[i + 1 : i + 2])
+                return self.value(name, v, where, only=rest or None)
 
     def cls(self, c: type) -> None:
         """A user's class: its methods' code, and its class attributes (``scale = 1.0``)."""
@@ -352,13 +422,13 @@ class _Walk:
             return  # a module's globals are its own; a traced value is the caller's trace's
         self.left -= 1
         if self.left < 0:
-            self.found.append((name, where, ("id", id(v))))
+            self.found.append((name, where, _Identity(v)))
         elif _scalar(v):
-            self.found.append((name, where, typed(v)))
+            self.found.append((name, where, _key(typed(v))))
         elif isinstance(v, np.ndarray) and v.size <= _SMALL_ARRAY:  # (mutable in place)
             self.found.append((name, where, (v.shape, str(v.dtype), v.tobytes())))
         elif isinstance(v, jax.Array | np.ndarray):
-            self.found.append((name, where, ("array", id(v), np.shape(v), str(v.dtype))))
+            self.found.append((name, where, (_Identity(v), np.shape(v), str(v.dtype))))
         elif isinstance(v, type):
             self.found.append((name, where, _key(v)))
             self.cls(v)
@@ -377,19 +447,41 @@ class _Walk:
                 only = _used(type(v), only)
             elif isinstance(v, nn.Module | nnx.Module) or callable(v):
                 only = _used(type(v), None)
-        self.fields(name, v, where, depth, only)
+        elif not mine and _held(v) is None:  # an installed package's object: its code is not
+            self.found.append((name, where, _Identity(v)))  # walked; what the code reads of
+            for attr in sorted(k for k in only or () if isinstance(k, str)):  # it is (MLC.beta)
+                try:
+                    x = getattr(v, attr)
+                except Exception:
+                    continue
+                if not callable(x):
+                    self.value(f"{name}.{attr}", x, where, depth + 1)
+            return
+        # Containers are opened breadth first: a big table read first does not use up the
+        # budget before cfg.beta, read after it, is seen.
+        self.pending.append((name, v, where, depth, only))
 
     def fields(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
         """What a config, a container, a module's fields or a user object holds."""
-        held = _held(v)
-        if held is None or depth >= _MAX_DEPTH or id(v) in self.seen:
+        if depth >= _MAX_DEPTH or id(v) in self.seen:
             return
         self.seen.add(id(v))
+        containers = dict | list | tuple
+        if isinstance(v, containers) and any(
+            isinstance(k, str) and hasattr(v, k) for k in only or ()
+        ):
+            only = None  # CFG.get('beta'), CFG.items(): what it holds is read
+        if isinstance(v, list | tuple) and only is not None:  # TABLE[3] of a long list
+            held = {k: v[k] for k in only if isinstance(k, int) and -len(v) <= k < len(v)}
+        else:
+            held = _held(v)
+        if held is None:
+            return
         if only is not None:  # (an attribute __getattr__ makes: read as the code reads it)
             held = {k: held[k] if k in held else _dynamic(v, k) for k in only}
             held = {k: x for k, x in held.items() if x is not _MISSING}
         if len(held) > min(_MAX_ITEMS, self.left) or (isinstance(v, list | tuple) and not held):
-            self.found.append((name, where, ("id", id(v), len(held))))
+            self.found.append((name, where, (_Identity(v), len(held))))
             return
         for k, x in list(held.items()):
             if isinstance(k, int) or (isinstance(k, str) and not k.startswith("__")):
@@ -407,6 +499,8 @@ def outside_values(*roots: Any) -> tuple[tuple[str, str, Hashable], ...]:
             walk.value("fn", root, "the call")
         elif root is not None and not isinstance(root, str):  # a module, a callable object
             walk.value("self", root, type(root).__qualname__)
+    while walk.pending:
+        walk.fields(*walk.pending.popleft())
     return tuple(walk.found)
 
 

@@ -288,3 +288,36 @@ def test_properties_dynamic_fields_enums_and_counters(monkeypatch):
             np.testing.assert_allclose(
                 members_equal_plain(ens, v, x, method=read_many), base * factor, rtol=1e-6
             )
+
+
+# 4,100 values read whole (indexed by a variable): more than one walk looks at (2,048).
+SECTIONS = [{"w": 1.0, **{f"k{j}": 0.0 for j in range(40)}} for _ in range(100)]
+INDEX = 7
+SETTINGS = {f"s{i}": {f"k{j}": 0.0 for j in range(40)} for i in range(60)} | {
+    "model": {"scale": 1.0}
+}
+TASK = Config(shift=1.0)
+
+
+def tabled(module, x):
+    return module(x) * SECTIONS[INDEX]["w"] * SETTINGS["model"]["scale"] * TASK.shift
+
+
+def test_big_tables_do_not_hide_later_reads(monkeypatch):
+    """SETTINGS['model']['scale'] and TASK.shift are read after a table past the walk's budget:
+    they are still seen (constant subscripts read only what they name; containers open breadth
+    first), and the table is keyed by identity."""
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    base = members_equal_plain(ens, v, x, method=tabled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monkeypatch.setitem(SETTINGS["model"], "scale", 3.0)
+        np.testing.assert_allclose(
+            members_equal_plain(ens, v, x, method=tabled), 3 * base, rtol=1e-6
+        )
+        monkeypatch.setattr(TASK, "shift", 2.0)
+        np.testing.assert_allclose(
+            members_equal_plain(ens, v, x, method=tabled), 6 * base, rtol=1e-6
+        )
