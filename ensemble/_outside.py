@@ -67,6 +67,11 @@ _FIRST_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
 _WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR", "DELETE_ATTR"})
+# Methods that change a list, dict or set in place: what the code calls them on is its own.
+_MUTATORS = frozenset(
+    {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add",
+     "discard", "popitem", "sort", "reverse", "appendleft", "extendleft", "popleft"}
+)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
@@ -184,6 +189,13 @@ def _written(line: list[dis.Instruction], first: set[str]) -> set[str]:
     ``self.x += 1`` or ``self.cache[k] = v`` (a counter, a cache: the code's own, no input)."""
     written = set()
     for k, ins in enumerate(line):
+        if ins.opname in _ATTRIBUTE_LOADS and ins.argval in _MUTATORS:  # TRACES.append(...)
+            is_global, target = _root(line, k - 1)
+            if target and target[0] in first and len(target) > 1:
+                written.add(f"self.{target[1]}")
+            elif target:
+                written.add(target[0])  # a global's, a closure cell's
+            continue
         if ins.opname not in _WRITES:
             continue
         augmented = k > 0 and line[k - 1].opname == "SWAP"  # G['n'] += 1: G loaded first

@@ -321,3 +321,22 @@ def test_big_tables_do_not_hide_later_reads(monkeypatch):
         np.testing.assert_allclose(
             members_equal_plain(ens, v, x, method=tabled), 6 * base, rtol=1e-6
         )
+
+
+SEEN = []  # filled by the code at each trace: its own, no input
+
+
+def logged(module, x):
+    SEEN.append(x.shape)
+    return module(x)
+
+
+def test_a_list_the_code_appends_to_is_no_input():
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    ens.apply(v, x, method=logged)
+    with count_compiles() as compiles:
+        for _ in range(3):
+            ens.apply(v, x, method=logged)
+    assert compiles == [] and len(SEEN) == 1
