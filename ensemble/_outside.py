@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import dataclasses
 import dis
 import enum
@@ -95,6 +96,8 @@ def _theirs(obj: Any) -> bool:
         module = obj.__name__
     else:
         found = getattr(obj, "__globals__", None)
+        if isinstance(found, dict) and not isinstance(found.get("__name__"), str):
+            return False  # code made by exec(source, namespace): the user's
         module = found.get("__name__") if isinstance(found, dict) else None
         module = module or getattr(obj, "__module__", None)
     if not isinstance(module, str) or module == "__main__":
@@ -248,17 +251,31 @@ def _reads(code: types.CodeType) -> _Reads:
     )
 
 
+def _stamp(c: type) -> tuple:
+    """What a class holds, by identity: a method replaced on the class is another stamp (the
+    caches below keep the old objects alive, so their addresses are not reused meanwhile)."""
+    return tuple(tuple(map(id, vars(k).values())) for k in c.__mro__)
+
+
 def _members(c: type) -> list[tuple[str, Any]]:
+    return _members_of(c, _stamp(c))
+
+
+@functools.lru_cache(maxsize=1024)
+def _members_of(c: type, stamp: tuple) -> list[tuple[str, Any]]:
     """A user's class's own attributes (not those of a library's classes it extends), without
     the dunders a dataclass or a metaclass made; descriptors Flax wraps unwrapped."""
     found = []
+    fields = {f.name for f in dataclasses.fields(c)} if dataclasses.is_dataclass(c) else set()
     for k in c.__mro__:
         if not _theirs(k):
             for name, attr in list(vars(k).items())[:_MAX_ITEMS]:
                 attr = getattr(attr, "wrapped", attr)
                 if name.startswith("_") and not (callable(attr) or isinstance(attr, property)):
                     continue  # a private cache, or what Flax keeps on a module's class
-                if (name.startswith("__") and name != "__call__") or name in _MODULE_FIELDS:
+                if (
+                    name.startswith("__") and name != "__call__"
+                ) or name in _MODULE_FIELDS | fields:
                     continue  # (dunders a dataclass or a metaclass made)
                 found.append((f"{k.__qualname__}.{name}", attr))
     return found
@@ -268,19 +285,6 @@ def _code_of(attr: Any) -> Any:
     """The function behind a method, property, staticmethod or decorated function."""
     f = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
     return inspect.unwrap(f) if callable(f) else f
-
-
-def _attributes_read(c: type, names: frozenset | None = None) -> frozenset[str]:
-    """The ``self.name`` a user's class's methods read (those in ``names``, else all): what of
-    an instance its code uses."""
-    read: set[str] = set()
-    for qualname, attr in _members(c):
-        f = _code_of(attr)
-        if isinstance(f, types.FunctionType) and (
-            names is None or qualname.split(".")[-1] in names
-        ):
-            read |= _reads(f.__code__).own
-    return frozenset(read)
 
 
 def _key(obj: Any) -> Hashable:
@@ -297,6 +301,8 @@ def _held(v: Any) -> dict[Any, Any] | None:
     namespace's or a user object's attributes, slots included (not a library's objects)."""
     if isinstance(v, dict):
         return v
+    if isinstance(v, collections.abc.Mapping):  # a UserDict, a MappingProxyType
+        return dict(v.items()) if len(v) <= _MAX_ITEMS else {}
     if isinstance(v, list | tuple | set | frozenset):
         return dict(enumerate(v)) if len(v) <= _MAX_ITEMS else {}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -313,6 +319,21 @@ def _held(v: Any) -> dict[Any, Any] | None:
 
 
 _FUNCTIONS = types.FunctionType | types.MethodType | functools.partial | staticmethod | classmethod
+Only = dict  # what the code reads of a value: {attribute or key: the paths read beyond it}
+
+
+def _paths(paths: Any) -> Only | None:
+    """``{first element: the rest of each path}`` of read paths, None where one reads the
+    value whole (an empty path). Subscripts, kept as 1-tuples in a chain, become their keys."""
+    if not paths or any(len(p) == 0 for p in paths):
+        return None
+    grouped: Only = {}
+    for p in paths:
+        first = p[0][0] if isinstance(p[0], tuple) else p[0]
+        grouped.setdefault(first, []).append(p[1:])
+    return grouped
+
+
 _MISSING = object()
 _MODULE_FIELDS = frozenset({"name", "parent", "scope"})  # a linen module's own
 
@@ -332,9 +353,14 @@ _FUNCTION_DEPTH = 100  # functions calling functions (a deeper chain is walked t
 
 
 def _used(c: type, names: frozenset | None) -> frozenset[str]:
+    return _used_of(c, names, _stamp(c))
+
+
+@functools.lru_cache(maxsize=1024)
+def _used_of(c: type, names: frozenset | None, stamp: tuple) -> frozenset[str]:
     """The ``self.x`` an instance's code uses: what the methods and properties named in
     ``names`` (all of them: None) read of ``self``, and what the ones they call read."""
-    members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members(c)}
+    members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members_of(c, stamp)}
     todo, done, read = set(members if names is None else names), set(), set()
     while todo:
         name = todo.pop()
@@ -365,7 +391,7 @@ class _Walk:
 
     def function(self, f: Any) -> None:
         if isinstance(f, types.MethodType):  # what its code uses of self: not all it holds
-            only = _used(type(f.__self__), frozenset({f.__func__.__name__}))
+            only = {n: [()] for n in _used(type(f.__self__), frozenset({f.__func__.__name__}))}
             self.value("self", f.__self__, f.__func__.__qualname__, only=only)
         if isinstance(f, functools.partial):
             for i, arg in enumerate((*f.args, *f.keywords.values())):
@@ -392,8 +418,7 @@ class _Walk:
                 for path in paths:
                     self.module_path(name, v, path, where)
             else:  # an object read as cfg.beta or CFG['beta']: what the code reads of it
-                firsts = frozenset(p[0][0] if isinstance(p[0], tuple) else p[0] for p in paths)
-                self.value(name, v, where, only=None if name in reads.bare else firsts or None)
+                self.value(name, v, where, only=None if name in reads.bare else _paths(paths))
         defaults = (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
         for i, default in enumerate(defaults):
             self.value(f"default {i}", default, where)
@@ -415,8 +440,7 @@ class _Walk:
                 return
             name = f"{name}.{attr}"
             if not isinstance(v, types.ModuleType):
-                rest = frozenset(p[0] if isinstance(p, tuple) else p for p in path[i + 1 : i + 2])
-                return self.value(name, v, where, only=rest or None)
+                return self.value(name, v, where, only=_paths([path[i + 1 :]]))
 
     def cls(self, c: type) -> None:
         """A user's class: its methods' code, and its class attributes (``scale = 1.0``)."""
@@ -427,9 +451,9 @@ class _Walk:
             self.value(qualname, f if isinstance(f, types.FunctionType) else attr, c.__qualname__)
 
     def value(
-        self, name: str, v: Any, where: str, depth: int = 0, only: frozenset | None = None
+        self, name: str, v: Any, where: str, depth: int = 0, only: Only | None = None
     ) -> None:
-        """``only``: the attributes of an object that the code reads (None: all it holds)."""
+        """``only``: what the code reads of it (:func:`_paths`; None: all it holds)."""
         if isinstance(v, types.ModuleType | jax.core.Tracer):
             return  # a module's globals are its own; a traced value is the caller's trace's
         self.left -= 1
@@ -447,38 +471,41 @@ class _Walk:
         elif isinstance(v, _FUNCTIONS):
             self.found.append((name, where, _key(_code_of(v))))
             self.function(v)
+        elif callable(v) and isinstance(getattr(v, "__wrapped__", None), _FUNCTIONS):
+            self.found.append((name, where, _key(v)))  # jax.custom_jvp, jax.jit, a decorator's
+            self.function(v.__wrapped__)
         else:
             self.instance(name, v, where, depth, only)
 
-    def instance(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
+    def instance(self, name: str, v: Any, where: str, depth: int, only: Only | None) -> None:
         """A module, a user's object, a config or a container: its code and what it holds."""
         mine = isinstance(v, nn.Module | nnx.Module) or not _theirs(type(v))
         if mine and not isinstance(v, dict | list | tuple | set | frozenset):
             self.cls(type(v))  # its code (methods, properties), and of it what they read
-            if only is not None:
-                only = _used(type(v), only)
+            if only is not None:  # (what the methods and properties it names read: whole)
+                only = {n: [()] for n in _used(type(v), frozenset(only))} | only
             elif isinstance(v, nn.Module | nnx.Module) or callable(v):
-                only = _used(type(v), None)
+                only = {n: [()] for n in _used(type(v), None)}
         elif not mine and _held(v) is None:  # an installed package's object: its code is not
             self.found.append((name, where, _Identity(v)))  # walked; what the code reads of
-            for attr in sorted(k for k in only or () if isinstance(k, str)):  # it is (MLC.beta)
-                try:
+            for attr, rest in sorted((k, r) for k, r in (only or {}).items() if isinstance(k, str)):
+                try:  # it is (MLC.model.beta)
                     x = getattr(v, attr)
                 except Exception:
                     continue
                 if not callable(x):
-                    self.value(f"{name}.{attr}", x, where, depth + 1)
+                    self.value(f"{name}.{attr}", x, where, depth + 1, _paths(rest))
             return
         # Containers are opened breadth first: a big table read first does not use up the
         # budget before cfg.beta, read after it, is seen.
         self.pending.append((name, v, where, depth, only))
 
-    def fields(self, name: str, v: Any, where: str, depth: int, only: frozenset | None) -> None:
+    def fields(self, name: str, v: Any, where: str, depth: int, only: Only | None) -> None:
         """What a config, a container, a module's fields or a user object holds."""
         if depth >= _MAX_DEPTH or id(v) in self.seen:
             return
         self.seen.add(id(v))
-        containers = dict | list | tuple
+        containers = dict | list | tuple | collections.abc.Mapping
         if isinstance(v, containers) and any(
             isinstance(k, str) and hasattr(v, k) for k in only or ()
         ):
@@ -496,9 +523,9 @@ class _Walk:
             self.found.append((name, where, (_Identity(v), len(held))))
             return
         for k, x in list(held.items()):
-            if isinstance(k, int) or (isinstance(k, str) and not k.startswith("__")):
-                part = f"{name}.{k}" if isinstance(k, str) else f"{name}[{k}]"
-                self.value(part, x, where, depth + 1)
+            if not (isinstance(k, str) and k.startswith("__")):
+                part = f"{name}.{k}" if isinstance(k, str) else f"{name}[{k!r}]"
+                self.value(part, x, where, depth + 1, None if only is None else _paths(only[k]))
 
 
 def outside_values(*roots: Any) -> tuple[tuple[str, str, Hashable], ...]:

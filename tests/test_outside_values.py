@@ -2,6 +2,7 @@
 closure, a config's field) are read anew by every ensemble call, as by the plain model: a
 compiled program kept the first ones before."""
 
+import collections
 import dataclasses
 import enum
 import sys
@@ -340,3 +341,39 @@ def test_a_list_the_code_appends_to_is_no_input():
         for _ in range(3):
             ens.apply(v, x, method=logged)
     assert compiles == [] and len(SEEN) == 1
+
+
+SCALES = {("enc", 0): 1.0, Mode.SMALL: 1.0}  # keys of any hashable type
+MAPPED = collections.UserDict(scale=1.0)
+
+
+@jax.custom_jvp
+def eps_scaled(x):
+    return x * SCALE  # a global read inside a custom_jvp function
+
+
+eps_scaled.defjvp(lambda primals, tangents: (eps_scaled(*primals), tangents[0] * SCALE))
+
+
+def keyed(module, x):
+    return eps_scaled(module(x)) * SCALES[("enc", 0)] * SCALES[Mode.SMALL] * MAPPED["scale"]
+
+
+def test_tuple_and_enum_keys_mappings_and_wrapped_functions_are_read_anew(monkeypatch):
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    base = members_equal_plain(ens, v, x, method=keyed)
+    changes = [
+        (lambda: monkeypatch.setitem(SCALES, ("enc", 0), 2.0), 2.0),
+        (lambda: monkeypatch.setitem(SCALES, Mode.SMALL, 3.0), 6.0),
+        (lambda: monkeypatch.setitem(MAPPED, "scale", 5.0), 30.0),
+        (lambda: monkeypatch.setattr(HERE, "SCALE", 0.5), 7.5),  # in Scaled and eps_scaled
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for change, factor in changes:
+            change()
+            np.testing.assert_allclose(
+                members_equal_plain(ens, v, x, method=keyed), base * factor, rtol=1e-6
+            )
