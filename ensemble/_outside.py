@@ -9,14 +9,17 @@ warns, naming the value and how to pass it instead.
 
 What is read is found from the bytecode of the user's code reachable from the call (the model's
 classes, the ``method=`` function, the loss, what they name): the globals it loads and the
-attribute chains it reads of them (``cfg.beta``, ``myproj.config.BETA``), its closure cells and
-defaults, the ``self.x`` its classes' methods read, their class attributes. Of an object, only
-the attributes the code reads; of a container, dataclass or namespace, all it holds. Numbers,
-strings and enum members by value, small NumPy arrays by content, large ones, JAX arrays and
+chains it reads of them (``cfg.beta``, ``myproj.config.BETA``, ``SETTINGS['model']['scale']``),
+its closure cells and defaults, the ``self.x`` its classes' methods and properties read, their
+class attributes. Of an object, only what the code reads of it; of a container, mapping,
+dataclass or namespace read whole, all it holds. Numbers, strings and enum members by value,
+NumPy arrays up to ``_CONTENT_ARRAY`` elements by content, larger ones, JAX arrays and
 containers past a size by identity, functions and classes by identity (then their code too).
 What the code writes itself (``global TRACES; TRACES += 1``, ``STATS['n'] += 1``,
-``self.traces += 1``) is a counter or a cache, not an input. A walk visits at most
-``_BUDGET`` values; the JAX stack's and the standard library's code is not walked.
+``self.traces += 1``, ``SEEN.append(x)``) is a counter or a cache, not an input. A walk visits
+at most ``_BUDGET`` values, breadth first; the code of installed packages and the standard
+library is not walked (what the user's code reads of their objects is), and a value whose
+reading raises is keyed by identity.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 import dis
 import enum
 import functools
+import hashlib
 import inspect
 import os
 import sys
@@ -62,7 +66,7 @@ _REMEMBERED = 64  # calls' values kept to tell which value changed
 _MAX_ITEMS = 1024  # of one container or object: beyond that it is keyed by identity
 _MAX_DEPTH = 8  # containers within containers, functions calling functions
 _BUDGET = 2048  # values one walk visits: past it, what is left is keyed by identity
-_SMALL_ARRAY = 1024  # NumPy arrays up to this many elements are keyed by content
+_CONTENT_ARRAY = 1 << 16  # NumPy arrays up to this many elements are keyed by content
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _FIRST_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
@@ -132,6 +136,20 @@ def _scalar(v: Any) -> bool:
         isinstance(v, bool | int | float | complex | str | bytes | np.generic | enum.Enum)
         and not isinstance(v, np.void)  # (a structured record: a container)
     )
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr`` that takes any error for absence: a user's ``__getattr__`` may raise
+    KeyError (an attribute dict) or anything else."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:
+        return default
+
+
+def _has(cls: type, name: Any) -> bool:
+    """Whether a class (not an instance: no ``__getattr__`` runs) defines ``name``."""
+    return isinstance(name, str) and any(name in vars(k) for k in cls.__mro__)
 
 
 class _Reads(NamedTuple):
@@ -258,7 +276,10 @@ def _stamp(c: type) -> tuple:
 
 
 def _members(c: type) -> list[tuple[str, Any]]:
-    return _members_of(c, _stamp(c))
+    try:
+        return _members_of(c, _stamp(c))
+    except TypeError:  # a class its metaclass made unhashable: not cached
+        return _members_of.__wrapped__(c, ())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -270,7 +291,7 @@ def _members_of(c: type, stamp: tuple) -> list[tuple[str, Any]]:
     for k in c.__mro__:
         if not _theirs(k):
             for name, attr in list(vars(k).items())[:_MAX_ITEMS]:
-                attr = getattr(attr, "wrapped", attr)
+                attr = _get(attr, "wrapped", attr)
                 if name.startswith("_") and not (callable(attr) or isinstance(attr, property)):
                     continue  # a private cache, or what Flax keeps on a module's class
                 if (
@@ -283,8 +304,18 @@ def _members_of(c: type, stamp: tuple) -> list[tuple[str, Any]]:
 
 def _code_of(attr: Any) -> Any:
     """The function behind a method, property, staticmethod or decorated function."""
-    f = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
+    f = _get(attr, "fget") or _get(attr, "__func__", attr)
     return inspect.unwrap(f) if callable(f) else f
+
+
+def _content(a: np.ndarray) -> Hashable:
+    """A NumPy array by content: its bytes when small, else a 128-bit digest of them (a
+    256 KB float32 array: about 0.2 ms). An array read anew each call (an ``np.load``'s
+    ``npz['mean']``, a DataFrame's ``.values``) is then the same key while it holds the same."""
+    data = np.ascontiguousarray(a).view(np.uint8) if a.dtype != object else a.tobytes()
+    if a.size <= 1024 or a.dtype == object:
+        return a.shape, str(a.dtype), bytes(data)
+    return a.shape, str(a.dtype), hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _key(obj: Any) -> Hashable:
@@ -307,14 +338,15 @@ def _held(v: Any) -> dict[Any, Any] | None:
         return dict(enumerate(v)) if len(v) <= _MAX_ITEMS else {}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         names = (f.name for f in dataclasses.fields(v) if f.name not in ("parent", "name"))
-        return {k: getattr(v, k, None) for k in names}
+        return {k: _get(v, k) for k in names}
     if not isinstance(v, argparse.Namespace | types.SimpleNamespace) and _theirs(type(v)):
         return None
-    held = dict(getattr(v, "__dict__", None) or {})
+    found = _get(v, "__dict__")
+    held = dict(found) if isinstance(found, dict) else {}
     for k in type(v).__mro__:
-        for slot in getattr(k, "__slots__", ()):
-            if isinstance(slot, str) and hasattr(v, slot):
-                held[slot] = getattr(v, slot)
+        for slot in _get(k, "__slots__", ()) or ():
+            if isinstance(slot, str) and (x := _get(v, slot, _MISSING)) is not _MISSING:
+                held[slot] = x
     return held
 
 
@@ -324,24 +356,53 @@ Only = dict  # what the code reads of a value: {attribute or key: the paths read
 
 def _paths(paths: Any) -> Only | None:
     """``{first element: the rest of each path}`` of read paths, None where one reads the
-    value whole (an empty path). Subscripts, kept as 1-tuples in a chain, become their keys."""
+    value whole (an empty path). An element is an attribute's name, or a subscript's key as a
+    1-tuple (``G['k']``: ``('k',)``)."""
     if not paths or any(len(p) == 0 for p in paths):
         return None
     grouped: Only = {}
     for p in paths:
-        first = p[0][0] if isinstance(p[0], tuple) else p[0]
-        grouped.setdefault(first, []).append(p[1:])
+        grouped.setdefault(p[0], []).append(p[1:])
     return grouped
 
 
+def _element(v: Any, e: Any) -> Any:
+    """What ``v.e`` (``e`` a name) or ``v[k]`` (``e == (k,)``) reads, as the code reads it;
+    _MISSING where it reads nothing the walk can see."""
+    key = e[0] if isinstance(e, tuple) else e
+    if isinstance(v, list | tuple):
+        return v[key] if isinstance(key, int) and -len(v) <= key < len(v) else _MISSING
+    if isinstance(v, collections.abc.Mapping):  # (an attribute dict's cfg.beta too)
+        if _in(v, key):
+            return v[key]
+        return _MISSING if isinstance(e, tuple) else _dynamic(v, e)
+    if isinstance(e, tuple):
+        return _MISSING
+    held = _held(v)
+    return held[e] if held is not None and e in held else _dynamic(v, e)
+
+
+def _label(name: str, e: Any) -> str:
+    return f"{name}[{e[0]!r}]" if isinstance(e, tuple) else f"{name}.{e}"
+
+
 _MISSING = object()
+
+
+def _in(mapping: Any, key: Any) -> bool:
+    try:
+        return key in mapping
+    except Exception:  # (an unhashable key)
+        return False
+
+
 _MODULE_FIELDS = frozenset({"name", "parent", "scope"})  # a linen module's own
 
 
 def _dynamic(v: Any, name: str) -> Any:
     """An attribute that only ``__getattr__`` makes (a ConfigDict's field), else _MISSING (a
     method or property: its code is walked instead)."""
-    if any(name in vars(k) for k in type(v).__mro__) or not hasattr(type(v), "__getattr__"):
+    if _has(type(v), name) or not _has(type(v), "__getattr__"):
         return _MISSING
     try:
         return getattr(v, name)
@@ -353,14 +414,17 @@ _FUNCTION_DEPTH = 100  # functions calling functions (a deeper chain is walked t
 
 
 def _used(c: type, names: frozenset | None) -> frozenset[str]:
-    return _used_of(c, names, _stamp(c))
+    try:
+        return _used_of(c, names, _stamp(c))
+    except TypeError:  # (as in _members)
+        return _used_of.__wrapped__(c, names, ())
 
 
 @functools.lru_cache(maxsize=1024)
 def _used_of(c: type, names: frozenset | None, stamp: tuple) -> frozenset[str]:
     """The ``self.x`` an instance's code uses: what the methods and properties named in
     ``names`` (all of them: None) read of ``self``, and what the ones they call read."""
-    members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members_of(c, stamp)}
+    members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members(c)}
     todo, done, read = set(members if names is None else names), set(), set()
     while todo:
         name = todo.pop()
@@ -444,16 +508,28 @@ class _Walk:
 
     def cls(self, c: type) -> None:
         """A user's class: its methods' code, and its class attributes (``scale = 1.0``)."""
-        if not self._first(c):
+        if not self._first(c) or self.depth >= _FUNCTION_DEPTH:
             return
-        for qualname, attr in _members(c):
-            f = _code_of(attr)
-            self.value(qualname, f if isinstance(f, types.FunctionType) else attr, c.__qualname__)
+        self.depth += 1  # (classes naming classes: as deep as functions calling functions)
+        try:
+            for qualname, attr in _members(c):
+                f = _code_of(attr)
+                v = f if isinstance(f, types.FunctionType) else attr
+                self.value(qualname, v, c.__qualname__)
+        finally:
+            self.depth -= 1
 
     def value(
         self, name: str, v: Any, where: str, depth: int = 0, only: Only | None = None
     ) -> None:
-        """``only``: what the code reads of it (:func:`_paths`; None: all it holds)."""
+        """``only``: what the code reads of it (:func:`_paths`; None: all it holds). A value
+        the walk cannot read (its attribute access raises) is keyed by identity."""
+        try:
+            self._value(name, v, where, depth, only)
+        except Exception:
+            self.found.append((name, where, _Identity(v)))
+
+    def _value(self, name: str, v: Any, where: str, depth: int, only: Only | None) -> None:
         if isinstance(v, types.ModuleType | jax.core.Tracer):
             return  # a module's globals are its own; a traced value is the caller's trace's
         self.left -= 1
@@ -461,8 +537,8 @@ class _Walk:
             self.found.append((name, where, _Identity(v)))
         elif _scalar(v):
             self.found.append((name, where, _key(typed(v))))
-        elif isinstance(v, np.ndarray) and v.size <= _SMALL_ARRAY:  # (mutable in place)
-            self.found.append((name, where, (v.shape, str(v.dtype), v.tobytes())))
+        elif isinstance(v, np.ndarray) and v.size <= _CONTENT_ARRAY:  # (mutable in place)
+            self.found.append((name, where, _content(v)))
         elif isinstance(v, jax.Array | np.ndarray):
             self.found.append((name, where, (_Identity(v), np.shape(v), str(v.dtype))))
         elif isinstance(v, type):
@@ -471,7 +547,7 @@ class _Walk:
         elif isinstance(v, _FUNCTIONS):
             self.found.append((name, where, _key(_code_of(v))))
             self.function(v)
-        elif callable(v) and isinstance(getattr(v, "__wrapped__", None), _FUNCTIONS):
+        elif callable(v) and isinstance(_get(v, "__wrapped__"), _FUNCTIONS):
             self.found.append((name, where, _key(v)))  # jax.custom_jvp, jax.jit, a decorator's
             self.function(v.__wrapped__)
         else:
@@ -488,44 +564,49 @@ class _Walk:
                 only = {n: [()] for n in _used(type(v), None)}
         elif not mine and _held(v) is None:  # an installed package's object: its code is not
             self.found.append((name, where, _Identity(v)))  # walked; what the code reads of
-            for attr, rest in sorted((k, r) for k, r in (only or {}).items() if isinstance(k, str)):
-                try:  # it is (MLC.model.beta)
-                    x = getattr(v, attr)
-                except Exception:
+            for e, rest in (only or {}).items():  # it is (MLC.model.beta)
+                if isinstance(e, str):
+                    x = _get(v, e, _MISSING)
+                elif isinstance(v, collections.abc.Mapping) and _in(v, e[0]):
+                    x = v[e[0]]
+                else:  # (a DataFrame's df['a']: the frame is keyed, by identity)
                     continue
-                if not callable(x):
-                    self.value(f"{name}.{attr}", x, where, depth + 1, _paths(rest))
+                if x is not _MISSING and not callable(x):
+                    self.value(_label(name, e), x, where, depth + 1, _paths(rest))
             return
         # Containers are opened breadth first: a big table read first does not use up the
         # budget before cfg.beta, read after it, is seen.
         self.pending.append((name, v, where, depth, only))
 
     def fields(self, name: str, v: Any, where: str, depth: int, only: Only | None) -> None:
-        """What a config, a container, a module's fields or a user object holds."""
+        """What a config, a container, a module's fields or a user object holds: all of it,
+        or what the code reads of it (``only``)."""
         if depth >= _MAX_DEPTH or id(v) in self.seen:
             return
         self.seen.add(id(v))
-        containers = dict | list | tuple | collections.abc.Mapping
-        if isinstance(v, containers) and any(
-            isinstance(k, str) and hasattr(v, k) for k in only or ()
+        if isinstance(v, dict | list | tuple | collections.abc.Mapping) and any(
+            _has(type(v), e) for e in only or ()
         ):
             only = None  # CFG.get('beta'), CFG.items(): what it holds is read
-        if isinstance(v, list | tuple) and only is not None:  # TABLE[3] of a long list
-            held = {k: v[k] for k in only if isinstance(k, int) and -len(v) <= k < len(v)}
-        else:
+        if only is None:
             held = _held(v)
-        if held is None:
+            if held is None:
+                return
+            items = [
+                (f"{name}.{k}" if isinstance(k, str) else f"{name}[{k!r}]", x, None)
+                for k, x in held.items()
+                if not (isinstance(k, str) and k.startswith("__"))
+            ]
+        else:
+            items = [(_label(name, e), _element(v, e), _paths(rest)) for e, rest in only.items()]
+            items = [item for item in items if item[1] is not _MISSING]
+        if len(items) > min(_MAX_ITEMS, self.left) or (
+            only is None and isinstance(v, list | tuple | collections.abc.Mapping) and not items
+        ):  # (a long list or mapping: by identity)
+            self.found.append((name, where, (_Identity(v), len(items))))
             return
-        if only is not None:  # (an attribute __getattr__ makes: read as the code reads it)
-            held = {k: held[k] if k in held else _dynamic(v, k) for k in only}
-            held = {k: x for k, x in held.items() if x is not _MISSING}
-        if len(held) > min(_MAX_ITEMS, self.left) or (isinstance(v, list | tuple) and not held):
-            self.found.append((name, where, (_Identity(v), len(held))))
-            return
-        for k, x in list(held.items()):
-            if not (isinstance(k, str) and k.startswith("__")):
-                part = f"{name}.{k}" if isinstance(k, str) else f"{name}[{k!r}]"
-                self.value(part, x, where, depth + 1, None if only is None else _paths(only[k]))
+        for label, x, inner in items:
+            self.value(label, x, where, depth + 1, inner)
 
 
 def outside_values(*roots: Any) -> tuple[tuple[str, str, Hashable], ...]:
@@ -539,7 +620,11 @@ def outside_values(*roots: Any) -> tuple[tuple[str, str, Hashable], ...]:
         elif root is not None and not isinstance(root, str):  # a module, a callable object
             walk.value("self", root, type(root).__qualname__)
     while walk.pending:
-        walk.fields(*walk.pending.popleft())
+        name, v, where, depth, only = walk.pending.popleft()
+        try:
+            walk.fields(name, v, where, depth, only)
+        except Exception:  # (as in _Walk.value)
+            walk.found.append((name, where, _Identity(v)))
     return tuple(walk.found)
 
 

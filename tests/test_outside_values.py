@@ -3,6 +3,7 @@ closure, a config's field) are read anew by every ensemble call, as by the plain
 compiled program kept the first ones before."""
 
 import collections
+import collections.abc
 import dataclasses
 import enum
 import sys
@@ -377,3 +378,63 @@ def test_tuple_and_enum_keys_mappings_and_wrapped_functions_are_read_anew(monkey
             np.testing.assert_allclose(
                 members_equal_plain(ens, v, x, method=keyed), base * factor, rtol=1e-6
             )
+
+
+class Fresh(collections.abc.Mapping):
+    """Hands out a new array on every read, as np.load's NpzFile does."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __getitem__(self, key):
+        return np.full(4096, self.value, np.float32)
+
+    def __iter__(self):
+        return iter(["mean"])
+
+    def __len__(self):
+        return 1
+
+
+class AttrDict(dict):
+    __getattr__ = dict.__getitem__  # a missing key is a KeyError, not an AttributeError
+
+
+class Unhashable(type):
+    def __eq__(cls, other):  # makes its classes unhashable
+        return cls is other
+
+
+class Helper(metaclass=Unhashable):
+    factor = 1.0
+
+
+FRESH = Fresh(1.0)
+HP = None  # an AttrDict, set by the test (pytest's collection reads module globals' attributes)
+
+
+def odd(module, x):
+    try:
+        shift = HP["shift"]
+    except KeyError:
+        shift = 0.0
+    return module(x) * FRESH["mean"][0] * HP.scale * Helper.factor + shift
+
+
+def test_fresh_arrays_odd_objects_and_classes_compile_once_and_are_read_anew(monkeypatch):
+    monkeypatch.setattr(HERE, "HP", AttrDict(scale=1.0))
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    base = members_equal_plain(ens, v, x, method=odd)
+    with count_compiles() as compiles:
+        for _ in range(3):  # a new array of the same contents on every read: one program
+            ens.apply(v, x, method=odd)
+    assert compiles == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        FRESH.value, HP["scale"] = 2.0, 3.0
+        try:
+            np.testing.assert_allclose(members_equal_plain(ens, v, x, method=odd), 6 * base)
+        finally:
+            FRESH.value, HP["scale"] = 1.0, 1.0
