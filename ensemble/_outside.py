@@ -312,8 +312,13 @@ def _content(a: np.ndarray) -> Hashable:
     """A NumPy array by content: its bytes when small, else a 128-bit digest of them (a
     256 KB float32 array: about 0.2 ms). An array read anew each call (an ``np.load``'s
     ``npz['mean']``, a DataFrame's ``.values``) is then the same key while it holds the same."""
-    data = np.ascontiguousarray(a).view(np.uint8) if a.dtype != object else a.tobytes()
-    if a.size <= 1024 or a.dtype == object:
+    if isinstance(a, np.ma.MaskedArray):  # its mask too
+        return _content(np.ma.getdata(a)), _content(np.ma.getmaskarray(a))
+    if a.dtype.hasobject:  # (object fields: their references, the other fields' bytes)
+        data: Any = a.tobytes()
+    else:
+        data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    if a.size <= 1024 or a.dtype.hasobject:
         return a.shape, str(a.dtype), bytes(data)
     return a.shape, str(a.dtype), hashlib.blake2b(data, digest_size=16).digest()
 
@@ -375,6 +380,9 @@ def _element(v: Any, e: Any) -> Any:
     if isinstance(v, collections.abc.Mapping):  # (an attribute dict's cfg.beta too)
         if _in(v, key):
             return v[key]
+        attributes = _get(v, "__dict__")  # a dict subclass's own attribute (S.scale)
+        if isinstance(e, str) and isinstance(attributes, dict) and e in attributes:
+            return attributes[e]
         return _MISSING if isinstance(e, tuple) else _dynamic(v, e)
     if isinstance(e, tuple):
         return _MISSING
@@ -588,6 +596,10 @@ class _Walk:
             _has(type(v), e) for e in only or ()
         ):
             only = None  # CFG.get('beta'), CFG.items(): what it holds is read
+        elif not isinstance(v, list | tuple | collections.abc.Mapping) and any(
+            isinstance(e, tuple) for e in only or ()
+        ):
+            only = None  # TABLE['k'] of a user's class: its __getitem__ reads what it holds
         if only is None:
             held = _held(v)
             if held is None:

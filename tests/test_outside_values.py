@@ -438,3 +438,51 @@ def test_fresh_arrays_odd_objects_and_classes_compile_once_and_are_read_anew(mon
             np.testing.assert_allclose(members_equal_plain(ens, v, x, method=odd), 6 * base)
         finally:
             FRESH.value, HP["scale"] = 1.0, 1.0
+
+
+class Table:
+    def __init__(self):
+        self.data = {"k": 1.0}
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+
+class Settings(dict):
+    pass
+
+
+RECORDS = np.zeros(2, dtype=[("w", "f4"), ("o", "O")])  # a structured array with objects
+MASKED = np.ma.array([1.0, 2.0], mask=[False, False])
+TABLE_OBJ = Table()
+SETTINGS_OBJ = Settings()
+SETTINGS_OBJ.scale = 1.0  # an attribute of a dict subclass, not a key
+
+
+def held(module, x):
+    records = jnp.asarray(np.array(RECORDS["w"] + 1.0))  # (a fresh array: JAX caches by id)
+    weights = jnp.asarray(np.array(MASKED.filled(0.0)))
+    return module(x) * records[0] * weights[1] * TABLE_OBJ["k"] * SETTINGS_OBJ.scale
+
+
+def test_structured_masked_getitem_and_dict_subclass_values_are_read_anew():
+    x = jnp.ones((2, 4))
+    ens = ensemble.build(Net(), D)
+    v = ens.init(jax.random.key(0), x)
+    base = members_equal_plain(ens, v, x, method=held)
+    changes = [
+        (lambda: RECORDS["w"].__setitem__(0, 2.0), 3.0),
+        (lambda: TABLE_OBJ.data.__setitem__("k", 2.0), 6.0),
+        (lambda: setattr(SETTINGS_OBJ, "scale", 5.0), 30.0),
+        (lambda: MASKED.__setitem__(1, np.ma.masked), 0.0),
+    ]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for change, factor in changes:
+                change()
+                got = members_equal_plain(ens, v, x, method=held)
+                np.testing.assert_allclose(got, base * factor, rtol=1e-6, atol=1e-7)
+    finally:
+        RECORDS["w"], TABLE_OBJ.data["k"], SETTINGS_OBJ.scale = 0.0, 1.0, 1.0
+        MASKED[1] = 2.0
