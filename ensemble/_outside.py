@@ -64,9 +64,14 @@ _LIBRARIES = frozenset(sys.stdlib_module_names) | {
 }
 _REMEMBERED = 64  # calls' values kept to tell which value changed
 _MAX_ITEMS = 1024  # of one container or object: beyond that it is keyed by identity
-_MAX_DEPTH = 8  # containers within containers, functions calling functions
+_MAX_DEPTH = 8  # containers within containers
+_FUNCTION_DEPTH = 100  # functions calling functions (a deeper chain is walked this far)
 _BUDGET = 2048  # values one walk visits: past it, what is left is keyed by identity
 _CONTENT_ARRAY = 1 << 16  # NumPy arrays up to this many elements are keyed by content
+_MODULE_FIELDS = frozenset({"name", "parent", "scope"})  # a linen module's own
+_MISSING = object()
+_FUNCTIONS = types.FunctionType | types.MethodType | functools.partial | staticmethod | classmethod
+Only = dict  # what the code reads of a value: {attribute or key: the paths read beyond it}
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _FIRST_LOADS = frozenset({"LOAD_FAST", "LOAD_DEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
@@ -105,7 +110,7 @@ def _theirs(obj: Any) -> bool:
         module = found.get("__name__") if isinstance(found, dict) else None
         module = module or getattr(obj, "__module__", None)
     if not isinstance(module, str) or module == "__main__":
-        return not isinstance(module, str) and not isinstance(obj, type)  # (a lambda: mine)
+        return not isinstance(module, str) and not isinstance(obj, type)  # no module: a builtin
     return _installed(module.split(".")[0])
 
 
@@ -355,10 +360,6 @@ def _held(v: Any) -> dict[Any, Any] | None:
     return held
 
 
-_FUNCTIONS = types.FunctionType | types.MethodType | functools.partial | staticmethod | classmethod
-Only = dict  # what the code reads of a value: {attribute or key: the paths read beyond it}
-
-
 def _paths(paths: Any) -> Only | None:
     """``{first element: the rest of each path}`` of read paths, None where one reads the
     value whole (an empty path). An element is an attribute's name, or a subscript's key as a
@@ -394,17 +395,11 @@ def _label(name: str, e: Any) -> str:
     return f"{name}[{e[0]!r}]" if isinstance(e, tuple) else f"{name}.{e}"
 
 
-_MISSING = object()
-
-
 def _in(mapping: Any, key: Any) -> bool:
     try:
         return key in mapping
     except Exception:  # (an unhashable key)
         return False
-
-
-_MODULE_FIELDS = frozenset({"name", "parent", "scope"})  # a linen module's own
 
 
 def _dynamic(v: Any, name: str) -> Any:
@@ -416,9 +411,6 @@ def _dynamic(v: Any, name: str) -> Any:
         return getattr(v, name)
     except Exception:
         return _MISSING
-
-
-_FUNCTION_DEPTH = 100  # functions calling functions (a deeper chain is walked this far)
 
 
 def _used(c: type, names: frozenset | None) -> frozenset[str]:
