@@ -854,10 +854,6 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def _eager_sharding_as_caller(variables: Iterable[Any]) -> None:
     """Sets the caller's eager-sharding setting on Variables handed out of the ensemble.
 
