@@ -54,6 +54,16 @@ def members_equal_plain(ens, variables, x, **kwargs):
     return out
 
 
+def scaled_after_each(ens, v, x, method, base, changes, atol=0.0):
+    """After each ``(change, factor)``: the members equal the plain model, ``factor x base``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first change's "compiled anew")
+        for change, factor in changes:
+            change()
+            got = members_equal_plain(ens, v, x, method=method)
+            np.testing.assert_allclose(got, base * factor, rtol=1e-6, atol=atol)
+
+
 def test_linen_apply_reads_globals_closures_and_config_fields_anew(monkeypatch):
     x = jnp.arange(8.0).reshape(2, 4)
     ens = ensemble.build(Net(), D)
@@ -283,13 +293,7 @@ def test_properties_dynamic_fields_enums_and_counters(monkeypatch):
         (lambda: monkeypatch.setattr(HOLDER, "_beta", 2.0), 6.0),
         (lambda: monkeypatch.setitem(HOLDER._extra, "gamma", 5.0), 30.0),
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for change, factor in changes:
-            change()
-            np.testing.assert_allclose(
-                members_equal_plain(ens, v, x, method=read_many), base * factor, rtol=1e-6
-            )
+    scaled_after_each(ens, v, x, read_many, base, changes)
 
 
 # 4,100 values read whole (indexed by a variable): more than one walk looks at (2,048).
@@ -371,13 +375,7 @@ def test_tuple_and_enum_keys_mappings_and_wrapped_functions_are_read_anew(monkey
         (lambda: monkeypatch.setitem(MAPPED, "scale", 5.0), 30.0),
         (lambda: monkeypatch.setattr(HERE, "SCALE", 0.5), 7.5),  # in Scaled and eps_scaled
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for change, factor in changes:
-            change()
-            np.testing.assert_allclose(
-                members_equal_plain(ens, v, x, method=keyed), base * factor, rtol=1e-6
-            )
+    scaled_after_each(ens, v, x, keyed, base, changes)
 
 
 class Fresh(collections.abc.Mapping):
@@ -477,12 +475,7 @@ def test_structured_masked_getitem_and_dict_subclass_values_are_read_anew():
         (lambda: MASKED.__setitem__(1, np.ma.masked), 0.0),
     ]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for change, factor in changes:
-                change()
-                got = members_equal_plain(ens, v, x, method=held)
-                np.testing.assert_allclose(got, base * factor, rtol=1e-6, atol=1e-7)
+        scaled_after_each(ens, v, x, held, base, changes, atol=1e-7)
     finally:
         RECORDS["w"], TABLE_OBJ.data["k"], SETTINGS_OBJ.scale = 0.0, 1.0, 1.0
         MASKED[1] = 2.0
