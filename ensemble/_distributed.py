@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -510,14 +511,18 @@ def save_checkpoint(
     or a shared file system / bucket across hosts); each writes the shards it holds (nothing is
     gathered onto one host), process 0 writes the metadata. The checkpoint is written into a
     temporary sibling and renamed when complete, so ``directory`` either holds a whole
-    checkpoint or does not exist. ``force=True`` replaces one already there only once the new
-    one is whole: it is written beside it (``<directory>.replacing``), then swapped in, the
-    old one kept as ``<directory>.replaced`` for the instant between the two renames (a save
-    killed then leaves it there, and reading ``directory`` says to rename it back).
+    checkpoint or does not exist. A path that exists is refused, unless ``force=True`` and it
+    holds a checkpoint (or nothing): anything else there is the caller's, kept. ``force=True``
+    replaces the checkpoint only once the new one is whole: it is written beside it
+    (``<directory>.replacing``), then swapped in, the old one kept as ``<directory>.replaced``
+    for the instant between the two renames (a save killed then leaves it there, and reading
+    ``directory`` says to rename it back).
     ``metadata``: a JSON-able dict with string keys stored with it (read it back with
     :func:`checkpoint_metadata`). A checksum of each JAX-array leaf is stored too, and
     :func:`restore_checkpoint` checks the leaves it reads against them, so a damaged data file
-    is an error, not other numbers. Returns the absolute path once the write is complete.
+    is an error, not other numbers. Orbax names a leaf by its keys joined with ``'.'``: a tree
+    with two leaves of one name (``{'a.b': x, 'a': {'b': y}}``) is refused. Returns the
+    absolute path once the write is complete.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -534,6 +539,7 @@ def save_checkpoint(
     _check_metadata(metadata)
     path = os.path.abspath(os.fspath(directory))
     _check_not_cut_short(path)
+    _check_replaceable(path, force)
     # Over an existing checkpoint, orbax's force deleted it before writing: a save killed
     # meanwhile lost the only checkpoint. Written beside it, then swapped in.
     target = path + ".replacing" if force and os.path.exists(path) else path
@@ -546,6 +552,32 @@ def save_checkpoint(
     if target != path:
         _on_process_0_then_all(lambda: _swap_in(target, path), "save_checkpoint: swapped in")
     return path
+
+
+def _check_replaceable(path: str, force: bool) -> None:
+    """An existing ``path`` is replaced only with ``force`` and only if it holds a checkpoint
+    (or nothing): orbax's force deleted any folder or file there, the user's files with it."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(
+            f"save_checkpoint: {path} is a file, not a checkpoint: give another directory."
+        )
+    held = sorted(os.listdir(path))
+    checkpoint = any(f in held for f in (_METADATA_FILE, "_METADATA"))
+    if force and (checkpoint or not held):
+        return
+    if checkpoint:
+        raise FileExistsError(
+            f"save_checkpoint: {path} already holds a checkpoint: pass force=True to replace "
+            "it, or give another directory."
+        )
+    what = f"holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "empty"
+    raise FileExistsError(
+        f"save_checkpoint: {path} exists and is not a checkpoint ({what}): give a directory "
+        "that does not exist yet (it is made)"
+        + ("." if held else ", or force=True to replace this empty one.")
+    )
 
 
 def _check_savable(tree: Any) -> None:
@@ -564,8 +596,17 @@ def _check_savable(tree: Any) -> None:
             f"save_checkpoint: the tree is a single {what}, which orbax saves only inside a "
             "tree: wrap it, e.g. {'x': x}."
         )
+    stored_as: dict[str, str] = {}  # orbax names a leaf by its keys joined with '.'
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
         key = jax.tree_util.keystr(p)
+        name = ".".join(_path_names(p))
+        if name in stored_as:  # one would overwrite the other
+            raise ValueError(
+                f"save_checkpoint: tree{stored_as[name]} and tree{key} would be stored under "
+                f"one name, '{name}' (orbax joins a leaf's keys with '.'): rename a key so "
+                "that no two leaves spell the same name."
+            )
+        stored_as[name] = key
         dtype = (
             np.asarray(x).dtype if isinstance(x, bool | int | float) else getattr(x, "dtype", None)
         )
@@ -919,7 +960,8 @@ def restore_checkpoint(
     same structure; each process reads only the shards it holds. The checkpoint may come from
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
-    ``ValueError``, as are a tree of another structure and a float64 or int64 JAX array saved
+    ``ValueError`` (a PRNG key leaf is read as the like's kind, a typed key or its key data,
+    whichever was saved), as are a tree of another structure and a float64 or int64 JAX array saved
     with x64 on, read with it off (NumPy and Python values read as JAX narrows them then); a
     leaf read that does not match the checksum saved with it (a damaged file) is
     :class:`DamagedCheckpoint`, as are a missing or damaged metadata file, which holds the
@@ -955,7 +997,18 @@ def restore_checkpoint(
     _check_shapes(path, stored, like, sums)
     out = _read(path, stored, like) if not partial else _read_partially(path, stored, like)
     _check_sums(path, out, sums)
-    return out
+    return jax.tree.map(_key_kind_as_like, out, like)
+
+
+def _key_kind_as_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Orbax returns a PRNG key leaf as it was saved, a typed key or its raw key data, whatever
+    ``like`` holds (the two have the same data): given back as the like's kind."""
+    typed = jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key)
+    if typed == jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    if typed:  # (the impl read off a key of the like's dtype)
+        return jax.random.wrap_key_data(x, impl=jax.random.key_impl(jnp.empty((), like.dtype)))
+    return jax.random.key_data(x)
 
 
 def _read(path: str, stored: Any, like: Any) -> Any:

@@ -659,6 +659,63 @@ def test_a_forced_save_through_a_link_replaces_the_link_and_keeps_what_it_linked
     assert distributed.restore_checkpoint(real, {"w": jnp.zeros(2)})["w"].tolist() == [1.0] * 2
 
 
+def test_leaves_stored_under_one_name_are_refused_before_anything_is_written(tmp_path):
+    """Orbax names a leaf by its keys joined with '.': tree['a.b'] and tree['a']['b'] were
+    one stored leaf, restored as the same values for both (NumPy leaves: no error at all)."""
+    for a, b in ((np.ones(2), np.full(2, 2.0)), (jnp.ones(2), jnp.full(2, 2.0))):
+        with pytest.raises(ValueError, match=r"tree\['a'\]\['b'\] and tree\['a.b'\] would be"):
+            distributed.save_checkpoint(tmp_path / "c", {"a.b": a, "a": {"b": b}})
+        assert not os.listdir(tmp_path)
+    path = distributed.save_checkpoint(tmp_path / "c", {"a/b": jnp.ones(2), "a": {"b": b}})
+    back = distributed.restore_checkpoint(path, {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})
+    assert back["a/b"].tolist() == [1.0, 1.0] and back["a"]["b"].tolist() == [2.0, 2.0]
+
+
+def test_a_key_leaf_comes_back_as_the_likes_kind_typed_or_raw(tmp_path):
+    """Orbax gave a key leaf back as saved (a typed key into a like of raw key data, and the
+    reverse), of another shape and dtype than the like's, without a word."""
+    mesh = make_mesh(8)
+    for impl in ("threefry2x32", "rbg"):
+        typed = jax.device_put(jax.random.split(jax.random.key(0, impl=impl), 8),
+                               member_sharding(mesh, 1))  # fmt: skip
+        raw = jax.random.key_data(typed)
+        saved = {k: distributed.save_checkpoint(tmp_path / f"{impl}-{k}", {"k": x})
+                 for k, x in (("typed", typed), ("raw", raw))}  # fmt: skip
+        sds = jax.ShapeDtypeStruct(typed.shape, typed.dtype, sharding=typed.sharding)
+        for path, like in ((saved["typed"], raw), (saved["raw"], typed), (saved["raw"], sds)):
+            for partial in (False, True):
+                got = distributed.restore_checkpoint(path, {"k": like}, partial=partial)["k"]
+                assert (got.dtype, got.shape) == (like.dtype, like.shape), (path, like)
+                data = jax.random.key_data(got) if got.dtype == typed.dtype else got
+                np.testing.assert_array_equal(data, raw)
+                assert got.sharding == like.sharding
+                assert [s.data.shape[0] for s in got.addressable_shards] == [1] * 8
+
+
+def test_a_save_replaces_only_a_checkpoint_and_only_with_force(tmp_path):
+    """force=True deleted whatever was at the path (a run folder given for its ckpt/ subfolder
+    lost the user's files), and without it orbax said only 'Destination ... already exists'."""
+    tree = {"w": jnp.ones(2)}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match=r"run exists and is not a checkpoint \(holds "
+                           r"notes.txt\): give a directory that does not exist yet"):  # fmt: skip
+            distributed.save_checkpoint(tmp_path / "run", tree, force=force)
+        with pytest.raises(FileExistsError, match=r"file is a file, not a checkpoint"):
+            distributed.save_checkpoint(tmp_path / "file", tree, force=force)
+    assert (tmp_path / "run" / "notes.txt").read_text() == (tmp_path / "file").read_text()
+    with pytest.raises(FileExistsError, match=r"not a checkpoint \(empty\).*or force=True"):
+        distributed.save_checkpoint(tmp_path / "empty", tree)
+    distributed.save_checkpoint(tmp_path / "empty", tree, force=True)
+    with pytest.raises(FileExistsError, match=r"already holds a checkpoint: pass force=True"):
+        distributed.save_checkpoint(tmp_path / "empty", {"w": jnp.zeros(2)})
+    assert distributed.restore_checkpoint(tmp_path / "empty", tree)["w"].tolist() == [1.0, 1.0]
+    assert sorted(os.listdir(tmp_path)) == ["empty", "file", "run"]
+
+
 @pytest.mark.timeout(120)
 def test_metadata_json_cannot_write_is_refused_on_every_process():
     """Process 0 alone writes the metadata, once the collective save has begun: its TypeError
