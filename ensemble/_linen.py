@@ -14,8 +14,10 @@ user can rely on:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import re
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
@@ -233,10 +235,11 @@ class LinenEnsemble:
 
             def one(split, shared, kw_arrays, *arrays):
                 args, kwargs = _join(arrays, kw_arrays, static)
-                out = model.init({**split, **shared}, *args, **kwargs)
-                # Unboxing inside the member applies each annotation's constraint at the
-                # member's own rank, resolved by Flax against the member's devices.
-                return _unbox(out) if unbox else out
+                with _axes_named_in_annotations(members.mesh):
+                    out = model.init({**split, **shared}, *args, **kwargs)
+                    # Unboxing inside the member applies each annotation's constraint at the
+                    # member's own rank, resolved by Flax against the member's devices.
+                    return _unbox(out) if unbox else out
 
             run_args = (split, shared, kw_arrays, *arrays)
             run_axes = (0, None, None, *axes)
@@ -491,6 +494,24 @@ def _by_axis(
 
 def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
+
+
+@contextlib.contextmanager
+def _axes_named_in_annotations(mesh: Mesh) -> Iterator[None]:
+    """JAX's error for an ``nn.with_partitioning`` name the mesh lacks, as one line with the fix
+    (it named neither the annotation's kind nor what to write instead)."""
+    try:
+        yield
+    except ValueError as e:
+        found = re.search(r"Resource axis: (\S+) of (.*) is not found in mesh", str(e))
+        if found is None:
+            raise
+        raise ValueError(
+            f"an nn.with_partitioning annotation {found[2]} names mesh axis {found[1]!r}, which "
+            f"the ensemble's mesh {tuple(mesh.axis_names)} lacks: name 'data' or 'model' there, "
+            "or None to leave that dimension whole (or use nn.with_logical_partitioning names "
+            "and rules=)."
+        ) from None
 
 
 def _unbox(tree: Any) -> Any:

@@ -46,6 +46,11 @@ def layout(n: int, num_devices: int, model_parallel: int = 1) -> tuple[int, int,
         raise ValueError(f"n (the number of members) must be a positive integer, got {n!r}.")
     if num_devices <= 0:
         raise ValueError(f"need at least one device, got {num_devices}.")
+    if not isinstance(model_parallel, (int, np.integer)) or isinstance(model_parallel, bool):
+        raise ValueError(
+            f"model_parallel (devices per member's 'model' axis) must be a positive integer, "
+            f"got {model_parallel!r}."
+        )
     if model_parallel <= 0 or num_devices % model_parallel:
         raise ValueError(
             f"model_parallel={model_parallel} must be a positive divisor of the number of "

@@ -1,5 +1,6 @@
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -331,6 +332,21 @@ def test_a_split_dimension_the_model_axis_does_not_divide_is_one_line_naming_it(
     said = r"^\['kernel'\] of shape \(12, 8\) per member: its axis 1 is split over 'ensemble', the"
     with pytest.raises(ValueError, match=said + " axis the members are already split over"):
         ensemble.build(lambda rngs: nnx.Linear(12, 8, kernel_init=inner, rngs=rngs), 2)
+
+
+def test_a_model_parallel_that_is_not_an_int_or_an_annotation_naming_no_axis_is_one_line():
+    """model_parallel=2.0 / '2' / True were Python's TypeErrors from inside make_mesh; an
+    nn.with_partitioning name the mesh lacks was JAX's 'Resource axis' error, with no fix."""
+    for bad in (2.0, "2", True):
+        with pytest.raises(ValueError, match=r"model_parallel \(devices per member's 'model' "
+                           rf"axis\) must be a positive integer, got {bad!r}"):  # fmt: skip
+            ensemble.build(nn.Dense(4), 4, model_parallel=bad)
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tp"))
+    ens = ensemble.build(nn.Dense(8, kernel_init=init), 2, model_parallel=2)
+    with pytest.raises(ValueError, match=r"annotation P\(None, 'tp'\) names mesh axis 'tp', "
+                       r"which the ensemble's mesh \('ensemble', 'data', 'model'\) lacks: name "
+                       r"'data' or 'model' there, or None"):  # fmt: skip
+        ens.init(jax.random.key(0), jnp.ones((2, 4)))
 
 
 def test_model_parallel_with_nothing_split_over_model_warns():
