@@ -512,7 +512,8 @@ def save_checkpoint(
     gathered onto one host), process 0 writes the metadata. The checkpoint is written into a
     temporary sibling and renamed when complete, so ``directory`` either holds a whole
     checkpoint or does not exist. A path that exists is refused, unless ``force=True`` and it
-    holds a checkpoint (or nothing): anything else there is the caller's, kept. ``force=True``
+    holds a checkpoint and nothing else (or nothing): anything else there is the caller's,
+    kept. ``force=True``
     replaces the checkpoint only once the new one is whole: it is written beside it
     (``<directory>.replacing``), then swapped in, the old one kept as ``<directory>.replaced``
     for the instant between the two renames (a save killed then leaves it there, and reading
@@ -520,8 +521,9 @@ def save_checkpoint(
     ``metadata``: a JSON-able dict with string keys stored with it (read it back with
     :func:`checkpoint_metadata`). A checksum of each JAX-array leaf is stored too, and
     :func:`restore_checkpoint` checks the leaves it reads against them, so a damaged data file
-    is an error, not other numbers. Orbax names a leaf by its keys joined with ``'.'``: a tree
-    with two leaves of one name (``{'a.b': x, 'a': {'b': y}}``) is refused. Returns the
+    is an error, not other numbers. Orbax names a leaf by its keys joined with ``'.'`` (less a
+    trailing ``'/'``): a tree with two leaves of one name (``{'a.b': x, 'a': {'b': y}}``,
+    ``{'a': x, 'a/': y}``) is refused. Returns the
     absolute path once the write is complete.
 
     Example:
@@ -554,30 +556,61 @@ def save_checkpoint(
     return path
 
 
+#: What a checkpoint folder of save_checkpoint holds (orbax's files), and nothing else.
+_CHECKPOINT_ENTRIES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "commit_success.txt",
+                       "manifest.ocdbt", "d", "array_metadatas", "descriptor")  # fmt: skip
+
+
 def _check_replaceable(path: str, force: bool) -> None:
     """An existing ``path`` is replaced only with ``force`` and only if it holds a checkpoint
-    (or nothing): orbax's force deleted any folder or file there, the user's files with it."""
+    and nothing else (or nothing), as are the folders the replacing passes through: orbax's
+    force deleted any folder or file there, the user's files with it."""
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
+        what = "a link to nothing" if os.path.islink(path) else "a file"
         raise FileExistsError(
-            f"save_checkpoint: {path} is a file, not a checkpoint: give another directory."
+            f"save_checkpoint: {path} is {what}, not a checkpoint: give another directory."
         )
-    held = sorted(os.listdir(path))
+    held, extra = sorted(os.listdir(path)), _not_a_checkpoints(path)
     checkpoint = any(f in held for f in (_METADATA_FILE, "_METADATA"))
-    if force and (checkpoint or not held):
-        return
-    if checkpoint:
+    if checkpoint and not force:
         raise FileExistsError(
             f"save_checkpoint: {path} already holds a checkpoint: pass force=True to replace "
             "it, or give another directory."
         )
-    what = f"holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "empty"
-    raise FileExistsError(
-        f"save_checkpoint: {path} exists and is not a checkpoint ({what}): give a directory "
-        "that does not exist yet (it is made)"
-        + ("." if held else ", or force=True to replace this empty one.")
-    )
+    if checkpoint and extra:
+        raise FileExistsError(
+            f"save_checkpoint: {path} holds a checkpoint and {', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}, which replacing it would delete: move "
+            f"{'those' if len(extra) > 1 else 'that'} out first, or give another directory."
+        )
+    if not (checkpoint or not held):
+        what = f"holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+        raise FileExistsError(
+            f"save_checkpoint: {path} exists and is not a checkpoint ({what}): give a "
+            "directory that does not exist yet (it is made)."
+        )
+    if not force:
+        raise FileExistsError(
+            f"save_checkpoint: {path} exists and is not a checkpoint (empty): give a directory "
+            "that does not exist yet (it is made), or force=True to replace this empty one."
+        )
+    for p in (path + ".replacing", path + ".replaced"):  # the replacing passes through them
+        if os.path.lexists(p) and (not os.path.isdir(p) or _not_a_checkpoints(p)):
+            raise FileExistsError(
+                f"save_checkpoint: {p} is in the way of replacing {path} and is not a "
+                "checkpoint: move it away."
+            )
+
+
+def _not_a_checkpoints(path: str) -> list[str]:
+    """The entries of folder ``path`` that no checkpoint holds (the user's)."""
+    return [
+        e
+        for e in sorted(os.listdir(path))
+        if e not in _CHECKPOINT_ENTRIES and not e.startswith("ocdbt.process_")
+    ]
 
 
 def _check_savable(tree: Any) -> None:
@@ -600,6 +633,7 @@ def _check_savable(tree: Any) -> None:
     for p, x in jax.tree_util.tree_leaves_with_path(tree):
         key = jax.tree_util.keystr(p)
         name = ".".join(_path_names(p))
+        name = name[:-1] if name.endswith("/") else name  # stored as without it: 'a/' is 'a'
         if name in stored_as:  # one would overwrite the other
             raise ValueError(
                 f"save_checkpoint: tree{stored_as[name]} and tree{key} would be stored under "
@@ -997,13 +1031,22 @@ def restore_checkpoint(
     _check_shapes(path, stored, like, sums)
     out = _read(path, stored, like) if not partial else _read_partially(path, stored, like)
     _check_sums(path, out, sums)
-    return jax.tree.map(_key_kind_as_like, out, like)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x, want: _key_kind_as_like(path, p, x, want), out, like
+    )
 
 
-def _key_kind_as_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+def _key_kind_as_like(path: str, p: tuple, x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
     """Orbax returns a PRNG key leaf as it was saved, a typed key or its raw key data, whatever
-    ``like`` holds (the two have the same data): given back as the like's kind."""
+    ``like`` holds (the two have the same data): given back as the like's kind. A typed key of
+    another implementation with data of the same shape is refused, as another dtype is."""
     typed = jax.dtypes.issubdtype(like.dtype, jax.dtypes.prng_key)
+    if typed and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.dtype != like.dtype:
+        raise ValueError(
+            f"restore_checkpoint({path}): like{jax.tree_util.keystr(p)} is a {like.dtype} key, "
+            f"the checkpoint's a {x.dtype} key (another PRNG implementation): restore into a "
+            "like of the checkpoint's, jax.random.key(seed, impl=...)."
+        )
     if typed == jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x
     if typed:  # (the impl read off a key of the like's dtype)
@@ -1147,7 +1190,8 @@ def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
     }
     for p, x in jax.tree_util.tree_leaves_with_path(like):
         key, want, dtype = jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # stored as its key data
+        is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        if is_key:  # stored as its key data
             data = jax.eval_shape(jax.random.key_data, x)
             want, dtype = data.shape, str(data.dtype)
         have, have_dtype = saved.get(_path_names(p), (want, dtype))
@@ -1155,6 +1199,12 @@ def _check_shapes(path: str, stored: Any, like: Any, sums: Any) -> None:
         _check_dtype(f"restore_checkpoint({path}): ", key, dtype, str(have_dtype), summed)
         if have == want:
             continue
+        if is_key:
+            raise ValueError(
+                f"restore_checkpoint({path}): like{key} is a {x.dtype} key of shape "
+                f"{tuple(x.shape)} (key data {want}), the checkpoint's key data {have}: restore "
+                "into a like of the checkpoint's PRNG implementation and shape."
+            )
         members = ""
         if len(have) == len(want) and have[1:] == want[1:]:
             members = (

@@ -666,6 +666,12 @@ def test_leaves_stored_under_one_name_are_refused_before_anything_is_written(tmp
         with pytest.raises(ValueError, match=r"tree\['a'\]\['b'\] and tree\['a.b'\] would be"):
             distributed.save_checkpoint(tmp_path / "c", {"a.b": a, "a": {"b": b}})
         assert not os.listdir(tmp_path)
+    # TensorStore drops a name's trailing '/': tree['a/'] was tree['a'], and {'': x, '/': y}.
+    for tree in ({"a": np.ones(2), "a/": 2.0}, {"": np.ones(2), "/": np.ones(2)},
+                 {"a": {"b/": np.ones(2)}, "a.b": np.ones(2)}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"would be stored under one name"):
+            distributed.save_checkpoint(tmp_path / "c", tree)
+        assert not os.listdir(tmp_path)
     path = distributed.save_checkpoint(tmp_path / "c", {"a/b": jnp.ones(2), "a": {"b": b}})
     back = distributed.restore_checkpoint(path, {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})
     assert back["a/b"].tolist() == [1.0, 1.0] and back["a"]["b"].tolist() == [2.0, 2.0]
@@ -690,6 +696,15 @@ def test_a_key_leaf_comes_back_as_the_likes_kind_typed_or_raw(tmp_path):
                 np.testing.assert_array_equal(data, raw)
                 assert got.sharding == like.sharding
                 assert [s.data.shape[0] for s in got.addressable_shards] == [1] * 8
+    # Another implementation: refused, whether its key data has the same shape or not.
+    other = jax.random.split(jax.random.key(0, impl="unsafe_rbg"), 8)
+    with pytest.raises(ValueError, match=r"like\['k'\] is a key<urbg> key, the checkpoint's a "
+                       r"key<rbg> key \(another PRNG implementation\)"):  # fmt: skip
+        distributed.restore_checkpoint(saved["typed"], {"k": other})
+    one = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"like\['k'\] is a key<fry> key of shape \(\) \(key "
+                       r"data \(2,\)\), the checkpoint's key data \(8, 4\)"):  # fmt: skip
+        distributed.restore_checkpoint(saved["typed"], {"k": one})
 
 
 def test_a_save_replaces_only_a_checkpoint_and_only_with_force(tmp_path):
@@ -714,6 +729,26 @@ def test_a_save_replaces_only_a_checkpoint_and_only_with_force(tmp_path):
         distributed.save_checkpoint(tmp_path / "empty", {"w": jnp.zeros(2)})
     assert distributed.restore_checkpoint(tmp_path / "empty", tree)["w"].tolist() == [1.0, 1.0]
     assert sorted(os.listdir(tmp_path)) == ["empty", "file", "run"]
+    # A file of the user's beside the checkpoint's own, a folder holding only a _METADATA of
+    # theirs, folders of theirs named as the replacing's steps, a link to nothing: all kept.
+    (tmp_path / "empty" / "eval.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds a checkpoint and eval.txt, which replacing"):
+        distributed.save_checkpoint(tmp_path / "empty", tree, force=True)
+    (tmp_path / "empty" / "eval.txt").unlink()
+    (tmp_path / "run" / "_METADATA").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"holds a checkpoint and notes.txt"):
+        distributed.save_checkpoint(tmp_path / "run", tree, force=True)
+    for step in ("replacing", "replaced"):
+        (tmp_path / f"empty.{step}").mkdir()
+        (tmp_path / f"empty.{step}" / "notes.txt").write_text("mine")
+        with pytest.raises(FileExistsError, match=rf"empty.{step} is in the way of replacing"):
+            distributed.save_checkpoint(tmp_path / "empty", tree, force=True)
+        shutil.rmtree(tmp_path / f"empty.{step}")
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+    with pytest.raises(FileExistsError, match=r"link is a link to nothing, not a checkpoint"):
+        distributed.save_checkpoint(tmp_path / "link", tree, force=True)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    assert distributed.restore_checkpoint(tmp_path / "empty", tree)["w"].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.timeout(120)
