@@ -597,10 +597,12 @@ def _check_replaceable(path: str, force: bool) -> None:
             "that does not exist yet (it is made), or force=True to replace this empty one."
         )
     for p in (path + ".replacing", path + ".replaced"):  # the replacing passes through them
-        if os.path.lexists(p) and (not os.path.isdir(p) or _not_a_checkpoints(p)):
+        # (orbax's force cannot remove a link at .replacing; .replaced's is removed alone)
+        link = os.path.islink(p) and p.endswith(".replacing")
+        if os.path.lexists(p) and (link or not os.path.isdir(p) or _not_a_checkpoints(p)):
             raise FileExistsError(
                 f"save_checkpoint: {p} is in the way of replacing {path} and is not a "
-                "checkpoint: move it away."
+                "checkpoint folder of its own: move it away."
             )
 
 

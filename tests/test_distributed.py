@@ -744,6 +744,10 @@ def test_a_save_replaces_only_a_checkpoint_and_only_with_force(tmp_path):
         with pytest.raises(FileExistsError, match=rf"empty.{step} is in the way of replacing"):
             distributed.save_checkpoint(tmp_path / "empty", tree, force=True)
         shutil.rmtree(tmp_path / f"empty.{step}")
+    os.symlink(tmp_path / "empty", tmp_path / "empty.replacing")  # orbax: 'Cannot call rmtree'
+    with pytest.raises(FileExistsError, match=r"empty.replacing is in the way of replacing"):
+        distributed.save_checkpoint(tmp_path / "empty", tree, force=True)
+    os.unlink(tmp_path / "empty.replacing")
     os.symlink(tmp_path / "nowhere", tmp_path / "link")
     with pytest.raises(FileExistsError, match=r"link is a link to nothing, not a checkpoint"):
         distributed.save_checkpoint(tmp_path / "link", tree, force=True)
