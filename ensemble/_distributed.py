@@ -513,18 +513,16 @@ def save_checkpoint(
     temporary sibling and renamed when complete, so ``directory`` either holds a whole
     checkpoint or does not exist. A path that exists is refused, unless ``force=True`` and it
     holds a checkpoint and nothing else (or nothing): anything else there is the caller's,
-    kept. ``force=True``
-    replaces the checkpoint only once the new one is whole: it is written beside it
-    (``<directory>.replacing``), then swapped in, the old one kept as ``<directory>.replaced``
-    for the instant between the two renames (a save killed then leaves it there, and reading
-    ``directory`` says to rename it back).
+    kept. ``force=True`` replaces the checkpoint only once the new one is whole: it is written
+    beside it (``<directory>.replacing``), then swapped in, the old one kept as
+    ``<directory>.replaced`` for the instant between the two renames (a save killed then leaves
+    it there, and reading ``directory`` says to rename it back).
     ``metadata``: a JSON-able dict with string keys stored with it (read it back with
     :func:`checkpoint_metadata`). A checksum of each JAX-array leaf is stored too, and
     :func:`restore_checkpoint` checks the leaves it reads against them, so a damaged data file
     is an error, not other numbers. Orbax names a leaf by its keys joined with ``'.'`` (less a
     trailing ``'/'``): a tree with two leaves of one name (``{'a.b': x, 'a': {'b': y}}``,
-    ``{'a': x, 'a/': y}``) is refused. Returns the
-    absolute path once the write is complete.
+    ``{'a': x, 'a/': y}``) is refused. Returns the absolute path once the write is complete.
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -997,15 +995,15 @@ def restore_checkpoint(
     a run with another number of processes or devices. Collective: every process calls it. A
     leaf of another shape (another member count) or dtype than the checkpoint's is one
     ``ValueError`` (a PRNG key leaf is read as the like's kind, a typed key or its key data,
-    whichever was saved), as are a tree of another structure and a float64 or int64 JAX array saved
-    with x64 on, read with it off (NumPy and Python values read as JAX narrows them then); a
-    leaf read that does not match the checksum saved with it (a damaged file) is
-    :class:`DamagedCheckpoint`, as are a missing or damaged metadata file, which holds the
-    checksums, and a file orbax cannot read. ``partial=True``
-    reads only the leaves ``like`` has (the params of a checkpoint that also holds the
-    optimizer state, for inference). NumPy leaves carry no placement: a run with one device
-    (in all) reads them onto it; with several, they are refused (place ``like`` first: arrays
-    from ``ens.init`` / ``step.init``, or ``jax.device_put``).
+    whichever was saved; a typed key of another implementation is refused), as are a tree of
+    another structure and a float64 or int64 JAX array saved with x64 on, read with it off
+    (NumPy and Python values read as JAX narrows them then); a leaf read that does not match
+    the checksum saved with it (a damaged file) is :class:`DamagedCheckpoint`, as are a
+    missing or damaged metadata file, which holds the checksums, and a file orbax cannot read.
+    ``partial=True`` reads only the leaves ``like`` has (the params of a checkpoint that also
+    holds the optimizer state, for inference). NumPy leaves carry no placement: a run with one
+    device (in all) reads them onto it; with several, they are refused (place ``like`` first:
+    arrays from ``ens.init`` / ``step.init``, or ``jax.device_put``).
 
     Example (members written from one mesh, read back onto the same devices):
       >>> import tempfile, jax, numpy as np, ensemble
