@@ -280,15 +280,23 @@ def _stamp(c: type) -> tuple:
     return tuple(tuple(map(id, vars(k).values())) for k in c.__mro__)
 
 
-def _members(c: type) -> list[tuple[str, Any]]:
-    try:
-        return _members_of(c, _stamp(c))
-    except TypeError:  # a class its metaclass made unhashable: not cached
-        return _members_of.__wrapped__(c, ())
+def _per_class(fn: Any) -> Any:
+    """``fn(c, *args, stamp)`` cached per class, its ``args`` and :func:`_stamp`, called as
+    ``fn(c, *args)``; a class its metaclass made unhashable is not cached."""
+    cached = functools.lru_cache(maxsize=1024)(fn)
+
+    @functools.wraps(fn)
+    def call(c: type, *args: Any) -> Any:
+        try:
+            return cached(c, *args, _stamp(c))
+        except TypeError:
+            return fn(c, *args, ())
+
+    return call
 
 
-@functools.lru_cache(maxsize=1024)
-def _members_of(c: type, stamp: tuple) -> list[tuple[str, Any]]:
+@_per_class
+def _members(c: type, stamp: tuple) -> list[tuple[str, Any]]:
     """A user's class's own attributes (not those of a library's classes it extends), without
     the dunders a dataclass or a metaclass made; descriptors Flax wraps unwrapped."""
     found = []
@@ -413,15 +421,8 @@ def _dynamic(v: Any, name: str) -> Any:
         return _MISSING
 
 
-def _used(c: type, names: frozenset | None) -> frozenset[str]:
-    try:
-        return _used_of(c, names, _stamp(c))
-    except TypeError:  # (as in _members)
-        return _used_of.__wrapped__(c, names, ())
-
-
-@functools.lru_cache(maxsize=1024)
-def _used_of(c: type, names: frozenset | None, stamp: tuple) -> frozenset[str]:
+@_per_class
+def _used(c: type, names: frozenset | None, stamp: tuple) -> frozenset[str]:
     """The ``self.x`` an instance's code uses: what the methods and properties named in
     ``names`` (all of them: None) read of ``self``, and what the ones they call read."""
     members = {q.rsplit(".", 1)[-1]: _code_of(a) for q, a in _members(c)}
