@@ -1551,8 +1551,12 @@ def test_uint8_frames_stay_uint8_to_the_rollout_buffer_and_train_like_float_fram
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 shapes, learner.state_shardings(),
             )  # fmt: skip
-            compiled = learner.lower(like, 2).compile()  # the program update(state, 2) runs
             state, metrics = learner.update(learner.init(), 2)
+            # The program update(state, 2) just ran, lowered again for its memory analysis:
+            # JAX hands back the executable it compiled (a host env's program is compiled
+            # anew by every jit, not taken from the persistent cache).
+            with jax.set_mesh(learner.mesh):
+                compiled = learner._programs[2].lower(like, learner._run_length()).compile()
             runs[dtype] = (compiled.memory_analysis().temp_size_in_bytes,
                            jax.device_get((state.members.params, metrics)))  # fmt: skip
         finally:

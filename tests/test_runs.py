@@ -505,6 +505,20 @@ def test_resume_may_extend_total_steps_and_the_lr_schedule_follows_the_new_total
         _run(short, out, resume=True)
 
 
+def test_runs_that_differ_only_in_total_steps_compile_one_update_program():
+    """Where the schedule ends is an input of the update program, not a constant in it: the
+    program of a run extended on resume is the program the run compiled, so a new process
+    takes it from JAX's persistent compilation cache (it compiled anew for every total)."""
+    texts = []
+    for cfg in (_tiny(), _tiny(total_steps=10 * 32), _tiny(total_steps=10 * 32, anneal_lr=False)):
+        learner = _learner(cfg)
+        like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            learner.state_shapes(), learner.state_shardings())  # fmt: skip
+        texts.append(learner.lower(like, 2).as_text())
+    assert texts[0] == texts[1]
+    assert texts[1] != texts[2]  # the text tells programs apart: without annealing, no schedule
+
+
 # ---------------------------------------------------------------------- the command line
 
 
@@ -957,13 +971,14 @@ def _group_alive(pgid: int) -> bool:
 def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_path):
     """3 kills: during a checkpoint write (its temporary directory exists), at a random row,
     after a random delay; each followed by --resume. Final checkpoint and metrics must equal
-    those of an uninterrupted run."""
+    those of an uninterrupted run (which checkpoints only at its end: its numbers do not
+    depend on when it saves, and its 11 other saves would only cost time)."""
     rng = random.Random(7)
     total, cache = 12, tmp_path / "jax-cache"
     ref = tmp_path / "ref"
     done = subprocess.run(
         [sys.executable, "-m", "rollout.ppo", *_CLI_TINY, "--total-steps", str(total * 32),
-         "--out", str(ref)],
+         "--out", str(ref), "--checkpoint-every", str(total)],
         cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -250,6 +250,7 @@ class Learner:
         self._host_envs = hasattr(self.env, "bind")
         self._envs_beside_members = config.env_on == "device" and not self._host_envs
         self._programs: dict[int, Callable[..., Any]] = {}
+        self._run_length_array: jax.Array | None = None  # see _run_length
         self._init_program: Any = None  # kept: train(..., learner=) reuses what it compiled
         self._state_shardings: Any = None
         self._pbt_step: Any = None
@@ -359,7 +360,7 @@ class Learner:
         _refuse_donated(state)
         program = self._program(k, state, live=True)
         with jax.set_mesh(self.mesh), _explained():
-            state, self._dispatched = program(state)
+            state, self._dispatched = program(state, self._run_length())
         return state, self._dispatched
 
     def _program(self, k: int, state: Any, live: bool) -> Callable[..., Any]:
@@ -370,7 +371,7 @@ class Learner:
         if program is None:
             program = self._compile_updates(k)
             with jax.set_mesh(self.mesh), _explained():  # its errors as the call's would be
-                compiled = program.lower(state).compile()
+                compiled = program.lower(state, self._run_length()).compile()
             try:
                 need = ensemble.compiled_memory(compiled)
             except RuntimeError:  # a backend without a memory analysis: nothing to check
@@ -383,16 +384,29 @@ class Learner:
     def lower(self, state: TrainState, num_updates: int = 1) -> jax.stages.Lowered:
         """The lowered update program (``.compile().memory_analysis()``, ``.as_text()``)."""
         with jax.set_mesh(self.mesh), _explained():
-            return self._compile_updates(num_updates).lower(state)
+            return self._compile_updates(num_updates).lower(state, self._run_length())
+
+    def _run_length(self) -> jax.Array:
+        """``config.num_updates`` as a replicated input of the update program, where the
+        learning-rate schedule ends. An input, not a constant: runs that differ only in
+        ``total_steps`` (a resume that extends a run) compile the same program, so a later one
+        takes it from JAX's persistent compilation cache. Made by a program of its own (a
+        constant, not a host transfer, which ``jax_transfer_guard`` may forbid), once."""
+        if self._run_length_array is None:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            value = float(self.config.num_updates)
+            make = jax.jit(lambda: jnp.asarray(value, jnp.float32), out_shardings=replicated)
+            self._run_length_array = make()
+        return self._run_length_array
 
     def _compile_updates(self, k: int) -> Callable[..., Any]:
         shardings = self.state_shardings()
         metric_sharding = ensemble.member_sharding(self.mesh, 2)
         metrics_out = dict.fromkeys(METRIC_NAMES, metric_sharding)
 
-        def updates(state: TrainState) -> tuple[TrainState, dict]:
+        def updates(state: TrainState, run_length: jax.Array) -> tuple[TrainState, dict]:
             def one(state: TrainState, _):
-                members, metrics = self._update(state.members, state.update)
+                members, metrics = self._update(state.members, state.update, run_length)
                 return TrainState(members=members, update=state.update + 1), metrics
 
             state, metrics = jax.lax.scan(one, state, None, length=k)
@@ -401,12 +415,14 @@ class Learner:
 
         return jax.jit(
             updates,
-            in_shardings=(shardings,),
+            in_shardings=(shardings, NamedSharding(self.mesh, PartitionSpec())),
             out_shardings=(shardings, metrics_out),
             donate_argnums=0,
         )
 
-    def _update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
+    def _update(
+        self, ms: MemberState, update: jax.Array, run_length: jax.Array
+    ) -> tuple[MemberState, dict]:
         """One PPO update of the whole ensemble, every array member-major.
 
         1. Rollout: ``num_steps`` steps. Each step every member picks actions for its envs
@@ -422,10 +438,15 @@ class Learner:
         one plain single-agent program, run once per member.
         """
         members = self.ensemble.members
+        # Linear learning-rate annealing to 0 over the run (CleanRL), the same for every
+        # member; 0 after its end (updates past num_updates, called directly), never negative.
+        frac = jnp.float32(1.0)
+        if self.config.anneal_lr:
+            frac = jnp.maximum(1.0 - update.astype(jnp.float32) / run_length, 0.0)
         if self._envs_beside_members:
-            return members.map(self._member_update, (ms, update), (0, None))
+            return members.map(self._member_update, (ms, frac), (0, None))
         carry, traj = self._rollout(ms, update)
-        return members.map(self._learn, (ms, carry, traj, update), (0, 0, 0, None))
+        return members.map(self._learn, (ms, carry, traj, frac), (0, 0, 0, None))
 
     def _rollout(self, ms: MemberState, update: jax.Array) -> tuple[Rollout, tuple]:
         """All members' rollouts, the envs stepped together at ensemble level (host envs):
@@ -453,10 +474,10 @@ class Learner:
         # traj leaves are [num_steps, n, num_envs, ...]: the member axis goes first.
         return carry, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), traj)
 
-    def _member_update(self, ms: MemberState, update: jax.Array) -> tuple[MemberState, dict]:
+    def _member_update(self, ms: MemberState, frac: jax.Array) -> tuple[MemberState, dict]:
         """One member's whole update with its envs stepped next to it (``env_on='device'``)."""
         carry, traj = self._member_rollout(ms)
-        return self._learn(ms, carry, traj, update)
+        return self._learn(ms, carry, traj, frac)
 
     def _member_rollout(self, ms: MemberState) -> tuple[Rollout, tuple[Transition, Cut]]:
         """One member's rollout with its envs stepped next to it, in its own program."""
@@ -570,16 +591,13 @@ class Learner:
         return carry, (step, Cut(final, cut))
 
     def _learn(
-        self, ms: MemberState, carry: Rollout, steps: tuple[Transition, Cut], update: jax.Array
+        self, ms: MemberState, carry: Rollout, steps: tuple[Transition, Cut], frac: jax.Array
     ) -> tuple[MemberState, dict]:
-        """GAE, then ``update_epochs`` passes of shuffled minibatches; one member's update."""
+        """GAE, then ``update_epochs`` passes of shuffled minibatches; one member's update,
+        at its learning rate times ``frac`` (the annealing schedule's, see :meth:`_update`)."""
         cfg = self.config
         batch = self._advantages(ms, carry, steps)
         batch = jax.tree_util.tree_map(lambda x: x.reshape(cfg.batch_size, *x.shape[2:]), batch)
-        # Linear learning-rate annealing to 0 over the run (CleanRL), per member; 0 after its
-        # end (updates past num_updates, called directly), never negative (gradient ascent).
-        frac = 1.0 - update.astype(jnp.float32) / cfg.num_updates if cfg.anneal_lr else 1.0
-        frac = jnp.maximum(frac, 0.0)
         lr = ms.hparams["learning_rate"] * frac
         key = jax.random.wrap_key_data(carry.rng)
         params, opt_state, key, stats = self._epochs(ms, batch, lr, key)
