@@ -446,26 +446,9 @@ def test_envpool_evaluation_seeds_past_int32_are_refused_not_wrapped():
         evaluate.envpool_returns(None, "envpool:CartPole-v1", 3, 2**31 - 2)
 
 
-@pytest.mark.timeout(300)
-def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, capsys):
-    from rollout.ppo import train
-
-    cfg = PPOConfig.for_env(
-        "cartpole", members=MEMBERS, total_steps=2 * 256, num_envs=4, num_steps=64,
-        num_minibatches=2, update_epochs=1,
-    )  # fmt: skip
-    run = tmp_path / "run"
-    state, _ = train(cfg, run, progress=False, devices=jax.devices()[:DEVICES])
-    before = sorted(p.name for p in run.iterdir())
-    # Evaluating the run itself, not an export, says the command that exports it.
-    assert evaluate.main([str(run)]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"error: {run} is a training run, not an export: export it "
-        f"(python -m rollout.ppo.export {run}), then evaluate {run / 'export'}."
-    )
-    a_file = tmp_path / "a_file"
-    a_file.write_text("keep")
-    for argv, message in [
+def _refused_exports(a_file: Path) -> list[tuple[list[str], str]]:
+    """Export flags refused next to a file ``a_file``, and the one line each is refused with."""
+    return [
         (
             ["--to", str(a_file)],
             f"error: {a_file} is a file; export to a directory (another --to).",
@@ -478,7 +461,29 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
             ["--to", str(a_file / "sub")],
             f"error: cannot write the export to {a_file / 'sub'}: Not a directory",
         ),
-    ]:
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(cartpole, tmp_path, capsys):
+    """Both runs train on the ``cartpole`` fixture's learner (its config, compiled once): a
+    run's export does not depend on its sizes, and each train() is still a run of its own."""
+    from rollout.ppo import train
+
+    learner, _ = cartpole
+    cfg = learner.config
+    run = tmp_path / "run"
+    state, _ = train(cfg, run, progress=False, learner=learner)
+    before = sorted(p.name for p in run.iterdir())
+    # Evaluating the run itself, not an export, says the command that exports it.
+    assert evaluate.main([str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {run} is a training run, not an export: export it "
+        f"(python -m rollout.ppo.export {run}), then evaluate {run / 'export'}."
+    )
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    for argv, message in _refused_exports(a_file):
         assert export.main([str(run), *argv]) == 2
         assert capsys.readouterr().err.strip() == message
     assert a_file.read_text() == "keep"
@@ -494,14 +499,14 @@ def test_export_cli_writes_the_members_of_the_runs_last_checkpoint(tmp_path, cap
             for key in ref:
                 np.testing.assert_array_equal(got[key], ref[key])
         meta = json.loads((tmp_path / "cli" / f"member_{i}" / "member.json").read_text())
-        assert meta["member"] == i and meta["env_steps"] == 2 * 256
+        assert meta["member"] == i and meta["env_steps"] == 4 * 256
         assert meta["run_id"] == json.loads((run / "run.json").read_text())["run_id"]
-    # Another run of the same config and seed (its numbers alike but for rounding) is still
+    # Another run of the same config and seed (the same learner: the same numbers) is still
     # another run: its members join neither this export nor an evaluation of it.
     import shutil
 
     twin = tmp_path / "twin"
-    train(cfg, twin, progress=False, devices=jax.devices()[:DEVICES])
+    train(cfg, twin, progress=False, learner=learner)
     assert export.main([str(twin), "--to", str(tmp_path / "cli"), "--members", "0"]) == 2
     assert "holds members of another run (member_1)" in capsys.readouterr().err
     assert export.main([str(twin), "--to", str(tmp_path / "twin_export"), "--members", "0"]) == 0
@@ -987,18 +992,17 @@ def test_only_work_that_outlived_its_loop_or_the_interpreter_is_kept_from_the_ho
 
 
 @pytest.mark.timeout(300)
-def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp_path):
+def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(cartpole, tmp_path):
     """Orbax's reads still in flight when the damaged checkpoint's restore failed complete into
-    its closed event loop: each printed a traceback (hundreds) around the one warning."""
+    its closed event loop: each printed a traceback (hundreds) around the one warning. The run
+    trains on the ``cartpole`` fixture's learner (compiled once): checkpoints after 2 and 4
+    updates."""
     from rollout.ppo import _checkpoint as ckpt
     from rollout.ppo import train
 
-    cfg = PPOConfig.for_env(
-        "cartpole", members=2, total_steps=2 * 128, num_envs=2, num_steps=64,
-        num_minibatches=2, update_epochs=1, updates_per_call=1,
-    )  # fmt: skip
+    learner, _ = cartpole
     run = tmp_path / "run"
-    train(cfg, run, progress=False, checkpoint_every=1, devices=jax.devices()[:2])
+    train(learner.config, run, progress=False, checkpoint_every=1, learner=learner)
     older, newest = ckpt.checkpoints(run)[-2:]
     for path in newest.rglob("*"):
         if path.is_file() and path.parent.name == "d":  # the array data
@@ -1012,7 +1016,7 @@ def test_export_cli_falls_back_past_a_damaged_checkpoint_in_one_warning_line(tmp
         proc.stderr[-3000:]
     )
     meta = json.loads((run / "export" / "member_0" / "member.json").read_text())
-    assert meta["env_steps"] == int(older.name.split("_")[1]) * 128
+    assert meta["env_steps"] == int(older.name.split("_")[1]) * 256  # 4 envs x 64 steps
 
 
 def test_a_run_without_checkpoints_says_when_training_writes_them(tmp_path):

@@ -163,11 +163,12 @@ def test_a_run_trains_and_resumes_under_the_rbg_generator_and_refuses_another(tm
 def test_a_learner_is_built_and_updates_under_a_transfer_guard(env):
     """Building a Learner made keys on a device for its checks (shapes only): a global
     jax_transfer_guard='disallow' refused it. The seed's key in init() is the user's own
-    transfer (as nnx.Rngs(seed) is); the update then runs with the guard on."""
+    transfer (as nnx.Rngs(seed) is); the update then runs with the guard on. (Calls of 2
+    updates: the same programs as test_ppo_under_rank_promotion_raise's, compiled once.)"""
     cfg = PPOConfig.for_env(env, **_BASE)
     with jax.transfer_guard("disallow"):
         learner = Learner(cfg, devices=jax.devices()[:2])
     state = learner.init()
-    state, _ = learner.update(state, 1)  # compiled here
+    state, _ = learner.update(state, 2)  # compiled here
     with jax.transfer_guard("disallow"):
-        jax.block_until_ready(learner.update(state, 1))
+        jax.block_until_ready(learner.update(state, 2))

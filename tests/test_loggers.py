@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -235,15 +234,38 @@ def test_a_resumed_run_writes_again_the_rows_its_killed_loggers_had_lost(tmp_pat
         assert logger._run.logged == want
 
 
-def test_train_hands_the_restored_rows_to_on_resume(tmp_path):
-    from rollout.ppo import PPOConfig, train
+class _Stop(Exception):
+    pass
 
-    cfg = PPOConfig.for_env("cartpole", members=2, total_steps=256, num_envs=2, num_steps=32)
-    _, rows = train(cfg, tmp_path / "run", progress=False, checkpoint_every=1)
-    longer = dataclasses.replace(cfg, total_steps=512)
+
+def test_train_hands_the_restored_rows_to_on_resume(tmp_path):
+    """A resume hands ``on_resume`` the rows of its checkpoint: those the stopped run computed
+    up to it (row 3, past the last checkpoint, is not restored), then trains on. One learner
+    (one compile) serves both runs: the run stops at update 3 instead of being extended."""
+    import jax
+
+    from rollout.ppo import Learner, PPOConfig, train
+
+    cfg = PPOConfig.for_env("cartpole", members=2, total_steps=4 * 32, num_envs=2, num_steps=16,
+                            updates_per_call=1)  # fmt: skip
+    learner = Learner(cfg, devices=jax.devices()[:2])
+    seen: list = []
+
+    def stop_at_3(row):
+        seen.append(row)
+        if row["update"] == 3:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        train(cfg, tmp_path / "run", progress=False, checkpoint_every=1, learner=learner,
+              on_update=stop_at_3)  # fmt: skip
+    rows = seen[:2]  # checkpoints after updates 1 and 2
     got: list = []
-    _, more = train(longer, tmp_path / "run", resume=True, progress=False, on_resume=got.append)
+    _, more = train(cfg, tmp_path / "run", resume=True, progress=False, learner=learner,
+                    on_resume=got.append)  # fmt: skip
     assert got == [rows] and more[: len(rows)] == rows and len(more) > len(rows)
+    assert [r["update"] for r in more] == [1, 2, 3, 4]
+    learner.close()
 
 
 def test_log_flag_names_and_errors():

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import chex
@@ -393,30 +394,33 @@ def test_cli_pbt_on_two_processes_learns_exactly_like_one(tmp_path):
     """4 members, PBT every 2 updates, on 1 process x 4 devices and on 2 processes x 2 devices
     (the copy moves members between processes): the same metrics, bit for bit; each PBT step
     replaced exactly the numpy reference's bottom members with top ones and perturbed their
-    hyperparameters by one of the factors; the lineage plot is written."""
-    args = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "4",
-            "--total-steps", "1536", "--num-steps", "64", "--no-progress", "--pbt",
-            "--pbt-interval", "2", "--pbt-fraction", "0.5", "--pbt-factors", "0.5,2"]  # fmt: skip
+    hyperparameters by one of the factors; the lineage plot is written. (The reference runs
+    in this process, as the two processes run: it needs no interpreter of its own.)"""
+    from rollout.ppo import main
+
+    args = ["--env", "cartpole", "--members", "4", "--total-steps", "1536", "--num-steps", "64",
+            "--no-progress", "--pbt", "--pbt-interval", "2", "--pbt-fraction", "0.5",
+            "--pbt-factors", "0.5,2"]  # fmt: skip
     one, two = tmp_path / "one", tmp_path / "two"
     launch = [sys.executable, "-m", "ensemble.launch", "-n", "2", "--timeout", "270", "--"]
-    ref = subprocess.Popen(
-        [*args, "--devices", "4", "--out", str(one)],
-        env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        proc = subprocess.run(
-            [*launch, *args, "--devices", "2", "--out", str(two)],
-            env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=290,
+    deadline = time.monotonic() + 290
+    logs = tmp_path / "launch.out", tmp_path / "launch.err"  # files: no pipe to drain
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        proc = subprocess.Popen(
+            [*launch, sys.executable, "-m", "rollout.ppo", *args, "--devices", "2", "--out",
+             str(two)], env=clean_env(), cwd=ROOT, stdout=stdout, stderr=stderr,
         )  # fmt: skip
-        _, ref_err = ref.communicate(timeout=200)
+    try:
+        assert main([*args, "--devices", "4", "--out", str(one)]) == 0
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ref.returncode == 0, ref_err[-3000:]
-    assert "[rank 0] final returns per member" in proc.stdout
-    assert "[rank 1] final returns" not in proc.stdout  # printing on process 0 only
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = (log.read_text() for log in logs)
+    assert proc.returncode == 0, err[-3000:]
+    assert "[rank 0] final returns per member" in out
+    assert "[rank 1] final returns" not in out  # printing on process 0 only
     rows = _rows(one)
     assert _rows(two) == rows
     assert (one / "pbt_lineage.png").stat().st_size > 0

@@ -397,22 +397,6 @@ def test_the_plots_key_every_member_inside_the_figure(tmp_path, monkeypatch, n):
         ]
 
 
-def test_cli_writes_metrics_with_the_contract_keys(tmp_path):
-    out = tmp_path / "run"
-    env = clean_env()
-    cmd = [sys.executable, "-m", "rollout.ppo", "--env", "cartpole", "--members", "2"]
-    cmd += ["--total-steps", "1024", "--num-steps", "64", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 4
-    assert [r["env_steps"] for r in rows] == [256, 512, 768, 1024]
-    for r in rows:
-        assert len(r["returns"]) == 2
-    assert (out / "learning_curve.png").stat().st_size > 0
-    assert any(p.name.startswith("ckpt_") for p in out.iterdir())
-
-
 def test_a_state_that_cannot_fit_in_memory_is_refused_before_anything_is_made(
     tmp_path, monkeypatch, capsys
 ):
@@ -477,23 +461,34 @@ def test_an_update_whose_activations_cannot_fit_is_refused_before_the_state_is_m
 
 
 @pytest.mark.parametrize("env", ["cartpole", "gymnax:CartPole-v1"])
-def test_the_cli_compiles_its_update_program_once(env, tmp_path, caplog):
+def test_the_cli_writes_the_contract_metrics_and_compiles_its_update_program_once(
+    env, tmp_path, caplog
+):
     """The memory check compiles the first call's program before the state exists; from
     unplaced shapes (or without a gymnax state's weak types), the call then compiled it again
-    (2.3 s more for CartPole), as did a resumed run whose first call was smaller."""
+    (2.3 s more for CartPole), as did a resumed run whose first call was smaller. The same
+    runs write the metrics' contract: a row per update with every member's return, the
+    learning curve and a checkpoint (one run checks both: each CLI run compiles a learner)."""
     import logging
 
     from rollout.ppo import main
 
     if env.startswith("gymnax:"):
         pytest.importorskip("gymnax")
-    argv = ["--env", env, "--members", "2", "--out", str(tmp_path / "run"), "--no-progress"]
+    out = tmp_path / "run"
+    argv = ["--env", env, "--members", "2", "--out", str(out), "--no-progress"]
     for steps, more in ((2048, []), (3072, ["--resume"])):  # the resumed run: 2 updates of 4
         caplog.clear()
         with jax.log_compiles(True), caplog.at_level(logging.WARNING):
             assert main([*argv, "--total-steps", str(steps), *more]) == 0
         compiled = [r.getMessage() for r in caplog.records]
         assert len([c for c in compiled if "compilation of jit(updates)" in c]) == 1, compiled
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        # 4 envs x 128 steps (the CLI's defaults) per update: a row each, none twice on resume.
+        assert [r["env_steps"] for r in rows] == list(range(512, steps + 1, 512)), rows
+        assert all(len(r["returns"]) == 2 for r in rows), "a return per member in every row"
+        assert (out / "learning_curve.png").stat().st_size > 0, "no learning curve"
+        assert any(p.name.startswith("ckpt_") for p in out.iterdir()), "no checkpoint"
 
 
 def test_the_accelerator_memory_check_reads_a_device_of_this_process():
@@ -742,12 +737,14 @@ def test_jax_enable_x64_keeps_the_state_float32_and_runs_resume_either_way(env_o
                             env_on=env_on)  # fmt: skip
     dtypes = lambda tree: [(jax.tree_util.keystr(p), x.dtype) for p, x in
                            jax.tree_util.tree_leaves_with_path(tree)]  # fmt: skip
+    # Shapes only, nothing compiled: init() makes these same dtypes without x64 (checked by
+    # test_every_member_shaped_array_is_sharded_from_init_to_metrics).
     with Learner(cfg, devices=jax.devices()[:2]) as learner:
-        plain = dtypes(learner.init())
+        plain = dtypes(learner.state_shapes())
     with jax.enable_x64(True):
         with Learner(cfg, devices=jax.devices()[:2]) as learner:
             assert dtypes(learner.init()) == plain
-        train(cfg, tmp_path / "run", progress=False, devices=jax.devices()[:2])
+            train(cfg, tmp_path / "run", progress=False, learner=learner)  # its init compiled
     longer = dataclasses.replace(cfg, total_steps=512)
     warned = []
     state, rows = train(longer, tmp_path / "run", resume=True, progress=False,
