@@ -437,8 +437,8 @@ def test_an_update_whose_activations_cannot_fit_is_refused_before_the_state_is_m
 
     cfg = PPOConfig.for_env("cartpole", members=2, hidden=(2048,))
     learner = Learner(cfg, devices=jax.devices()[:2])
-    program = learner._compile_updates(cfg.updates_per_call)
-    peak = ensemble.compiled_memory(program, learner.state_shapes()).peak  # per device
+    lowered = learner.lower(learner.state_shapes(), cfg.updates_per_call)
+    peak = ensemble.compiled_memory(lowered).peak  # per device
     monkeypatch.setattr(rollout._devices, "available_memory", lambda: 2 * peak - 1)
     Learner(cfg, devices=jax.devices()[:2])  # the state alone fits
     out = tmp_path / "run"
@@ -636,7 +636,7 @@ def test_a_debug_print_in_an_env_is_explained_with_how_to_run_the_env_alone():
     # The memory check compiles the update first: its errors are the call's own, not
     # compiled_memory's advice to pass other arguments.
     learner = Learner(_tiny("cartpole", 2), devices=jax.devices()[:2])
-    learner._compile_updates = lambda k: jax.jit(lambda state: jnp.zeros(3) + jnp.zeros(4))
+    learner._compile_updates = lambda k: jax.jit(lambda state, length: jnp.zeros(3) + jnp.zeros(4))
     with pytest.raises(TypeError, match=r"^add got incompatible shapes"):
         learner.update(learner.init(), 1)
 
