@@ -26,8 +26,8 @@ _MODULES = ("jax", "jax.numpy", "flax.linen", "flax.nnx", "optax", "numpy", "ens
 
 
 def _run_as_main(script: str, args: list[str], out: int, err: int) -> None:
-    """In the fork: what ``python script *args`` does, then exit."""
-    import atexit
+    """In the fork: what ``python script *args`` does, then the interpreter's own exit (its
+    exit handlers, flushed output) with that code."""
     import runpy
     import traceback
 
@@ -46,10 +46,7 @@ def _run_as_main(script: str, args: list[str], out: int, err: int) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code & 0xFF)
+    raise SystemExit(code)  # up through the server's loop: this fork ends as a script ends
 
 
 def _serve() -> None:
