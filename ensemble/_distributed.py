@@ -570,7 +570,8 @@ def _check_replaceable(path: str, force: bool) -> None:
         raise FileExistsError(
             f"save_checkpoint: {path} is {what}, not a checkpoint: give another directory."
         )
-    held, extra = sorted(os.listdir(path)), _not_a_checkpoints(path)
+    held = sorted(os.listdir(path))
+    extra = _not_a_checkpoints(held)
     checkpoint = any(f in held for f in (_METADATA_FILE, "_METADATA"))
     if checkpoint and not force:
         raise FileExistsError(
@@ -583,7 +584,7 @@ def _check_replaceable(path: str, force: bool) -> None:
             f"{', ...' if len(extra) > 3 else ''}, which replacing it would delete: move "
             f"{'those' if len(extra) > 1 else 'that'} out first, or give another directory."
         )
-    if not (checkpoint or not held):
+    if held and not checkpoint:
         what = f"holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
         raise FileExistsError(
             f"save_checkpoint: {path} exists and is not a checkpoint ({what}): give a "
@@ -597,20 +598,20 @@ def _check_replaceable(path: str, force: bool) -> None:
     for p in (path + ".replacing", path + ".replaced"):  # the replacing passes through them
         # (orbax's force cannot remove a link at .replacing; .replaced's is removed alone)
         link = os.path.islink(p) and p.endswith(".replacing")
-        if os.path.lexists(p) and (link or not os.path.isdir(p) or _not_a_checkpoints(p)):
+        if os.path.lexists(p) and (
+            link or not os.path.isdir(p) or _not_a_checkpoints(os.listdir(p))
+        ):
             raise FileExistsError(
                 f"save_checkpoint: {p} is in the way of replacing {path} and is not a "
                 "checkpoint folder of its own: move it away."
             )
 
 
-def _not_a_checkpoints(path: str) -> list[str]:
-    """The entries of folder ``path`` that no checkpoint holds (the user's)."""
-    return [
-        e
-        for e in sorted(os.listdir(path))
-        if e not in _CHECKPOINT_ENTRIES and not e.startswith("ocdbt.process_")
-    ]
+def _not_a_checkpoints(entries: list[str]) -> list[str]:
+    """Those of a folder's ``entries`` that no checkpoint holds (the user's), sorted."""
+    return sorted(
+        e for e in entries if e not in _CHECKPOINT_ENTRIES and not e.startswith("ocdbt.process_")
+    )
 
 
 def _check_savable(tree: Any) -> None:
