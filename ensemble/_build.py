@@ -88,22 +88,23 @@ def build(
             f"build got the linen Module class {model.__name__}; instantiate it: "
             f"ensemble.build({model.__name__}(...), n)."
         )
+    linen = isinstance(model, nn.Module)
     _check_same_on_every_process(
-        mesh, devices, kind="linen" if isinstance(model, nn.Module) else "nnx", n=n,
+        mesh, devices, kind="linen" if linen else "nnx", n=n,
         model_parallel=model_parallel, in_axes=in_axes, axis_name=axis_name,
     )  # fmt: skip
-    if isinstance(model, nn.Module):
-        return LinenEnsemble(
-            model,
-            n,
-            mesh=mesh,
-            devices=devices,
-            model_parallel=model_parallel,
-            rules=rules,
-            in_axes=in_axes,
-            axis_name=axis_name,
-            **kwargs,
-        )
+    layout = dict(mesh=mesh, devices=devices, model_parallel=model_parallel, rules=rules,
+                  in_axes=in_axes, axis_name=axis_name)  # fmt: skip
+    if linen:
+        return LinenEnsemble(model, n, **layout, **kwargs)
+    _refuse_what_is_no_nnx_factory(model)
+    from ensemble._nnx import build_nnx
+
+    return build_nnx(model, n, **layout, **kwargs)
+
+
+def _refuse_what_is_no_nnx_factory(model: Any) -> None:
+    """One line for what ``build`` cannot take as an NNX factory (a linen model was taken)."""
     if isinstance(model, nnx.Module):
         raise TypeError(
             f"build got an nnx.Module instance ({type(model).__name__}); members need fresh "
@@ -114,24 +115,11 @@ def build(
             f"build got the class {model.__name__}, which is neither a linen nn.Module nor an "
             "nnx.Module; pass a linen module instance or an NNX factory rngs -> nnx.Module."
         )
-    if callable(model):
-        from ensemble._nnx import build_nnx
-
-        return build_nnx(
-            model,
-            n,
-            mesh=mesh,
-            devices=devices,
-            model_parallel=model_parallel,
-            rules=rules,
-            in_axes=in_axes,
-            axis_name=axis_name,
-            **kwargs,
+    if not callable(model):
+        raise TypeError(
+            f"build needs a linen nn.Module instance or an NNX factory rngs -> nnx.Module, got "
+            f"{type(model).__name__}."
         )
-    raise TypeError(
-        f"build needs a linen nn.Module instance or an NNX factory rngs -> nnx.Module, got "
-        f"{type(model).__name__}."
-    )
 
 
 def _check_same_on_every_process(

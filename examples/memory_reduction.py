@@ -342,7 +342,9 @@ def _simulate_cpu_devices(count: int) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, pathlib.Path, list[int]]:
+    """The checked arguments, the output folder and the device counts D that fit here; a
+    mistake is one line (exit 2) before anything runs."""
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="out/memory_reduction", help="output folder")
     parser.add_argument("--members", type=int, default=8, help="ensemble size (fixed over D)")
@@ -379,7 +381,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = writable_dir(args.out)  # before the runs: not a traceback after them
     except argparse.ArgumentTypeError as e:
         parser.error(f"--out: {e}; give another folder")
+    return args, out, ds
 
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, out, ds = _arguments(argv)
+    available = jax.devices()
     start = time.perf_counter()
     results: dict[str, dict[int, dict[str, Any]]] = {"naive": {}, "advice": {}, "ensemble": {}}
     for d in ds:

@@ -483,30 +483,12 @@ def test_a_missing_or_damaged_metadata_file_is_said_not_read_as_none_given(tmp_p
         distributed.checkpoint_metadata(tmp_path / "typo")
 
 
-def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
-    """Orbax keeps no checksum of the data: a data file with a few bytes flipped was read back
-    as other numbers (4 to 54 of 16,000 values, no error)."""
+def _damaged_copies_refused(tmp_path, path, tree, w):
+    """Restores copies of the checkpoint at ``path``, each with one data file's middle bytes
+    flipped, whole and in part: what is read must be the saved tree. Returns how many restores
+    were refused as damaged."""
     import shutil
 
-    import flax.struct
-    from flax import nnx
-
-    n = jax.device_count()
-    mesh = make_mesh(n)
-    w = distributed.member_batch_from_local(
-        np.arange(2000.0 * n, dtype=np.float32).reshape(n, 2000), mesh, n
-    )
-    tree = {"w": w, "flag": jnp.array([True, False]), "half": jnp.arange(5, dtype=jnp.bfloat16)}
-    tree["key"], tree["z"] = jax.random.split(jax.random.key(0), 3), jnp.ones(2, jnp.complex64)
-    tree["a"], tree["a/b"] = {"b": w + 1}, jnp.ones(3)  # names that "/".join made one
-    explicit = jax.make_mesh((n,), ("m",), axis_types=(jax.sharding.AxisType.Explicit,))
-    tree["e"] = jax.device_put(jnp.ones((n, 3)), jax.NamedSharding(explicit, jax.P("m")))
-    path = distributed.save_checkpoint(tmp_path / "c", tree, metadata={"step": 5})
-    assert distributed.checkpoint_metadata(path) == {"step": 5}  # the checksums kept apart
-    small = make_mesh(n // 2, devices=jax.devices()[: n // 2])
-    half = jax.ShapeDtypeStruct((n, 2000), np.float32, sharding=member_sharding(small, 2))
-    resharded = distributed.restore_checkpoint(path, {**tree, "w": half})  # no false alarm
-    np.testing.assert_array_equal(resharded["w"], w)
     data = sorted(Path(path).glob("ocdbt.process_*/d/*"), key=lambda f: -f.stat().st_size)
     refused = 0
     for i in range(len(data)):
@@ -528,7 +510,32 @@ def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
                 continue
             np.testing.assert_array_equal(back["w"], w)  # what was read is the saved tree
             np.testing.assert_array_equal(back["a"]["b"], w + 1)
-    assert refused >= 2  # the largest data file holds w's values
+    return refused
+
+
+def test_a_damaged_data_file_is_an_error_not_other_numbers(tmp_path):
+    """Orbax keeps no checksum of the data: a data file with a few bytes flipped was read back
+    as other numbers (4 to 54 of 16,000 values, no error)."""
+    import flax.struct
+    from flax import nnx
+
+    n = jax.device_count()
+    mesh = make_mesh(n)
+    w = distributed.member_batch_from_local(
+        np.arange(2000.0 * n, dtype=np.float32).reshape(n, 2000), mesh, n
+    )
+    tree = {"w": w, "flag": jnp.array([True, False]), "half": jnp.arange(5, dtype=jnp.bfloat16)}
+    tree["key"], tree["z"] = jax.random.split(jax.random.key(0), 3), jnp.ones(2, jnp.complex64)
+    tree["a"], tree["a/b"] = {"b": w + 1}, jnp.ones(3)  # names that "/".join made one
+    explicit = jax.make_mesh((n,), ("m",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tree["e"] = jax.device_put(jnp.ones((n, 3)), jax.NamedSharding(explicit, jax.P("m")))
+    path = distributed.save_checkpoint(tmp_path / "c", tree, metadata={"step": 5})
+    assert distributed.checkpoint_metadata(path) == {"step": 5}  # the checksums kept apart
+    small = make_mesh(n // 2, devices=jax.devices()[: n // 2])
+    half = jax.ShapeDtypeStruct((n, 2000), np.float32, sharding=member_sharding(small, 2))
+    resharded = distributed.restore_checkpoint(path, {**tree, "w": half})  # no false alarm
+    np.testing.assert_array_equal(resharded["w"], w)
+    assert _damaged_copies_refused(tmp_path, path, tree, w) >= 2  # the largest holds w
     with pytest.raises(ValueError, match="the one the checkpoint keeps its checksums under"):
         distributed.save_checkpoint(tmp_path / "d", tree, metadata={"_ensemble_checksums": 1})
     with pytest.raises(ValueError, match=r"tree\['x'\] has shape \(0, 3\), no values, and "):

@@ -374,6 +374,12 @@ def test_train_step_errors():
     )
     with pytest.raises(ValueError, match="scalar loss per member"):
         vector(params, opt_state, x)
+    _per_member_hyperparams_errors(ens, params)
+
+
+def _per_member_hyperparams_errors(ens, params):
+    """train_step's ``hyperparams=`` given for what the optimizer cannot take per member."""
+    n = ens.n
     with pytest.raises(ValueError, match="learning_rate"):
         ensemble.train_step(
             mse,
