@@ -58,6 +58,7 @@ from ensemble._core import (
     stream_keys,
     typed,
 )
+from ensemble._grouped_convs import refuse_split_grouped_convs
 from ensemble._linen import warn_if_model_axis_unused, warn_unmapped
 from ensemble._mesh import (
     MEMBER_AXIS,
@@ -1033,11 +1034,19 @@ class NNXTrainStep:
         flags = stacked_flags(stacked, len(batches))
         return self._run(ens, optimizer, batches, one_step_of(batches, flags), flags)
 
-    def _program(self, ens: NNXEnsemble, ens_def: Any, states: tuple[Any, Any], scan: bool) -> Any:
+    def _program(
+        self,
+        ens: NNXEnsemble,
+        ens_def: Any,
+        states: tuple[Any, Any],
+        scan: bool,
+        check: Callable[[], None],
+    ) -> Any:
         """The jitted step (or K steps), its outputs pinned where the state is: unpinned, the
         compiler chose its own placement (a bias split over 'model' like the kernel before it,
         say), so the arrays moved, and every call met new input shardings and compiled again.
-        Inside the caller's own jit the state is traced, and that jit's shardings apply."""
+        Inside the caller's own jit the state is traced, and that jit's shardings apply.
+        ``check`` runs before a program is made."""
         leaves, treedef = jax.tree.flatten(states)
         pinned = None
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -1054,6 +1063,7 @@ class NNXTrainStep:
         key = (scan, treedef, None if pinned is None else tuple(pinned), outside)
 
         def make() -> Any:
+            check()
             out = None if pinned is None else (None, *jax.tree.unflatten(treedef, pinned))
             step = self._steps if scan else self._step
             # A function of its own per program: JAX keeps traces by function, and a new value
@@ -1097,7 +1107,8 @@ class NNXTrainStep:
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         defs = _Static(ens_def), _Static(opt_def)
-        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None)
+        check = self._grouped_conv_check(ens, one, axes)
+        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None, check)
         if stacked is not None:
             program = functools.partial(program, stacked=stacked)
         with own_mesh(ens.mesh), explained_errors(), traced_batch(batch):
@@ -1120,12 +1131,26 @@ class NNXTrainStep:
         ens_def, ens_state = nnx.split(ens)
         opt_def, opt_state = nnx.split(optimizer)
         defs = _Static(ens_def), _Static(opt_def)
-        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None)
+        axes = self._batch_axes(len(batch), ens.in_axes)
+        one = batch if stacked is None else one_step_of(batch, stacked_flags(stacked, len(batch)))
+        check = self._grouped_conv_check(ens, one, axes)
+        program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None, check)
         with own_mesh(ens.mesh):
             if stacked is None:
                 return program.lower(*defs, ens_state, opt_state, batch)
             flags = stacked_flags(stacked, len(batch))
             return program.lower(*defs, ens_state, opt_state, batch, stacked=flags)
+
+    def _grouped_conv_check(self, ens: NNXEnsemble, one: tuple, axes: tuple) -> Callable[[], None]:
+        """Refuses, before a program is made, a grouped conv split so that XLA aborts (made
+        per call, run only before a compile)."""
+
+        def check() -> None:
+            member_def, members = nnx.split(ens.members)
+            loss = lambda state, *batch: self.loss_fn(nnx.merge(member_def, state), *batch)
+            refuse_split_grouped_convs(loss, members, "ens.members", one, axes, ens.mesh)
+
+        return check
 
     def _batch_axes(self, count: int, ens_in_axes: Any) -> tuple[int | None, ...]:
         pmb = self.per_member_batch

@@ -49,6 +49,7 @@ from ensemble._core import (
     explained_errors,
     split_loss,
 )
+from ensemble._grouped_convs import refuse_split_grouped_convs
 from ensemble._mesh import (
     MODEL_AXIS,
     as_if_outside_meshes,
@@ -327,7 +328,11 @@ class TrainStep:
         check_not_donated(batch, donated, "params / opt_state", self._donate)
         p_sh, s_sh, state_key = self._state_shardings(params, opt_state)
         key = (state_key, axes, stacked, carry, self._reads(self._loss_fn))
-        make = lambda: self._compile(axes, p_sh, s_sh, stacked, carry)
+
+        def make() -> Callable[..., Any]:
+            refuse_split_grouped_convs(self._loss_fn, params, "params", one, axes, self.mesh)
+            return self._compile(axes, p_sh, s_sh, stacked, carry)
+
         return self._cache.get_or_make(key, make)
 
     def _state_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any, Hashable]:

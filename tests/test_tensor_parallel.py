@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import ensemble
@@ -126,3 +127,58 @@ def _masked(x):
     import optax
 
     return isinstance(x, optax.MaskedNode)
+
+
+class _GroupedConv(nn.Module):
+    """A grouped conv (2 groups of 4 outputs) whose kernel axis ``split`` is named 'conv'."""
+
+    split: int
+
+    @nn.compact
+    def __call__(self, x):
+        names = tuple("conv" if i == self.split else None for i in range(4))
+        conv = nn.Conv(8, (3, 3), feature_group_count=2, use_bias=False, kernel_init=_init(names))
+        return jnp.mean(conv(x) ** 2)
+
+
+def _nnx_grouped_conv(split):
+    from flax import nnx
+
+    names = tuple("conv" if i == split else None for i in range(4))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+    return lambda rngs: nnx.Conv(
+        8, 8, (3, 3), feature_group_count=2, use_bias=False, kernel_init=init, rngs=rngs
+    )
+
+
+def test_a_grouped_conv_split_across_its_groups_is_refused_before_xla_aborts():
+    """Kernel features split over 4 'model' devices with 2 groups put a group on 2 devices:
+    compiling the gradient aborted the process in XLA's partitioner (exit 134, a CHECK in its
+    convolution handler). Refused in one line, for linen and NNX, the step and its lower();
+    over 2 devices (a group per device), or unsplit, it compiles and trains."""
+    import optax
+
+    x = jnp.ones((2, 6, 6, 8))
+    rules = [("conv", "model")]
+    for split, what in ((3, "output"), (2, "input")):
+        said = rf"grouped convolution \(feature_group_count=2\) whose {what} features are split"
+        ens = ensemble.build(_GroupedConv(split), 2, model_parallel=4, rules=rules)
+        params = ens.init(jax.random.key(0), x)["params"]
+        loss = lambda p, x, s=split: _GroupedConv(s).apply({"params": p}, x)
+        for fn in (loss, jax.jit(loss)):  # followed into the user's own jit too
+            step = ens.train_step(fn, optax.sgd(0.1))
+            with pytest.raises(
+                ValueError, match=r"params\['Conv_0'\]\['kernel'\] is the kernel of a " + said
+            ):
+                step.lower(params, step.init(params), x)
+        nnx_ens = ensemble.build(_nnx_grouped_conv(split), 2, model_parallel=4, rules=rules)
+        nnx_step = nnx_ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+        with pytest.raises(ValueError, match=said + r".*Give a model_parallel that divides 2"):
+            nnx_step(nnx_ens, nnx_step.init(), x)
+    for model_parallel, split in ((2, 3), (4, None)):  # a group per device; not split
+        ens = ensemble.build(_GroupedConv(split), 2, model_parallel=model_parallel, rules=rules)
+        params = ens.init(jax.random.key(0), x)["params"]
+        step = ens.train_step(lambda p, x, s=split: _GroupedConv(s).apply({"params": p}, x),
+                              optax.sgd(0.1))  # fmt: skip
+        _, _, losses = step(params, step.init(params), x)
+        assert np.isfinite(np.asarray(losses)).all()

@@ -1,0 +1,119 @@
+"""Grouped convolutions split so that XLA's SPMD partitioner aborts: found and refused first.
+
+A grouped convolution (``feature_group_count`` G > 1) whose kernel's input or output features
+are split over P of a member's ``'model'`` devices, where P does not divide G, puts one group
+on several devices. Init and the forward pass compile and are right, but compiling the gradient
+aborts the whole process in XLA (jax 0.10.2: ``convolution_handler.cc: Check failed:
+new_input_batch_size % new_output_batch_size == 0``, exit 134), for the plain model under
+``jax.jit`` as well. A train step therefore looks for such kernels in the member's loss before
+it compiles, and refuses them in one line. Seen on 8 CPU devices, kernel [3, 3, 8 / G, 8]:
+output features split, G, P = 2, 4 aborts; 2, 2 / 4, 2 / 4, 4 / 8, 4 compile; input features
+split, 2, 4 aborts; 2, 2 and 4, 2 compile (other splits of them are uneven, refused elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core
+from jax.sharding import Mesh, NamedSharding
+
+from ensemble._mesh import MODEL_AXIS
+
+# Ops that hand the kernel on unchanged but for its dtype or placement.
+_PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "sharding_constraint", "reshard"}
+# Ops whose inner program takes exactly the op's inputs, in order (a scan's constants only: its
+# other inputs are carries and slices, not the parameter as it is).
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "remat2": "jaxpr",
+          "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "scan": "jaxpr"}  # fmt: skip
+
+
+def refuse_split_grouped_convs(
+    member_loss: Callable[..., Any],
+    state: Any,
+    name: str,
+    batch: Sequence[Any],
+    axes: Sequence[int | None],
+    mesh: Mesh,
+) -> None:
+    """Raises ``ValueError`` for a grouped conv in ``member_loss(state, *batch)`` of one member
+    whose kernel is split as above. ``state`` (called ``name``) is member-major; ``axes[i]``:
+    0 for a member-major batch argument, None for a shared one. A loss that cannot be traced
+    here is left to the step, which says what is wrong with it."""
+    if mesh.shape.get(MODEL_AXIS, 1) == 1:  # the one within-member axis parameters split over
+        return
+    args = [(state, name, True)]
+    args += [(b, f"batch argument {i}", a == 0) for i, (b, a) in enumerate(zip(batch, axes))]
+    views = [_one_member(tree, what, member_major) for tree, what, member_major in args]
+    specs = [s for _, ss, _ in views for s in ss]
+    names = [n for _, _, ns in views for n in ns]
+    try:
+        jaxpr = jax.make_jaxpr(member_loss)(*(v for v, _, _ in views)).jaxpr
+    except Exception:  # the step's own call raises it, with its own message
+        return
+    if len(jaxpr.invars) != len(specs):
+        return
+    origin = {v: i for i, v in enumerate(jaxpr.invars)}
+    for leaf, dims, groups in _grouped_kernels(jaxpr, origin):
+        spec = tuple(specs[leaf] or ())
+        for dim, what in zip(dims, ("output", "input")):
+            axes = spec[dim] if dim < len(spec) else None
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            parts = math.prod(mesh.shape[a] for a in axes)
+            if parts > 1 and groups % parts:
+                raise ValueError(
+                    f"{names[leaf]} is the kernel of a grouped convolution (feature_group_count="
+                    f"{groups}) whose {what} features are split over {parts} devices of a member "
+                    f"({', '.join(map(repr, axes))}), so one group spans several devices: XLA's "
+                    "partitioner aborts the process compiling its gradient. Give a model_parallel "
+                    f"that divides {groups}, or leave that kernel axis unsplit (None in its "
+                    "partitioning or rules=)."
+                )
+
+
+def _one_member(tree: Any, name: str, member_major: bool) -> tuple[Any, list, list[str]]:
+    """One member's abstract ``tree``, each leaf's partition spec within a member (``None``:
+    unknown, or a shared input) and name."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    avals, specs, names = [], [], []
+    for path, x in leaves:
+        if hasattr(x, "dtype") and hasattr(x, "shape"):
+            avals.append(jax.ShapeDtypeStruct(x.shape[1:] if member_major else x.shape, x.dtype))
+        else:
+            avals.append(x)
+        try:  # a tracer has none
+            sharding = x.sharding if member_major else None
+        except Exception:
+            sharding = None
+        specs.append(tuple(sharding.spec)[1:] if isinstance(sharding, NamedSharding) else None)
+        names.append(name + jax.tree_util.keystr(path))
+    return treedef.unflatten(avals), specs, names
+
+
+def _grouped_kernels(jaxpr: core.Jaxpr, origin: dict) -> list[tuple[int, tuple[int, int], int]]:
+    """(input leaf, (output dim, input dim), groups) of each grouped conv whose kernel is an
+    input of ``jaxpr`` passed on unchanged (``origin``: variable -> input leaf)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [origin.get(v) if isinstance(v, core.Var) else None for v in eqn.invars]
+        if name in _PASS_THROUGH and ins and ins[0] is not None:
+            origin[eqn.outvars[0]] = ins[0]
+        elif name in _CALLS and _CALLS[name] in eqn.params:
+            inner = eqn.params[_CALLS[name]]
+            inner = getattr(inner, "jaxpr", inner)
+            if len(inner.invars) == len(ins):
+                if name == "scan":
+                    ins = ins[: eqn.params["num_consts"]]
+                inner_origin = {v: i for v, i in zip(inner.invars, ins) if i is not None}
+                found += _grouped_kernels(inner, inner_origin)
+        elif name == "conv_general_dilated" and eqn.params["feature_group_count"] > 1:
+            kernel = ins[1]
+            if kernel is not None:
+                rhs = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *window)
+                found.append((kernel, (rhs[0], rhs[1]), eqn.params["feature_group_count"]))
+    return found
