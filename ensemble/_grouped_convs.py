@@ -4,8 +4,9 @@ A grouped convolution (``feature_group_count`` G > 1) whose kernel's input or ou
 are split over P of a member's ``'model'`` devices, where P does not divide G, puts one group
 on several devices. Init and the forward pass compile and are right, but compiling the gradient
 aborts the whole process in XLA (jax 0.10.2: ``convolution_handler.cc: Check failed:
-new_input_batch_size % new_output_batch_size == 0``, exit 134), for the plain model under
-``jax.jit`` as well. A train step therefore looks for such kernels in the member's loss before
+new_input_batch_size % new_output_batch_size == 0``, exit 134) wherever the member runs under
+``jax.shard_map`` with the member axis manual (plain Flax under ``jax.jit`` compiles the same
+split). A train step therefore looks for such kernels in the member's loss before
 it compiles, and refuses them in one line. Seen on 8 CPU devices, kernel [3, 3, 8 / G, 8]:
 output features split, G, P = 2, 4 aborts; 2, 2 / 4, 2 / 4, 4 / 8, 4 compile; input features
 split, 2, 4 aborts; 2, 2 and 4, 2 compile (other splits of them are uneven, refused elsewhere).
