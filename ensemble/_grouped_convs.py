@@ -22,7 +22,7 @@ import jax
 from jax.extend import core
 from jax.sharding import Mesh, NamedSharding
 
-from ensemble._mesh import MODEL_AXIS
+from ensemble._mesh import DATA_AXIS, MODEL_AXIS
 
 # Ops that hand the kernel on unchanged but for its dtype or placement.
 _PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "sharding_constraint", "reshard"}
@@ -56,6 +56,7 @@ def refuse_split_grouped_convs(
         jaxpr = jax.make_jaxpr(member_loss)(*(v for v, _, _ in views)).jaxpr
     except Exception:  # the step's own call raises it, with its own message
         return
+    _refuse_grouped_convs_over_data_and_model(jaxpr, mesh)
     if len(jaxpr.invars) != len(specs):
         return
     origin = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -74,6 +75,33 @@ def refuse_split_grouped_convs(
                     f"that divides {groups}, or leave that kernel axis unsplit (None in its "
                     "partitioning or rules=)."
                 )
+
+
+def _refuse_grouped_convs_over_data_and_model(jaxpr: core.Jaxpr, mesh: Mesh) -> None:
+    """A member over both 'data' and 'model' devices gets a grouped conv's kernel gradient
+    'model' times too large from XLA, silently (plain ``jax.jit`` of such a conv on such a mesh
+    too, kernel split or not; jax 0.10.2): refused."""
+    data, model = mesh.shape.get(DATA_AXIS, 1), mesh.shape[MODEL_AXIS]
+    groups = _group_counts(jaxpr) if data > 1 else []
+    if groups:
+        raise ValueError(
+            f"the loss has a grouped convolution (feature_group_count={max(groups)}) and each "
+            f"member spans {data} 'data' x {model} 'model' devices, where XLA computes a grouped "
+            f"convolution's kernel gradient {model} times too large, silently. Put each member's "
+            f"devices on one axis: model_parallel=1, or model_parallel={data * model} (or as "
+            "many members as devices / model_parallel)."
+        )
+
+
+def _group_counts(jaxpr: core.Jaxpr) -> list[int]:
+    """The ``feature_group_count`` (> 1) of every convolution in ``jaxpr`` and those inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "conv_general_dilated" and eqn.params["feature_group_count"] > 1:
+            found.append(eqn.params["feature_group_count"])
+        for inner in core.jaxprs_in_params(eqn.params):
+            found += _group_counts(inner)
+    return found
 
 
 def _one_member(tree: Any, name: str, member_major: bool) -> tuple[Any, list, list[str]]:

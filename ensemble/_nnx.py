@@ -1107,7 +1107,7 @@ class NNXTrainStep:
         donated = {"ensemble": ens_state, "optimizer": opt_state}
         check_not_donated(batch, donated, "ensemble / optimizer state", self.donate)
         defs = _Static(ens_def), _Static(opt_def)
-        check = self._grouped_conv_check(ens, one, axes)
+        check = self._grouped_conv_check(ens, one, axes, rngs)
         program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None, check)
         if stacked is not None:
             program = functools.partial(program, stacked=stacked)
@@ -1133,7 +1133,8 @@ class NNXTrainStep:
         defs = _Static(ens_def), _Static(opt_def)
         axes = self._batch_axes(len(batch), ens.in_axes)
         one = batch if stacked is None else one_step_of(batch, stacked_flags(stacked, len(batch)))
-        check = self._grouped_conv_check(ens, one, axes)
+        rngs = [isinstance(b, nnx.Rngs) for b in one]
+        check = self._grouped_conv_check(ens, one, axes, rngs)
         program = self._program(ens, ens_def, (ens_state, opt_state), stacked is not None, check)
         with own_mesh(ens.mesh):
             if stacked is None:
@@ -1141,13 +1142,20 @@ class NNXTrainStep:
             flags = stacked_flags(stacked, len(batch))
             return program.lower(*defs, ens_state, opt_state, batch, stacked=flags)
 
-    def _grouped_conv_check(self, ens: NNXEnsemble, one: tuple, axes: tuple) -> Callable[[], None]:
-        """Refuses, before a program is made, a grouped conv split so that XLA aborts (made
-        per call, run only before a compile)."""
+    def _grouped_conv_check(
+        self, ens: NNXEnsemble, one: tuple, axes: tuple, rngs: Sequence[bool]
+    ) -> Callable[[], None]:
+        """Refuses, before a program is made, grouped convs that XLA gets wrong on the
+        ensemble's mesh (made per call, run only before a compile). An ``nnx.Rngs`` argument
+        (``rngs``) is traced as a fresh one, made inside the trace."""
 
         def check() -> None:
             member_def, members = nnx.split(ens.members)
-            loss = lambda state, *batch: self.loss_fn(nnx.merge(member_def, state), *batch)
+
+            def loss(state: Any, *batch: Any) -> Any:
+                batch = tuple(nnx.Rngs(0) if r else b for r, b in zip(rngs, batch))
+                return self.loss_fn(nnx.merge(member_def, state), *batch)
+
             refuse_split_grouped_convs(loss, members, "ens.members", one, axes, ens.mesh)
 
         return check

@@ -175,10 +175,37 @@ def test_a_grouped_conv_split_across_its_groups_is_refused_before_xla_aborts():
         nnx_step = nnx_ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
         with pytest.raises(ValueError, match=said + r".*Give a model_parallel that divides 2"):
             nnx_step(nnx_ens, nnx_step.init(), x)
-    for model_parallel, split in ((2, 3), (4, None)):  # a group per device; not split
-        ens = ensemble.build(_GroupedConv(split), 2, model_parallel=model_parallel, rules=rules)
+    for n, model_parallel, split in ((4, 2, 3), (2, 4, None)):  # a group per device; unsplit
+        ens = ensemble.build(_GroupedConv(split), n, model_parallel=model_parallel, rules=rules)
         params = ens.init(jax.random.key(0), x)["params"]
         step = ens.train_step(lambda p, x, s=split: _GroupedConv(s).apply({"params": p}, x),
                               optax.sgd(0.1))  # fmt: skip
         _, _, losses = step(params, step.init(params), x)
         assert np.isfinite(np.asarray(losses)).all()
+
+
+def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused():
+    """2 members on 8 devices with model_parallel=2 span 2 'data' x 2 'model' devices each:
+    XLA gave a grouped conv's kernel gradient 2 times the plain model's (an SGD step moved the
+    kernel twice as far, no error; jax.jit of the plain conv on such a mesh does the same),
+    whether the kernel is split or not. Refused for linen and NNX; a plain conv trains there."""
+    import optax
+
+    x = jnp.ones((2, 6, 6, 8))
+    said = r"each member spans 2 'data' x 2 'model' devices, where XLA computes a grouped"
+    for split in (3, None):
+        ens = ensemble.build(_GroupedConv(split), 2, model_parallel=2, rules=[("conv", "model")])
+        params = ens.init(jax.random.key(0), x)["params"]
+        loss = lambda p, x, s=split: _GroupedConv(s).apply({"params": p}, x)
+        step = ens.train_step(loss, optax.sgd(0.1))
+        with pytest.raises(ValueError, match=said + r".*model_parallel=1, or model_parallel=4"):
+            step(params, step.init(params), x)
+        nnx_ens = ensemble.build(_nnx_grouped_conv(split), 2, model_parallel=2)
+        nnx_step = nnx_ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+        with pytest.raises(ValueError, match=said):
+            nnx_step(nnx_ens, nnx_step.init(), x)
+    plain = ensemble.build(nn.Conv(8, (3, 3)), 2, model_parallel=2)
+    params = plain.init(jax.random.key(0), x)["params"]
+    step = plain.train_step(lambda p, x: jnp.mean(plain.model.apply({"params": p}, x) ** 2),
+                            optax.sgd(0.1))  # fmt: skip
+    assert np.isfinite(np.asarray(step(params, step.init(params), x)[2])).all()
