@@ -190,6 +190,7 @@ def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused():
     kernel twice as far, no error; jax.jit of the plain conv on such a mesh does the same),
     whether the kernel is split or not. Refused for linen and NNX; a plain conv trains there."""
     import optax
+    from flax import nnx
 
     x = jnp.ones((2, 6, 6, 8))
     said = r"each member spans 2 'data' x 2 'model' devices, where XLA computes a grouped"
@@ -204,6 +205,11 @@ def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused():
         nnx_step = nnx_ens.train_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
         with pytest.raises(ValueError, match=said):
             nnx_step(nnx_ens, nnx_step.init(), x)
+    # A loss taking an nnx.Rngs (noise on the inputs): traced too (it was not checked at all).
+    noisy = lambda m, x, rngs: jnp.mean(m(x + 0.1 * jax.random.normal(rngs.noise(), x.shape)) ** 2)
+    nnx_step = nnx_ens.train_step(noisy, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=said):
+        nnx_step(nnx_ens, nnx_step.init(), x, nnx.Rngs(noise=1))
     plain = ensemble.build(nn.Conv(8, (3, 3)), 2, model_parallel=2)
     params = plain.init(jax.random.key(0), x)["params"]
     step = plain.train_step(lambda p, x: jnp.mean(plain.model.apply({"params": p}, x) ** 2),
