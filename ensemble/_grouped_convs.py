@@ -1,15 +1,24 @@
-"""Grouped convolutions split so that XLA's SPMD partitioner aborts: found and refused first.
+"""Grouped convolutions that XLA gets wrong under tensor parallelism: found and refused first.
 
-A grouped convolution (``feature_group_count`` G > 1) whose kernel's input or output features
-are split over P of a member's ``'model'`` devices, where P does not divide G, puts one group
-on several devices. Init and the forward pass compile and are right, but compiling the gradient
-aborts the whole process in XLA (jax 0.10.2: ``convolution_handler.cc: Check failed:
-new_input_batch_size % new_output_batch_size == 0``, exit 134) wherever the member runs under
-``jax.shard_map`` with the member axis manual (plain Flax under ``jax.jit`` compiles the same
-split). A train step therefore looks for such kernels in the member's loss before
-it compiles, and refuses them in one line. Seen on 8 CPU devices, kernel [3, 3, 8 / G, 8]:
-output features split, G, P = 2, 4 aborts; 2, 2 / 4, 2 / 4, 4 / 8, 4 compile; input features
-split, 2, 4 aborts; 2, 2 and 4, 2 compile (other splits of them are uneven, refused elsewhere).
+A train step traces one member's loss before it compiles (only where members have several
+``'model'`` devices) and refuses, in one line, two cases XLA's SPMD partitioner breaks:
+
+- A member over both ``'data'`` and ``'model'`` devices with any grouped convolution: its
+  kernel gradient comes out ``'model'`` times too large, silently (plain ``jax.jit`` of such a
+  conv on such a mesh too, the kernel split or not; jax 0.10.2): 2x on 2 x 2 and 4 x 2
+  devices, 4x on 2 x 4, right where one of the two axes has size 1.
+- A grouped convolution (``feature_group_count`` G > 1) whose kernel's input or output
+  features are split over P of a member's ``'model'`` devices, where P does not divide G,
+  puts one group on several devices. Init and the forward pass compile and are right, but
+  compiling the gradient aborts the whole process in XLA (``convolution_handler.cc: Check
+  failed: new_input_batch_size % new_output_batch_size == 0``, exit 134) wherever the member
+  runs under ``jax.shard_map`` with the member axis manual (plain Flax under ``jax.jit``
+  compiles the same split). Seen on 8 CPU devices, kernel [3, 3, 8 / G, 8]: output features
+  split, G, P = 2, 4 aborts; 2, 2 / 4, 2 / 4, 4 / 8, 4 compile; input features split, 2, 4
+  aborts; 2, 2 and 4, 2 compile (their other splits are uneven, refused elsewhere).
+
+The kernel is followed back to a parameter through dtype casts, sharding constraints, ``jit``,
+remat and a scan's constants; a kernel made otherwise is not seen.
 """
 
 from __future__ import annotations
@@ -42,20 +51,20 @@ def refuse_split_grouped_convs(
     mesh: Mesh,
 ) -> None:
     """Raises ``ValueError`` for a grouped conv in ``member_loss(state, *batch)`` of one member
-    whose kernel is split as above. ``state`` (called ``name``) is member-major; ``axes[i]``:
-    0 for a member-major batch argument, None for a shared one. A loss that cannot be traced
-    here is left to the step, which says what is wrong with it."""
+    that XLA gets wrong on ``mesh`` (above). ``state`` (called ``name``) is member-major;
+    ``axes[i]``: 0 for a member-major batch argument, None for a shared one. A loss that cannot
+    be traced here is left to the step, which says what is wrong with it."""
     if mesh.shape.get(MODEL_AXIS, 1) == 1:  # the one within-member axis parameters split over
         return
     args = [(state, name, True)]
     args += [(b, f"batch argument {i}", a == 0) for i, (b, a) in enumerate(zip(batch, axes))]
-    views = [_one_member(tree, what, member_major) for tree, what, member_major in args]
-    specs = [s for _, ss, _ in views for s in ss]
-    names = [n for _, _, ns in views for n in ns]
     try:
+        views = [_one_member(tree, what, member_major) for tree, what, member_major in args]
         jaxpr = jax.make_jaxpr(member_loss)(*(v for v, _, _ in views)).jaxpr
     except Exception:  # the step's own call raises it, with its own message
         return
+    specs = [s for _, ss, _ in views for s in ss]
+    names = [n for _, _, ns in views for n in ns]
     _refuse_grouped_convs_over_data_and_model(jaxpr, mesh)
     if len(jaxpr.invars) != len(specs):
         return
