@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ensemble._grouped_convs import warn_of_grouped_convs_over_data_and_model
 from ensemble._mesh import DATA_AXIS, MEMBER_AXIS, LogicalRules, check_rules, own_mesh
 from ensemble._warn import warn_user
 
@@ -677,6 +678,7 @@ class Members:
         for j, (arg, ax) in enumerate(zip(args, axes)):
             if ax == 0:
                 check_member_major(arg, self.n, f"per-member input {j}")
+        warn_of_grouped_convs_over_data_and_model(fn, args, axes, self.mesh)
         program = self._device_program(fn, axes, batched, sequential, squeeze)
         in_specs = tuple(PartitionSpec(MEMBER_AXIS) if ax == 0 else PartitionSpec() for ax in axes)
         run = jax.shard_map(

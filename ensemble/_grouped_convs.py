@@ -6,7 +6,8 @@ A train step traces one member's loss before it compiles (only where members hav
 - A member over both ``'data'`` and ``'model'`` devices with any grouped convolution: its
   kernel gradient comes out ``'model'`` times too large, silently (plain ``jax.jit`` of such a
   conv on such a mesh too, the kernel split or not; jax 0.10.2): 2x on 2 x 2 and 4 x 2
-  devices, 4x on 2 x 4, right where one of the two axes has size 1.
+  devices, 4x on 2 x 4, right where one of the two axes has size 1. An ensemble call whose
+  members run one warns instead (its outputs are right; a gradient through it is not).
 - A grouped convolution (``feature_group_count`` G > 1) whose kernel's input or output
   features are split over P of a member's ``'model'`` devices, where P does not divide G,
   puts one group on several devices. Init and the forward pass compile and are right, but
@@ -32,6 +33,7 @@ from jax.extend import core
 from jax.sharding import Mesh, NamedSharding
 
 from ensemble._mesh import DATA_AXIS, MODEL_AXIS
+from ensemble._warn import warn_user
 
 # Ops that hand the kernel on unchanged but for its dtype or placement.
 _PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "sharding_constraint", "reshard"}
@@ -99,6 +101,30 @@ def _refuse_grouped_convs_over_data_and_model(jaxpr: core.Jaxpr, mesh: Mesh) -> 
             f"convolution's kernel gradient {model} times too large, silently. Put each member's "
             f"devices on one axis: model_parallel=1, or model_parallel={data * model} (or as "
             "many members as devices / model_parallel)."
+        )
+
+
+def warn_of_grouped_convs_over_data_and_model(
+    fn: Callable[..., Any], args: Sequence[Any], axes: Sequence[int | None], mesh: Mesh
+) -> None:
+    """Warns where an ensemble call's members (``fn`` of one member's ``args``: ``axes`` as in
+    ``Members.map``) run a grouped conv over both 'data' and 'model' devices: the outputs are
+    right, gradients taken through the call are not (the train steps refuse it)."""
+    data, model = mesh.shape.get(DATA_AXIS, 1), mesh.shape.get(MODEL_AXIS, 1)
+    if data == 1 or model == 1:
+        return
+    try:
+        avals = [_one_member(a, "", ax == 0)[0] for a, ax in zip(args, axes)]
+        groups = _group_counts(jax.make_jaxpr(fn)(*avals).jaxpr)
+    except Exception:  # the call itself says what is wrong
+        return
+    if groups:
+        warn_user(
+            f"the members run a grouped convolution (feature_group_count={max(groups)}) over "
+            f"{data} 'data' x {model} 'model' devices each: their outputs are right, but XLA "
+            f"computes its kernel's gradient {model} times too large there, so do not "
+            "differentiate through this call (ensemble's train steps refuse it). Put each "
+            f"member's devices on one axis: model_parallel=1, or model_parallel={data * model}."
         )
 
 

@@ -9,6 +9,8 @@ as Flax's lm1b example does). Outputs equal the same ensemble with ``model_paral
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -210,8 +212,21 @@ def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused():
     nnx_step = nnx_ens.train_step(noisy, optax.sgd(0.1))
     with pytest.raises(ValueError, match=said):
         nnx_step(nnx_ens, nnx_step.init(), x, nnx.Rngs(noise=1))
+    # The user's own gradient through a call is as wrong (x2, checked against the plain conv):
+    # the call warns; its outputs are right.
+    grouped = ensemble.build(nn.Conv(8, (3, 3), feature_group_count=2), 2, model_parallel=2)
+    variables = grouped.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"computes its kernel's gradient 2 times too large"):
+        grads = jax.grad(lambda v: jnp.sum(grouped.apply(v, x) ** 2))(variables)
+    member = jax.tree.map(lambda a: np.asarray(a)[0], variables)
+    plain_grads = jax.grad(lambda v: jnp.sum(grouped.model.apply(v, x) ** 2))(member)
+    # Failing here means XLA got it right at last: lift both refusals and the warning.
+    np.testing.assert_allclose(np.asarray(grads["params"]["kernel"])[0],
+                               2 * plain_grads["params"]["kernel"], rtol=1e-4)  # fmt: skip
     plain = ensemble.build(nn.Conv(8, (3, 3)), 2, model_parallel=2)
     params = plain.init(jax.random.key(0), x)["params"]
     step = plain.train_step(lambda p, x: jnp.mean(plain.model.apply({"params": p}, x) ** 2),
                             optax.sgd(0.1))  # fmt: skip
-    assert np.isfinite(np.asarray(step(params, step.init(params), x)[2])).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain conv: no warning
+        assert np.isfinite(np.asarray(step(params, step.init(params), x)[2])).all()
