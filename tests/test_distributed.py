@@ -117,31 +117,33 @@ def test_processes_that_refuse_together_leave_together():
 def test_member_batches_of_other_shapes_on_two_processes_are_refused_on_both():
     """Process 0 passed 16 rows per member and process 1 12: each built a global array of its
     own shape, and the next gather aborted a process in gloo (or a step ran on them)."""
+    # Printed to stderr: Gloo's C++ writes its notes to stdout unsynchronised with Python, even
+    # in the middle of a line ("[rank 0] [Gloo] Rank (4, 16, 3)" failed a run).
     script = (
-        "import os, numpy as np\n"
+        "import os, sys, numpy as np\n"
         "from ensemble import distributed, make_mesh\n"
+        "say = lambda *a: print(*a, file=sys.stderr, flush=True)\n"
         "distributed.initialize()\n"
         "mesh = make_mesh(4)\n"
         "rows = 12 if os.environ['ENSEMBLE_PROCESS_ID'] == '1' else 16\n"
         "ok = distributed.member_batch_from_local(np.ones((2, 16, 3)), mesh, 4)\n"
-        "print(ok.shape)\n"
+        "say(ok.shape)\n"
         "try:\n"
         "    distributed.member_batch_from_local({'x': np.ones((2, rows, 3))}, mesh, 4)\n"
         "except ValueError as e:\n"
-        "    print('refused:', e)\n"
+        "    say('refused:', e)\n"
     )
     code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
     assert code == 0, err
-    lines = sorted(line for line in out.splitlines() if re.match(r"\[rank \d\] (\(|refused)", line))
-    # (in out: Gloo's C++ writes its notes to stdout unsynchronised with Python, even mid-line)
-    assert "[rank 0] (4, 16, 3)" in out and "[rank 1] (4, 16, 3)" in out, out + err
+    lines = sorted(line for line in err.splitlines() if re.match(r"\[rank \d\] (\(|refused)", line))
+    assert "[rank 0] (4, 16, 3)" in err and "[rank 1] (4, 16, 3)" in err, out + err
     refused = [line for line in lines if "refused" in line]
     assert len(refused) == 2, out + err
     assert refused[0].startswith(
         "[rank 0] refused: member_batch_from_local: process 0's leaves (per member: ['x'] "
         "(16, 3) float64) differ in shape or dtype from those of process(es) [1]; every process"
     )
-    assert refused[1].startswith("[rank 1] refused: member_batch_from_local: process 1's"), out
+    assert refused[1].startswith("[rank 1] refused: member_batch_from_local: process 1's"), err
 
 
 @pytest.mark.timeout(60)
@@ -1274,9 +1276,11 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
     making global arrays of its own shape ((4, ...) on one, (2, ...) on the other), so every
     later program was another one per process, where a collective aborts in gloo, naming
     nothing. An ensemble on a process's own devices may differ."""
+    # Printed to stderr, away from Gloo's notes on stdout (see the member-batch test).
     script = (
-        "import os, jax, jax.numpy as jnp, flax.linen as nn\n"
+        "import os, sys, functools, jax, jax.numpy as jnp, flax.linen as nn\n"
         "from ensemble import build, distributed\n"
+        "print = functools.partial(print, file=sys.stderr, flush=True)\n"
         "distributed.initialize()\n"
         "mine = build(nn.Dense(2), 2, devices=jax.local_devices())  # this process's own: free\n"
         "n = 2 if os.environ['ENSEMBLE_PROCESS_ID'] == '1' else 4\n"
@@ -1300,7 +1304,7 @@ def test_processes_that_build_ensembles_of_different_n_are_told_so_on_both():
     code, out, err = _launch_quiet([sys.executable, "-c", script], 2, devices_per_process=2)
     assert code == 0, err[-3000:]
     lines = sorted(
-        line for line in out.splitlines() if re.match(r"\[rank \d\] (refused|same)", line)
+        line for line in err.splitlines() if re.match(r"\[rank \d\] (refused|same)", line)
     )
     assert lines == [
         "[rank 0] refused: ensemble.build: the processes built an ensemble over their devices "
