@@ -134,7 +134,7 @@ def _masked(x):
 class _GroupedConv(nn.Module):
     """A grouped conv (2 groups of 4 outputs) whose kernel axis ``split`` is named 'conv'."""
 
-    split: int
+    split: int | None
 
     @nn.compact
     def __call__(self, x):
@@ -186,7 +186,7 @@ def test_a_grouped_conv_split_across_its_groups_is_refused_before_xla_aborts():
         assert np.isfinite(np.asarray(losses)).all()
 
 
-def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused():
+def test_a_grouped_conv_in_members_over_data_and_model_devices_is_refused_and_calls_warn():
     """2 members on 8 devices with model_parallel=2 span 2 'data' x 2 'model' devices each:
     XLA gave a grouped conv's kernel gradient 2 times the plain model's (an SGD step moved the
     kernel twice as far, no error; jax.jit of the plain conv on such a mesh does the same),
