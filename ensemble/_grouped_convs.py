@@ -88,6 +88,13 @@ def refuse_split_grouped_convs(
                 )
 
 
+# The fix for a member over both 'data' and 'model' devices, given its device count.
+_ONE_AXIS = (
+    "Put each member's devices on one axis: model_parallel=1, or model_parallel={} (or as many "
+    "members as devices / model_parallel)."
+)
+
+
 def _refuse_grouped_convs_over_data_and_model(jaxpr: core.Jaxpr, mesh: Mesh) -> None:
     """A member over both 'data' and 'model' devices gets a grouped conv's kernel gradient
     'model' times too large from XLA, silently (plain ``jax.jit`` of such a conv on such a mesh
@@ -98,9 +105,8 @@ def _refuse_grouped_convs_over_data_and_model(jaxpr: core.Jaxpr, mesh: Mesh) -> 
         raise ValueError(
             f"the loss has a grouped convolution (feature_group_count={max(groups)}) and each "
             f"member spans {data} 'data' x {model} 'model' devices, where XLA computes a grouped "
-            f"convolution's kernel gradient {model} times too large, silently. Put each member's "
-            f"devices on one axis: model_parallel=1, or model_parallel={data * model} (or as "
-            "many members as devices / model_parallel)."
+            f"convolution's kernel gradient {model} times too large, silently. "
+            + _ONE_AXIS.format(data * model)
         )
 
 
@@ -123,8 +129,8 @@ def warn_of_grouped_convs_over_data_and_model(
             f"the members run a grouped convolution (feature_group_count={max(groups)}) over "
             f"{data} 'data' x {model} 'model' devices each: their outputs are right, but XLA "
             f"computes its kernel's gradient {model} times too large there, so do not "
-            "differentiate through this call (ensemble's train steps refuse it). Put each "
-            f"member's devices on one axis: model_parallel=1, or model_parallel={data * model}."
+            "differentiate through this call (ensemble's train steps refuse it). "
+            + _ONE_AXIS.format(data * model)
         )
 
 
